@@ -1,0 +1,92 @@
+"""The model's dimensions: one frozen dataclass built from a Hugging Face config, validated."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from refusion.runtime.errors import RefusionError
+
+SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM",)
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @staticmethod
+    def from_hf_config(config: dict[str, Any], source: str = "config.json") -> ModelDims:
+        archs = config.get("architectures") or []
+        if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
+            raise RefusionError(
+                f"{source}: architectures={archs!r} is not supported; refusion-trt exports "
+                f"{', '.join(SUPPORTED_ARCHITECTURES)} (ReFusion is Qwen3-based). "
+                "Point the exporter at a ReFusion checkpoint directory."
+            )
+        for flag in ("attention_bias", "use_sliding_window"):
+            if config.get(flag):
+                raise RefusionError(f"{source}: {flag}=true is not supported by the ReFusion graphs; expected false.")
+        rope_scaling = config.get("rope_scaling") or (config.get("rope_parameters") or {}).get("rope_type")
+        if rope_scaling not in (None, "default") and not (isinstance(rope_scaling, dict) and rope_scaling.get("rope_type") == "default"):
+            raise RefusionError(f"{source}: rope scaling {rope_scaling!r} is not supported; expected plain RoPE.")
+        act = config.get("hidden_act", "silu")
+        if act != "silu":
+            raise RefusionError(f"{source}: hidden_act={act!r} is not supported; expected 'silu'.")
+
+        def need(key: str) -> Any:
+            if key not in config:
+                raise RefusionError(f"{source}: missing {key!r}; a Qwen3 config.json carries it.")
+            return config[key]
+
+        hidden, heads = int(need("hidden_size")), int(need("num_attention_heads"))
+        rope_theta = config.get("rope_theta", (config.get("rope_parameters") or {}).get("rope_theta"))
+        if rope_theta is None:
+            raise RefusionError(f"{source}: no rope_theta (nor rope_parameters.rope_theta); a Qwen3 config.json carries it.")
+        dims = ModelDims(
+            num_layers=int(need("num_hidden_layers")),
+            hidden_size=hidden,
+            num_heads=heads,
+            kv_heads=int(config.get("num_key_value_heads") or heads),
+            head_dim=int(config.get("head_dim") or hidden // heads),
+            intermediate_size=int(need("intermediate_size")),
+            vocab_size=int(need("vocab_size")),
+            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope_theta),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            max_position_embeddings=int(config.get("max_position_embeddings", 40960)),
+        )
+        dims.validate(source)
+        return dims
+
+    def validate(self, source: str) -> None:
+        for name in ("num_layers", "hidden_size", "num_heads", "kv_heads", "head_dim", "intermediate_size", "vocab_size"):
+            if getattr(self, name) <= 0:
+                raise RefusionError(f"{source}: {name}={getattr(self, name)} must be positive.")
+        if self.num_heads % self.kv_heads:
+            raise RefusionError(
+                f"{source}: num_attention_heads={self.num_heads} is not a multiple of "
+                f"num_key_value_heads={self.kv_heads}; grouped-query attention needs it to be."
+            )
+        if self.head_dim % 2:
+            raise RefusionError(f"{source}: head_dim={self.head_dim} must be even for rotary embeddings.")

@@ -1,0 +1,134 @@
+"""`refusion-export onnx`: checkpoint directory -> planner.onnx + infiller.onnx + weights.bin + refusion.json.
+
+The export is written into a hidden temporary directory beside the output and renamed
+into place only when everything (graphs, weights, tokenizer, manifest, validation) is
+done, so a failed or interrupted export never leaves a directory that looks complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import onnx
+
+from refusion.export.checkpoint import Checkpoint, expected_weights
+from refusion.export.onnx_graph import OPSET, build_graph
+from refusion.export.weights_file import WeightsWriter
+from refusion.runtime.contract import GRAPH_NAMES, graph_specs
+from refusion.runtime.errors import RefusionError
+from refusion.runtime.manifest import FORMAT, FORMAT_VERSION, MANIFEST_NAME
+from refusion.runtime.tokenizer import TOKENIZER_FILES
+from refusion.runtime.weights import is_linear_weight
+
+DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+WEIGHTS_FILE = "weights.bin"
+Progress = Callable[[str], None]
+
+
+def export_onnx(
+    checkpoint: str | Path,
+    output: str | Path,
+    *,
+    dtype: str = "fp32",
+    logits: bool = False,
+    mask_token_id: int | None = None,
+    force: bool = False,
+    validate: bool = True,
+    progress: Progress = lambda msg: None,
+) -> Path:
+    output = Path(output)
+    if dtype not in DTYPES:
+        raise RefusionError(f"--dtype {dtype!r} is not supported; choose one of {', '.join(DTYPES)}.")
+    if output.exists() and not force:
+        raise RefusionError(f"output {output} already exists; pass --force to replace it.")
+    if output.exists() and not _replaceable(output):
+        raise RefusionError(
+            f"output {output} exists and is not an earlier export (no {MANIFEST_NAME}) nor an empty directory; "
+            "--force replaces only those. Choose another --output."
+        )
+    ckpt = Checkpoint.open(checkpoint, mask_token_id)
+    eos_id = ckpt.eos_token_id()
+    try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.partial-", dir=output.parent))
+        staging.chmod(0o777 & ~_umask())  # mkdtemp makes it 0700; publish with the permissions mkdir would give
+    except OSError as e:
+        why = "a file is in the way" if isinstance(e, (FileExistsError, NotADirectoryError)) else e.strerror
+        raise RefusionError(f"cannot write to {output.parent} ({why}); choose a writable --output.") from e
+    try:
+        _write_export(ckpt, staging, DTYPES[dtype], logits, eos_id, progress)
+        if validate:
+            from refusion.export.validate import validate_export
+
+            progress("validating graphs against the torch definition on onnxruntime CPU")
+            report = validate_export(staging)
+            progress(report.text())
+            if not report.ok:
+                raise RefusionError(f"export validation failed; nothing was written to {output}.\n{report.text()}")
+        if output.exists():
+            shutil.rmtree(output)
+        staging.rename(output)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return output
+
+
+def _replaceable(output: Path) -> bool:
+    """--force may delete an earlier export or an empty directory, never anything else."""
+    return output.is_dir() and not output.is_symlink() and (
+        (output / MANIFEST_NAME).is_file() or not any(output.iterdir()))
+
+
+def _umask() -> int:
+    mask = os.umask(0o22)
+    os.umask(mask)
+    return mask
+
+
+def _write_export(ckpt: Checkpoint, out: Path, dtype: str, logits: bool, eos_id: int, progress: Progress) -> None:
+    dims = ckpt.dims
+    t0 = time.perf_counter()
+    writer = WeightsWriter(out / WEIGHTS_FILE, dtype)
+    names = list(expected_weights(dims))
+    index = {}
+    for n, (name, tensor) in enumerate(ckpt.tensors(names), 1):
+        init = writer.add(name, tensor.T if is_linear_weight(name) else tensor)
+        ext = {e.key: e.value for e in init.external_data}
+        index[name] = {"dtype": dtype, "shape": list(init.dims), "offset": int(ext["offset"]), "nbytes": int(ext["length"])}
+        if n % max(1, len(names) // 10) == 0 or n == len(names):
+            progress(f"weights {n}/{len(names)} written ({writer.bytes_written / 2**20:.0f} MiB)")
+    weight_bytes = writer.close()
+
+    specs = graph_specs(dims.num_layers, dims.kv_heads, dims.head_dim, dims.vocab_size, dtype, logits)
+    for name in GRAPH_NAMES:
+        model = build_graph(specs[name], dims, dtype, writer.initializers)
+        onnx.save_model(model, out / f"{name}.onnx")
+        progress(f"{name}.onnx written ({len(model.graph.node)} nodes)")
+
+    tokenizer_files = [f for f in TOKENIZER_FILES if (ckpt.path / f).is_file()]
+    for f in tokenizer_files:
+        shutil.copyfile(ckpt.path / f, out / f)
+
+    manifest = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "model": {"architecture": "Qwen3ForCausalLM", **dims.to_json()},
+        "dtype": dtype,
+        "tokens": {"mask_token_id": ckpt.mask_token_id, "eos_token_id": eos_id},
+        "graphs": {
+            name: {"file": f"{name}.onnx", "opset": OPSET, "logits": logits, **specs[name].to_json()}
+            for name in GRAPH_NAMES
+        },
+        "weights": {"file": WEIGHTS_FILE, "bytes": weight_bytes, "layout": "linear weights [in, out]", "tensors": index},
+        "tokenizer": {"files": tokenizer_files},
+        "source": {"checkpoint": str(ckpt.path.resolve()), "dtype": ckpt.source_dtype,
+                   "export_seconds": round(time.perf_counter() - t0, 2)},
+    }
+    (out / MANIFEST_NAME).write_text(json.dumps(manifest, indent=1))

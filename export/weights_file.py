@@ -1,0 +1,64 @@
+"""One weight file shared by both graphs, written one tensor at a time.
+
+Each tensor is converted to the export dtype, appended to `weights.bin` at a page-aligned
+offset (so backends can memory-map it), and described by an ONNX initializer that points
+at it as external data. Both graphs reference the same initializers, so the weights exist
+once on disk and the 2 GB protobuf limit never applies.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+from onnx import TensorProto
+
+if TYPE_CHECKING:
+    import torch
+
+ALIGNMENT = 4096
+ONNX_DTYPES = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16}
+
+
+class WeightsWriter:
+    def __init__(self, path: Path, dtype: str):
+        self.path = path
+        self.dtype = dtype
+        self.initializers: dict[str, TensorProto] = {}
+        self._file = open(path, "wb")
+        self._offset = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> TensorProto:
+        """Append `tensor` (converted to the export dtype) and return its initializer."""
+        import torch
+
+        target = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[self.dtype]
+        t = tensor.to(target).contiguous()
+        # numpy has no bfloat16: write its raw bytes through a same-width integer view.
+        raw = (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
+        pad = -self._offset % ALIGNMENT
+        self._file.write(b"\0" * pad)
+        self._offset += pad
+        self._file.write(np.ascontiguousarray(raw).data)
+        init = TensorProto()
+        init.name = name
+        init.data_type = ONNX_DTYPES[self.dtype]
+        init.dims.extend(t.shape)
+        init.data_location = TensorProto.EXTERNAL
+        for key, value in (("location", self.path.name), ("offset", str(self._offset)), ("length", str(raw.nbytes))):
+            entry = init.external_data.add()
+            entry.key, entry.value = key, value
+        self._offset += raw.nbytes
+        self.initializers[name] = init
+        return init
+
+    @property
+    def bytes_written(self) -> int:
+        return self._offset
+
+    def close(self) -> int:
+        """Flush to disk; returns the file size in bytes."""
+        self._file.flush()
+        self._file.close()
+        return self._offset

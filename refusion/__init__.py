@@ -1,0 +1,1 @@
+"""refusion-trt: ReFusion diffusion LLMs on ONNX Runtime and TensorRT."""

@@ -1,0 +1,115 @@
+"""The graph contract, declared once as data.
+
+Both graphs take the same inputs; the exporter, the export validation, the TensorRT
+profiles and the runtime's buffers all read these declarations, and the exporter writes
+them into `refusion.json` so the runtime never needs the Hugging Face config.
+
+KV tensors are sequence-major, `[batch, seq, kv_heads, head_dim]`: with batch 1 the
+committed prefix of a preallocated cache is then one contiguous block, so feeding it as
+past is a view, and a forward's present KV can be written straight into its slot.
+
+`attention_mask[b, i, t]` is True when new token i may attend to token t of
+`concat(past, new)`. One boolean input expresses every mask the decode loop needs:
+causal plan and verify passes over the committed prefix, and n independent slot rows
+over one shared prefix (each row sees the prefix, its own private tokens, and itself).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+Axis = str | int
+GraphName = Literal["planner", "infiller"]
+GRAPH_NAMES: tuple[GraphName, ...] = ("planner", "infiller")
+
+# Symbolic axes. `total_seq` is past_seq + seq; the name carries no arithmetic.
+BATCH, SEQ, PAST_SEQ, TOTAL_SEQ = "batch", "seq", "past_seq", "total_seq"
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    dtype: str  # numpy dtype name: "int64", "bool", "float32", "float16", "bfloat16"
+    axes: tuple[Axis, ...]
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "dtype": self.dtype, "axes": list(self.axes)}
+
+    @staticmethod
+    def from_json(d: dict) -> TensorSpec:
+        return TensorSpec(d["name"], d["dtype"], tuple(d["axes"]))
+
+
+@dataclass(frozen=True)
+class GraphSpec:
+    name: GraphName
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+
+    def input(self, name: str) -> TensorSpec:
+        return next(t for t in self.inputs if t.name == name)
+
+    def output(self, name: str) -> TensorSpec:
+        return next(t for t in self.outputs if t.name == name)
+
+    def to_json(self) -> dict:
+        return {
+            "inputs": [t.to_json() for t in self.inputs],
+            "outputs": [t.to_json() for t in self.outputs],
+        }
+
+    @staticmethod
+    def from_json(name: GraphName, d: dict) -> GraphSpec:
+        return GraphSpec(
+            name,
+            tuple(TensorSpec.from_json(t) for t in d["inputs"]),
+            tuple(TensorSpec.from_json(t) for t in d["outputs"]),
+        )
+
+
+def past_key_name(layer: int) -> str:
+    return f"past_key_values.{layer}.key"
+
+
+def past_value_name(layer: int) -> str:
+    return f"past_key_values.{layer}.value"
+
+
+def present_key_name(layer: int) -> str:
+    return f"present.{layer}.key"
+
+
+def present_value_name(layer: int) -> str:
+    return f"present.{layer}.value"
+
+
+def graph_specs(
+    num_layers: int, kv_heads: int, head_dim: int, vocab_size: int, kv_dtype: str, logits: bool
+) -> dict[GraphName, GraphSpec]:
+    """The planner and infiller contracts for a model of these dimensions."""
+    inputs: list[TensorSpec] = [
+        TensorSpec("input_ids", "int64", (BATCH, SEQ)),
+        TensorSpec("position_ids", "int64", (BATCH, SEQ)),
+        TensorSpec("attention_mask", "bool", (BATCH, SEQ, TOTAL_SEQ)),
+    ]
+    presents: list[TensorSpec] = []
+    for i in range(num_layers):
+        for past, present in ((past_key_name(i), present_key_name(i)), (past_value_name(i), present_value_name(i))):
+            inputs.append(TensorSpec(past, kv_dtype, (BATCH, PAST_SEQ, kv_heads, head_dim)))
+            presents.append(TensorSpec(present, kv_dtype, (BATCH, SEQ, kv_heads, head_dim)))
+    # Heads fused into the graphs: nothing of vocabulary size leaves by default.
+    heads = [
+        # argmax over the vocabulary at each position and its softmax probability; at a
+        # mask token this is the planner's draft, at a real token the greedy next token.
+        TensorSpec("argmax_ids", "int64", (BATCH, SEQ)),
+        TensorSpec("argmax_probs", "float32", (BATCH, SEQ)),
+    ]
+    # Verification: probability of input token j under the logits of position j-1;
+    # position 0 uses its own logits (upstream's convention; the loop never reads it).
+    verify = [TensorSpec("input_probs", "float32", (BATCH, SEQ))]
+    debug = [TensorSpec("logits", "float32", (BATCH, SEQ, vocab_size))] if logits else []
+    return {
+        "planner": GraphSpec("planner", tuple(inputs), tuple(heads + debug)),
+        "infiller": GraphSpec("infiller", tuple(inputs), tuple(heads + verify + presents + debug)),
+    }

@@ -1,0 +1,33 @@
+"""Memory-mapped views of an export's weight file, shared by every session that needs them."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from refusion.runtime.errors import RefusionError
+from refusion.runtime.manifest import ExportManifest
+
+# numpy has no bfloat16: bf16 tensors are viewed as same-width integers (callers reinterpret).
+STORAGE_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
+
+
+def map_weights(manifest: ExportManifest) -> dict[str, np.ndarray]:
+    """name -> read-only view into weights file; nothing is copied or read until touched."""
+    file = manifest.path / manifest.weights_file
+    size = file.stat().st_size
+    needed = max((e.offset + e.nbytes for e in manifest.weights.values()), default=0)
+    if size < needed:
+        raise RefusionError(
+            f"{file} has {size} bytes but the export's index needs {needed}; the file is truncated. "
+            "Re-run `refusion-export onnx`."
+        )
+    blob = np.memmap(file, dtype=np.uint8, mode="c")  # copy-on-write: writable views for torch, pages still shared
+    views = {}
+    for name, e in manifest.weights.items():
+        views[name] = blob[e.offset : e.offset + e.nbytes].view(STORAGE_DTYPES[e.dtype]).reshape(e.shape)
+    return views
+
+
+def is_linear_weight(name: str) -> bool:
+    """Linear weights are stored [in, out] so the graphs multiply without a Transpose."""
+    return name.endswith("_proj.weight") or name == "lm_head.weight"

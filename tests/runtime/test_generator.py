@@ -1,0 +1,141 @@
+"""The public runtime: Generator, streaming, KV memory, bad input, and the refusion-run CLI."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tracemalloc
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from refusion.runtime.errors import RefusionError
+from refusion.runtime.generator import Generator
+from refusion.tools.run_cli import cli
+from tests.runtime.conftest import export_peaky
+
+SMALL = dict(gen_length=32, slot_size=4, serial_num_blocks=2, slot_threshold=0.6, token_threshold=0.3)
+
+
+@pytest.fixture(scope="module")
+def export_dir(tmp_path_factory):
+    return export_peaky(tmp_path_factory.mktemp("gen"), seed=0)[1]
+
+
+@pytest.fixture(scope="module")
+def gen(export_dir):
+    with Generator.from_dir(export_dir, backend="ort-cpu", threads=1) as g:
+        yield g
+
+
+def test_generate_reports_truthful_stats(gen):
+    res = gen.generate(prompt_ids=[5, 17, 42], **SMALL)
+    s = res.stats
+    assert len(res.token_ids) == 32 and len(res.steps) == 32
+    assert s.forward_count == sum(s.forwards.values()) > 0
+    assert s.tokens_per_forward == pytest.approx(s.tokens / s.forward_count)
+    assert s.wall_seconds == pytest.approx(s.engine_seconds + s.loop_seconds)
+    assert 0 < s.engine_seconds < s.wall_seconds
+    ar = gen.generate(prompt_ids=[5, 17, 42], gen_length=32, mode="ar")
+    assert ar.stats.forwards == {"prefill": 1, "decode": len(ar.token_ids) - 1}
+
+
+def test_stream_yields_settled_text_in_order(gen):
+    messages = [{"role": "user", "content": "The quick brown fox"}]
+    final = gen.generate(messages=messages, **SMALL).text
+    pieces = list(gen.stream(messages=messages, **SMALL))
+    assert "".join(pieces) == final and len(pieces) > 1
+    shown = ""
+    for piece in pieces:
+        shown += piece
+        assert final.startswith(shown)
+
+
+def test_chat_prompt_uses_the_template(gen):
+    ids = gen.prompt_ids("hello", chat=True)
+    assert ids == gen.tokenizer.encode(gen.tokenizer.apply_chat_template([{"role": "user", "content": "hello"}]))
+
+
+def test_kv_memory_is_prefix_plus_slots_never_a_copy_per_slot(gen):
+    """n slots over a P-token prefix: one cache of P + gen + block tokens; every past is a view of it."""
+    prompt = list(np.random.default_rng(0).integers(0, 300, 400))
+    params = dict(gen_length=64, slot_size=4, serial_num_blocks=1, slot_threshold=0.0, token_threshold=1.0)
+    runner = gen.runner
+    pasts: list[tuple[int, int]] = []
+    original = runner._run
+
+    def spy(graph, ids, pos, mask, past_length, write_at):
+        pasts.append((past_length, ids.shape[1]))
+        return original(graph, ids, pos, mask, past_length, write_at)
+
+    runner._run = spy
+    tracemalloc.start()
+    try:
+        res = gen.generate(prompt_ids=prompt, **params)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+        del runner._run
+    per_token = runner.kv_bytes_per_token
+    capacity = 400 + 64 + 64
+    assert runner.kv_bytes == capacity * per_token
+    assert res.stats.forwards["infill_draft"] > 0  # the n-row infill really ran
+    rows = 64 // 4  # slot_threshold 0: every slot of the block is chosen
+    assert max(p + s for p, s in pasts) <= capacity
+    per_slot_copy = rows * 400 * per_token  # what repeating the prefix's KV per row would hold
+    assert peak < per_slot_copy / 2, f"traced peak {peak} B vs per-slot prefix copies {per_slot_copy} B"
+
+
+@pytest.mark.parametrize("call, fragment", [
+    (lambda g: g.generate(prompt_ids=[], **SMALL), "prompt is empty"),
+    (lambda g: g.generate("", **SMALL), "prompt is empty"),
+    (lambda g: g.generate(prompt_ids=[1] * 500, **SMALL), "exceeds the model's 512 positions"),
+    (lambda g: g.generate(prompt_ids=[1, 2], **{**SMALL, "serial_num_blocks": 3}), "serial_num_blocks may be one of"),
+    (lambda g: g.generate(prompt_ids=[1, 2], **{**SMALL, "token_threshold": 2.0}), "outside [0, 1]"),
+    (lambda g: g.generate(prompt_ids=[1, 99999], **SMALL), "outside the vocabulary"),
+    (lambda g: g.generate(prompt_ids=[1, 2], **{**SMALL, "temperature": 0.7}), "re-export with"),
+])
+def test_bad_requests_fail_clearly_and_leave_the_generator_usable(gen, call, fragment):
+    with pytest.raises(RefusionError, match=fragment.replace("[", r"\[").replace("]", r"\]")):
+        call(gen)
+    assert len(gen.generate(prompt_ids=[5, 17, 42], **SMALL).token_ids) == 32
+
+
+def test_unknown_and_unavailable_backends_name_the_fix(export_dir):
+    with pytest.raises(RefusionError, match="backend 'tpu' is unknown"):
+        Generator.from_dir(export_dir, backend="tpu")
+    with pytest.raises(RefusionError, match=r"refusion-trt\[ort-gpu\]"):
+        Generator.from_dir(export_dir, backend="ort-cuda")
+
+
+def test_not_an_export_and_corrupt_graph(tmp_path, export_dir):
+    with pytest.raises(RefusionError, match="refusion.json is missing"):
+        Generator.from_dir(tmp_path, backend="ort-cpu")
+    broken = tmp_path / "broken"
+    shutil.copytree(export_dir, broken)
+    (broken / "infiller.onnx").write_bytes(b"not a protobuf")
+    with pytest.raises(RefusionError, match="infiller.onnx could not be loaded by onnxruntime"):
+        Generator.from_dir(broken, backend="ort-cpu")
+    (broken / "planner.onnx").unlink()
+    with pytest.raises(RefusionError, match="planner.onnx is missing"):
+        Generator.from_dir(broken, backend="ort-cpu")
+
+
+def test_cli_generate_json_and_errors(export_dir):
+    runner = CliRunner()
+    args = ["generate", str(export_dir), "--prompt-ids", "5,17,42", "--gen-length", "32", "--slot-size", "4",
+            "--serial-blocks", "2", "--backend", "ort-cpu", "--json"]
+    out = runner.invoke(cli, args)
+    assert out.exit_code == 0, out.output
+    data = json.loads(out.stdout)
+    assert len(data["token_ids"]) == 32 and data["stats"]["forward_count"] > 0
+    ar = json.loads(runner.invoke(cli, args + ["--mode", "ar"]).stdout)
+    assert ar["stats"]["mode"] == "ar"
+    bad = runner.invoke(cli, args[:-1] + ["--slot-threshold", "3"])
+    assert bad.exit_code == 1 and "slot_threshold=3.0 is outside [0, 1]" in bad.stderr
+    bad = runner.invoke(cli, ["generate", str(export_dir), "--prompt-ids", "1,x"])
+    assert bad.exit_code == 1 and "--prompt-ids" in bad.stderr
+    text = runner.invoke(cli, ["generate", str(export_dir), "Hello", "--chat", "--stream", "--gen-length", "16",
+                               "--slot-size", "4", "--serial-blocks", "1", "--backend", "ort-cpu"])
+    assert text.exit_code == 0, text.output
