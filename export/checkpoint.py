@@ -118,12 +118,16 @@ class Checkpoint:
         expected = expected_weights(self.dims)
         order = names if names is not None else list(expected)
         open_files: dict[Path, Any] = {}
+        left = {file: sum(self.files[n] == file for n in order) for file in {self.files[n] for n in order}}
         try:
             for name in order:
                 file = self.files[name]
                 if file not in open_files:
                     open_files[file] = _open_safetensors(file).__enter__()
                 yield name, open_files[file].get_tensor(name)
+                left[file] -= 1
+                if not left[file]:  # unmap a finished shard: its touched pages stop counting as our memory
+                    open_files.pop(file).__exit__(None, None, None)
         finally:
             for handle in open_files.values():
                 handle.__exit__(None, None, None)

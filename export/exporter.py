@@ -54,6 +54,9 @@ def export_onnx(
         )
     ckpt = Checkpoint.open(checkpoint, mask_token_id)
     eos_id = ckpt.eos_token_id()
+    d = ckpt.dims
+    progress(f"checkpoint {ckpt.path}: {d.num_layers} layers, hidden {d.hidden_size}, heads {d.num_heads}/{d.kv_heads} "
+             f"kv, head_dim {d.head_dim}, vocab {d.vocab_size}, {ckpt.source_dtype} weights, {len(ckpt.files)} tensors")
     try:
         output.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.partial-", dir=output.parent))
@@ -70,14 +73,24 @@ def export_onnx(
             report = validate_export(staging)
             progress(report.text())
             if not report.ok:
-                raise RefusionError(f"export validation failed; nothing was written to {output}.\n{report.text()}")
-        if output.exists():
-            shutil.rmtree(output)
-        staging.rename(output)
+                raise RefusionError(f"export validation failed (report above); nothing was written to {output}.")
+        _publish(staging, output)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return output
+
+
+def _publish(staging: Path, output: Path) -> None:
+    """Rename the finished export into place; an old one is moved aside first and deleted
+    last, so at every moment `output` is either the old export or the new one."""
+    if not output.exists():
+        staging.rename(output)
+        return
+    old = staging.with_name(staging.name.replace(".partial-", ".old-"))
+    output.rename(old)
+    staging.rename(output)
+    shutil.rmtree(old)
 
 
 def _replaceable(output: Path) -> bool:
@@ -132,3 +145,4 @@ def _write_export(ckpt: Checkpoint, out: Path, dtype: str, logits: bool, eos_id:
                    "export_seconds": round(time.perf_counter() - t0, 2)},
     }
     (out / MANIFEST_NAME).write_text(json.dumps(manifest, indent=1))
+    progress(f"tokenizer ({', '.join(tokenizer_files) or 'none'}) and {MANIFEST_NAME} written")

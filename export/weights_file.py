@@ -34,7 +34,7 @@ class WeightsWriter:
         import torch
 
         target = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[self.dtype]
-        t = tensor.to(target).contiguous()
+        t = tensor.to(target, memory_format=torch.contiguous_format).contiguous()  # one copy even when transposed
         # numpy has no bfloat16: write its raw bytes through a same-width integer view.
         raw = (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
         pad = -self._offset % ALIGNMENT

@@ -17,8 +17,10 @@ def available_backend(path: Path) -> str:
     CUDA; else ort-cpu."""
     if (path / ENGINES_MANIFEST).is_file():
         try:
-            import tensorrt  # noqa: F401
-            return "trt"
+            import tensorrt
+
+            if hasattr(tensorrt, "__version__"):  # not an empty namespace (e.g. stubs alone)
+                return "trt"
         except ImportError:
             pass
     try:

@@ -97,8 +97,7 @@ class DeviceBuffer:
     """`nbytes` of device memory (256-byte aligned, as cudaMalloc gives it)."""
 
     def __init__(self, nbytes: int, stream: Stream | None = None):
-        if nbytes < 0:
-            raise ValueError(f"nbytes={nbytes} must be >= 0")
+        assert nbytes >= 0, nbytes
         self.nbytes = nbytes
         self.stream = stream
         self._own_stream: Stream | None = None  # made lazily when a blocking copy needs staging

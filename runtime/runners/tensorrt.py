@@ -16,7 +16,7 @@ the cache on the stream, which only tiny test models need.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -28,6 +28,9 @@ from refusion.runtime.manifest import ExportManifest
 from refusion.runtime.params import DecodeParams
 from refusion.runtime.runners.base import Runner
 from refusion.runtime.runners.cuda import DeviceBuffer, Stream
+
+if TYPE_CHECKING:
+    import tensorrt
 
 ALIGNMENT = 256  # bytes; TensorRT's requirement for tensor addresses
 _TRT_DTYPES = {"FLOAT": "float32", "HALF": "float16", "BF16": "bfloat16", "INT64": "int64", "INT32": "int32",
@@ -43,11 +46,10 @@ class TensorRTRunner(Runner):
         super().__init__(manifest)
         self.engines = engines
         self.limits = engines.limits
-        self._trt: Any = None
-        self._runtime: Any = None
+        self._runtime: tensorrt.Runtime | None = None
         self._stream: Stream | None = None
-        self._cuda_engines: dict[GraphName, Any] = {}
-        self._contexts: dict[GraphName, list[Any]] = {}
+        self._cuda_engines: dict[GraphName, tensorrt.ICudaEngine] = {}
+        self._contexts: dict[GraphName, list[tensorrt.IExecutionContext]] = {}
         self._activations: DeviceBuffer | None = None
         self._io: dict[str, DeviceBuffer] = {}  # ids, positions, mask, heads: grown on demand
         self._keys: list[DeviceBuffer] = []
@@ -69,23 +71,22 @@ class TensorRTRunner(Runner):
 
     # -- lifecycle ---------------------------------------------------------------------------
     def _activate(self) -> None:
-        from refusion.engines.build import import_tensorrt
-
-        trt = self._trt = import_tensorrt()
-        self.engines.verify_target(Target.current())
-        blobs = {g: self.engines.read_engine(g) for g in GRAPH_NAMES}  # every check before any deserialization
+        self.engines.verify_target(Target.current())  # needs tensorrt; says how to install it
+        self.engines.verify_files()  # every check before any deserialization
         try:
-            self._load(trt, blobs)
+            self._load()
         except BaseException:
             self._deactivate()
             raise
 
-    def _load(self, trt: Any, blobs: dict[GraphName, bytes]) -> None:
+    def _load(self) -> None:
+        import tensorrt as trt
+
         self._stream = Stream()
-        self._runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
+        runtime = self._runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
         scratch = 0
-        for graph in GRAPH_NAMES:
-            engine = self._runtime.deserialize_cuda_engine(blobs.pop(graph))
+        for graph in GRAPH_NAMES:  # one engine's bytes in host memory at a time
+            engine = runtime.deserialize_cuda_engine(self.engines.engine_path(graph).read_bytes())
             if engine is None:
                 raise RefusionError(f"TensorRT could not deserialize {graph}.engine; rebuild with: "
                                     f"{self.engines.rebuild_command}")
@@ -103,9 +104,10 @@ class TensorRTRunner(Runner):
                 self._contexts[graph].append(context)
         self._stream.synchronize()
 
-    def _check_io(self, graph: GraphName, engine: Any) -> None:
+    def _check_io(self, graph: GraphName, engine: tensorrt.ICudaEngine) -> None:
         """The engine's tensors and profiles must be the ones engines.json and refusion.json describe."""
-        trt = self._trt
+        import tensorrt as trt
+
         found = {}
         for i in range(engine.num_io_tensors):
             name = engine.get_tensor_name(i)
@@ -196,13 +198,13 @@ class TensorRTRunner(Runner):
         if not context.execute_async_v3(self._active_stream.handle):
             raise RefusionError(f"TensorRT failed to run the {graph} engine (seq {seq}, past {past_length}); "
                                 "see the TensorRT log above.")
-        if staging is not None:
+        if staging is not None and write_at is not None:
             buf, stride = staging
             for j, cache in enumerate(self._keys + self._values):
-                buf.copy_to(cache, seq * t, src_offset=j * stride, dst_offset=write_at * t)  # type: ignore[operator]
+                buf.copy_to(cache, seq * t, src_offset=j * stride, dst_offset=write_at * t)
         return {name: self._io[name].copy_to_host(shape, dtype) for name, (shape, dtype) in heads.items()}
 
-    def _bind_presents(self, context: Any, seq: int, write_at: int) -> tuple[DeviceBuffer, int] | None:
+    def _bind_presents(self, context: tensorrt.IExecutionContext, seq: int, write_at: int) -> tuple[DeviceBuffer, int] | None:
         """Present KV straight into the cache at write_at; through an aligned staging buffer when
         that address is not 256-byte aligned (returned, to be copied in after the run)."""
         m, t = self.manifest, self._token_bytes
@@ -218,14 +220,14 @@ class TensorRTRunner(Runner):
             self._bind_output(context, name, buf.ptr + j * stride)
         return buf, stride
 
-    def _bind_input(self, context: Any, name: str, ptr: int, shape: tuple[int, ...]) -> None:
+    def _bind_input(self, context: tensorrt.IExecutionContext, name: str, ptr: int, shape: tuple[int, ...]) -> None:
         if not context.set_input_shape(name, shape):
             raise RefusionError(f"TensorRT refused shape {list(shape)} for {name}; it lies outside the engine's "
                                 f"profile. Rebuild with: {self.engines.rebuild_command}")
         if not context.set_tensor_address(name, ptr):
             raise RefusionError(f"TensorRT refused the address of {name} (alignment {ptr % ALIGNMENT}).")
 
-    def _bind_output(self, context: Any, name: str, ptr: int) -> None:
+    def _bind_output(self, context: tensorrt.IExecutionContext, name: str, ptr: int) -> None:
         if not context.set_tensor_address(name, ptr):
             raise RefusionError(f"TensorRT refused the address of {name} (alignment {ptr % ALIGNMENT}).")
 
@@ -262,7 +264,7 @@ def _shape(axes: tuple[str | int, ...], seq: int) -> tuple[int, ...]:
     return tuple(1 if a == BATCH else seq if a == SEQ else int(a) for a in axes)
 
 
-def _activation_bytes(engine: Any) -> int:
+def _activation_bytes(engine: tensorrt.ICudaEngine) -> int:
     """Activation memory one context needs, over all profiles (the v2 query exists from TensorRT 10.1)."""
     size = getattr(engine, "device_memory_size_v2", None)
     return int(size if size is not None else engine.device_memory_size)

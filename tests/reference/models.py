@@ -22,6 +22,15 @@ weight matrices after the ordinary random init:
   lets the context and the position (RoPE) move the predictions, so different
   slots draft different tokens with different confidences.
 
+What that means for ReFusion's thresholds (measured, defaults below): the
+planner's first-token confidences spread over ~0.3-1.0, so slot_threshold
+0.5 picks several slots and 0.8 usually none (fallback). The mask reading
+tends to draft runs of one token, which the AR reading rarely predicts, so
+drafted tokens are accepted only with a tiny token_threshold (0.0: all
+accepted -> whole slots committed from verification; >= 0.02: mostly
+rejected -> the infill loop). Using a frequently drafted token as EOS
+(``frequent_tokens``) makes the EOS branches reachable.
+
 The mapping "which settings reach which ReFusion branch" is measured in
 tests/reference/test_reference.py (``BRANCH_GRID``) and summarised there.
 All models use eager attention in fp32, so CPU results are deterministic.
@@ -30,6 +39,7 @@ All models use eager attention in fp32, so CPU results are deterministic.
 from __future__ import annotations
 
 from collections import Counter
+from typing import Any
 
 import torch
 import transformers
@@ -53,14 +63,14 @@ TINY_MASK_ID = TINY_DIMS["vocab_size"] - 1
 
 def tiny_config(**dims) -> transformers.Qwen3Config:
     """A Qwen3Config with the tiny defaults, RoPE theta 1e6, untied lm_head."""
-    kw = dict(TINY_DIMS)
+    kw: dict[str, Any] = dict(TINY_DIMS)
     kw.update(dims)
-    return transformers.Qwen3Config(
-        **kw,
+    kw.update(
         rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
         tie_word_embeddings=False,
-        attn_implementation="eager",
+        attn_implementation="eager",  # deterministic, and exact same math as the mask replay in tests
     )
+    return transformers.Qwen3Config(**kw)
 
 
 def make_peaky_model(

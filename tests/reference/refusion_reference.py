@@ -69,9 +69,9 @@ class ReferenceResult:
     token_ids: list[int]
     # Upstream's TPF: sum_TPF / forward_count, with upstream's own accounting.
     tpf: float
-    # Model forward calls by kind (FORWARD_KINDS).
+    # Model forward calls by kind: exactly the keys FORWARD_KINDS.
     forwards: Counter = field(default_factory=Counter)
-    # How often each decoding branch ran (BRANCHES).
+    # How often each decoding branch ran: exactly the keys BRANCHES.
     branches: Counter = field(default_factory=Counter)
     # Position ids of token_ids (ascending).
     positions: list[int] = field(default_factory=list)
@@ -92,6 +92,11 @@ class ReferenceResult:
     @property
     def total_forwards(self) -> int:
         return sum(self.forwards.values())
+
+    @property
+    def tokens_per_forward(self) -> float:
+        """Plain generated tokens / model forwards (not upstream's TPF)."""
+        return len(self.token_ids) / self.total_forwards
 
 
 # ---------------------------------------------------------------------------
@@ -261,6 +266,9 @@ def refusion_generate(
 
     P = len(prompt_ids)
     res = ReferenceResult(token_ids=[], tpf=0.0)
+    # Every key present (zero if it never happened).
+    res.forwards.update(dict.fromkeys(FORWARD_KINDS, 0))
+    res.branches.update(dict.fromkeys(BRANCHES, 0))
     forwards = res.forwards
     branches = res.branches
 
@@ -342,7 +350,7 @@ def refusion_generate(
                 # slot cut right after the EOS), with the KV of this pass.
                 branches["eos_in_verification"] += 1
                 e = prefix.index(eos_id)
-                eos_row = e // k
+                v_eos_row = e // k  # the chosen row (slot) holding it
                 new_ids = prefix[: e + 1]
                 new_pos = rows_pos.reshape(-1)[: e + 1].tolist()
                 committed_ids += new_ids
@@ -352,12 +360,12 @@ def refusion_generate(
                 # Drop the committed slots and every slot of R from the EOS
                 # slot on; unchosen slots before it stay and get generated
                 # before the block ends.
-                eos_r_index = chosen[eos_row]
-                gone = set(chosen[: eos_row + 1]) | set(range(eos_r_index, len(R)))
+                eos_r_index = chosen[v_eos_row]
+                gone = set(chosen[: v_eos_row + 1]) | set(range(eos_r_index, len(R)))
                 R = [s for i, s in enumerate(R) if i not in gone]
                 stop_after_block = True
                 # Upstream TPF: (whole) committed slots over 2 forwards.
-                res.sum_tpf += k * (eos_row + 1) / 2
+                res.sum_tpf += k * (v_eos_row + 1) / 2
                 res.tpf_count += 1
                 continue
 
@@ -387,7 +395,7 @@ def refusion_generate(
             rows_tok = rows_tok.clone()
             row_kv = kv.repeat(n)  # every row starts from C's KV
             a = 0  # common window start: tokens [0, a) of every row are accepted and cached
-            eos_row = None  # first row holding an accepted EOS (upstream: first_eos_block_idx)
+            eos_row: Optional[int] = None  # first row holding an accepted EOS (upstream: first_eos_block_idx)
             passes = 0
             broke = False
             for _ in range(k):
@@ -466,7 +474,7 @@ def refusion_generate(
             flat = rows_tok.reshape(-1).tolist()
             flat_pos = rows_pos.reshape(-1).tolist()
             keep = flat.index(eos_id) + 1 if eos_id in flat else len(flat)
-            new_layers = []
+            new_layers: list[tuple[torch.Tensor, torch.Tensor]] = []
             for key, val in row_kv.layers:
                 # [rows, H, k, D] -> [1, H, rows*k, D], row-major, then keep a prefix.
                 tail_k = key[:, :, n_ctx:].permute(1, 0, 2, 3).reshape(1, key.shape[1], -1, key.shape[3])

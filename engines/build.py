@@ -1,0 +1,371 @@
+"""`refusion-export build`: an ONNX export -> planner.engine + infiller.engine + engines.json.
+
+The build is planned first as plain values (`plan_build`: limits, profiles, precision,
+checks against the export), then expressed as Polygraphy loaders (`engine_loader`), which
+are lazy: both can be made and inspected without TensorRT. Only `build_engines` runs the
+builder. The two engines are parsed from the one weight file the export's graphs share.
+
+Precision follows the export: its fp16/bf16 graphs already carry the fp32 islands
+(RMSNorm variance, rotary tables, attention softmax, the heads' softmax) as explicit casts.
+A strongly typed network keeps those types exactly. A weakly typed one (TensorRT 10's
+default) gets the FP16/BF16 flag, so each island layer is pinned to fp32 with "obey"
+precision constraints, or the builder could run it in half precision and overflow.
+TensorRT 11 builds strongly typed networks only; there the flag is implied.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from refusion.engines.manifest import EngineFile, EngineManifest, Target, sha256_file
+from refusion.engines.profiles import DecodeLimits, ProfileSpec, engine_profiles
+from refusion.runtime.contract import GRAPH_NAMES, GraphName
+from refusion.runtime.errors import RefusionError
+from refusion.runtime.manifest import MANIFEST_NAME, ExportManifest
+
+if TYPE_CHECKING:
+    import tensorrt
+
+PRECISIONS = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+# The infiller first: with two profiles its build is the longer one, and the planner's build then
+# finds most tactics in the timing cache (the layers are the same).
+BUILD_ORDER: tuple[GraphName, ...] = ("infiller", "planner")
+Report = Callable[[str], None]
+
+
+def require_tensorrt() -> None:
+    """Fail with the install hint when TensorRT cannot be imported (callers then import it typed).
+    A module without __version__ is a stub folder seen as a namespace package, not TensorRT."""
+    hint = ("pip install 'refusion-trt[trt]' on a machine with an NVIDIA GPU (on Jetson, JetPack's "
+            "python3-libnvinfer; see docs/tensorrt.md).")
+    try:
+        import tensorrt
+    except ImportError as e:
+        raise RefusionError(f"TensorRT is not installed: {hint}") from e
+    if not hasattr(tensorrt, "__version__"):
+        raise RefusionError(f"`import tensorrt` finds only {list(tensorrt.__path__)} (type stubs?), not TensorRT: {hint}")
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    precision: str  # fp32 | fp16 | bf16
+    strongly_typed: bool = False
+    workspace_gib: float | None = None
+    timing_cache: Path | None = None
+
+
+@dataclass(frozen=True)
+class BuildPlan:
+    export: ExportManifest
+    output: Path
+    limits: DecodeLimits
+    options: BuildOptions
+    profiles: dict[GraphName, list[ProfileSpec]]
+
+    def onnx_path(self, graph: GraphName) -> Path:
+        return self.export.graph_path(graph)
+
+    @property
+    def command(self) -> str:
+        """The command that rebuilds these engines (quoted in every load-time refusal)."""
+        o = self.options
+        parts = ["refusion-export build", str(self.export.path.resolve()), "--output", str(self.output.resolve()),
+                 "--precision", o.precision, *self.limits.flags()]
+        if o.strongly_typed:
+            parts.append("--strongly-typed")
+        if o.workspace_gib is not None:
+            parts += ["--workspace", f"{o.workspace_gib:g}"]
+        if o.timing_cache is not None:
+            parts += ["--timing-cache", str(o.timing_cache.resolve())]
+        return " ".join(parts) + " --force"
+
+
+def plan_build(export_dir: str | Path, output: str | Path, limits: DecodeLimits, *, precision: str | None = None,
+               strongly_typed: bool = False, workspace_gib: float | None = None,
+               timing_cache: str | Path | None = None) -> BuildPlan:
+    """Validate everything that can be known before TensorRT runs, and fix the profiles."""
+    from refusion.engines.onnx_support import require_supported
+
+    export = ExportManifest.load(export_dir)
+    export.require_files(export.weights_file, *export.graph_files.values())
+    exported = next(k for k, v in PRECISIONS.items() if v == export.dtype)
+    precision = precision or exported
+    if precision not in PRECISIONS:
+        raise RefusionError(f"--precision {precision!r} is not one of {', '.join(PRECISIONS)}.")
+    if precision != exported:
+        raise RefusionError(
+            f"--precision {precision} needs a {precision} export; {export.path} holds {export.dtype} graphs. The "
+            "export decides the precision (and which ops stay fp32); re-export with "
+            f"`refusion-export onnx CHECKPOINT --dtype {precision} --output DIR` and build from DIR."
+        )
+    if workspace_gib is not None and workspace_gib <= 0:
+        raise RefusionError(f"--workspace {workspace_gib} GiB must be positive (or omitted to let TensorRT choose).")
+    positions = limits.max_prompt + limits.gen_length
+    if positions > export.max_positions:
+        raise RefusionError(
+            f"--max-prompt {limits.max_prompt} + --gen-length {limits.gen_length} = {positions} exceeds the model's "
+            f"max_position_embeddings {export.max_positions}; lower them."
+        )
+    require_supported(export.path)
+    options = BuildOptions(precision, strongly_typed, workspace_gib, Path(timing_cache) if timing_cache else None)
+    return BuildPlan(export, Path(output), limits, options, engine_profiles(limits))
+
+
+# -- fp32 islands for weakly typed builds ------------------------------------------------------
+def fp32_island(model: Any) -> set[str]:
+    """Names of the nodes of a reduced-precision export that compute in fp32 (their float outputs
+    are typed float32). Empty for an fp32 export: nothing there is reduced."""
+    import onnx
+
+    graph = onnx.shape_inference.infer_shapes(model).graph
+    float_types = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16}
+    types = {v.name: v.type.tensor_type.elem_type for v in list(graph.value_info) + list(graph.output)}
+    types.update({i.name: i.data_type for i in graph.initializer})
+    if not any(t in (onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16) for t in types.values()):
+        return set()
+    island = set()
+    for node in graph.node:
+        outputs = [types.get(o) for o in node.output]
+        if any(t == onnx.TensorProto.FLOAT for t in outputs) and all(t in float_types for t in outputs):
+            island.add(node.name)
+    return island
+
+
+_METADATA = re.compile(r"^\[ONNX Layer: (?P<node>.*?)(?: \| .*)?\]$")
+
+
+def layer_node(name: str, metadata: str) -> str:
+    """The ONNX node a parsed layer came from: the parser writes "[ONNX Layer: <node>]" into the
+    layer's metadata, and names extra layers of one node "<node>_<n>"."""
+    match = _METADATA.match(metadata or "")
+    if match:
+        return match["node"]
+    return re.sub(r"_\d+$", "", name)
+
+
+def keep_fp32(network: tensorrt.INetworkDefinition, island: set[str]) -> int:
+    """Pin the island's layers to fp32 (compute and float outputs); returns how many were pinned."""
+    import tensorrt as trt
+
+    floating = {trt.float32, trt.float16, trt.bfloat16}
+    pinned = 0
+    for index in range(network.num_layers):
+        layer = network.get_layer(index)
+        if layer_node(layer.name, getattr(layer, "metadata", "")) not in island:
+            continue
+        inputs = [layer.get_input(i) for i in range(layer.num_inputs)]
+        if all(t is not None and t.dtype in floating for t in inputs):
+            layer.precision = trt.float32
+        for i in range(layer.num_outputs):
+            if layer.get_output(i).dtype in floating:
+                layer.set_output_type(i, trt.float32)
+        pinned += 1
+    return pinned
+
+
+# -- progress ----------------------------------------------------------------------------------
+class PhaseTracker:
+    """Turns TensorRT's phase/step callbacks into a few readable lines (thread-safe: the builder
+    calls from its own threads). Steps print at most every `interval` seconds per phase."""
+
+    def __init__(self, report: Report, max_depth: int = 2, interval: float = 10.0):
+        self.report, self.max_depth, self.interval = report, max_depth, interval
+        self._lock = threading.Lock()
+        self._phases: dict[str, tuple[int, int, float, float]] = {}  # name -> depth, steps, start, last print
+
+    def start(self, phase: str, parent: str | None, steps: int) -> None:
+        with self._lock:
+            depth = self._phases[parent][0] + 1 if parent in self._phases else 0
+            now = time.monotonic()
+            self._phases[phase] = (depth, steps, now, now)
+            if depth < self.max_depth:
+                self.report(f"{'  ' * depth}{phase} ({steps} steps)")
+
+    def step(self, phase: str, step: int) -> None:
+        with self._lock:
+            if phase not in self._phases:
+                return
+            depth, steps, start, last = self._phases[phase]
+            now = time.monotonic()
+            if depth < self.max_depth and now - last >= self.interval:
+                self._phases[phase] = (depth, steps, start, now)
+                self.report(f"{'  ' * depth}{phase}: {step + 1}/{steps} ({now - start:.0f} s)")
+
+    def finish(self, phase: str) -> None:
+        with self._lock:
+            depth, _, start, _ = self._phases.pop(phase, (self.max_depth, 0, 0.0, 0.0))
+            if depth == 0:
+                self.report(f"{phase} done in {time.monotonic() - start:.0f} s")
+
+
+def progress_monitor(report: Report) -> tensorrt.IProgressMonitor:
+    """A trt.IProgressMonitor reporting through a PhaseTracker (the class needs tensorrt to exist)."""
+    import tensorrt as trt
+
+    class _Monitor(trt.IProgressMonitor):
+        def __init__(self) -> None:
+            trt.IProgressMonitor.__init__(self)
+            self.tracker = PhaseTracker(report)
+
+        def phase_start(self, phase_name: str, parent_phase: str | None, num_steps: int) -> None:
+            self.tracker.start(phase_name, parent_phase, num_steps)
+
+        def step_complete(self, phase_name: str, step: int) -> bool:
+            self.tracker.step(phase_name, step)
+            return True  # never cancel
+
+        def phase_finish(self, phase_name: str) -> None:
+            self.tracker.finish(phase_name)
+
+    return _Monitor()
+
+
+# -- loaders -----------------------------------------------------------------------------------
+def engine_loader(plan: BuildPlan, graph: GraphName, *, strongly_typed: bool, report: Report = lambda m: None) -> Any:
+    """Polygraphy's lazy loader chain for one engine; calling it builds and returns the serialized engine."""
+    from polygraphy.backend.trt import (
+        CreateConfig,
+        EngineBytesFromNetwork,
+        NetworkFromOnnxPath,
+        PostprocessConfig,
+        PostprocessNetwork,
+        Profile,
+    )
+
+    precision = plan.options.precision
+    reduced = precision != "fp32" and not strongly_typed
+    network: Any = NetworkFromOnnxPath(str(plan.onnx_path(graph)), strongly_typed=strongly_typed)
+    if reduced:
+        network = PostprocessNetwork(network, _KeepFp32(plan.onnx_path(graph), report), name="keep fp32 islands")
+    spec = plan.export.graphs[graph]
+    profiles = []
+    for prof in plan.profiles[graph]:
+        p = Profile()
+        for name, (lo, opt, hi) in prof.shapes(spec).items():
+            p.add(name, min=lo, opt=opt, max=hi)
+        profiles.append(p)
+    config = CreateConfig(
+        profiles=profiles,
+        fp16=reduced and precision == "fp16",
+        bf16=reduced and precision == "bf16",
+        tf32=False,  # fp32 engines are the accuracy reference; TF32 would round their matmuls
+        precision_constraints="obey" if reduced else None,
+        load_timing_cache=str(plan.options.timing_cache) if plan.options.timing_cache else None,
+    )
+    config = PostprocessConfig(config, _Tuning(plan.options.workspace_gib, report))
+    save = str(plan.options.timing_cache) if plan.options.timing_cache else None
+    return EngineBytesFromNetwork(network, config, save_timing_cache=save)
+
+
+class _KeepFp32:
+    """PostprocessNetwork step: pin the export's fp32 islands (computed from the ONNX file)."""
+
+    def __init__(self, onnx_path: Path, report: Report):
+        self.onnx_path, self.report = onnx_path, report
+        self.__name__ = "keep_fp32"
+
+    def __call__(self, network: tensorrt.INetworkDefinition) -> None:
+        import onnx
+
+        island = fp32_island(onnx.load(str(self.onnx_path), load_external_data=False))
+        pinned = keep_fp32(network, island)
+        if island and not pinned:
+            raise RefusionError(
+                "no TensorRT layer could be traced to the export's fp32 nodes (this parser names layers differently), "
+                "so half precision could overflow them; build with --strongly-typed instead."
+            )
+        self.report(f"pinned {pinned} layers of {len(island)} fp32 nodes to fp32")
+
+
+class _Tuning:
+    """PostprocessConfig step: what CreateConfig takes only as TensorRT objects (workspace, progress)."""
+
+    def __init__(self, workspace_gib: float | None, report: Report):
+        self.workspace_gib, self.report = workspace_gib, report
+        self.monitor: tensorrt.IProgressMonitor | None = None  # must outlive the build: TensorRT keeps a pointer
+
+    def __call__(self, builder: tensorrt.Builder, network: tensorrt.INetworkDefinition,
+                 config: tensorrt.IBuilderConfig) -> None:
+        import tensorrt as trt
+
+        if self.workspace_gib is not None:
+            config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(self.workspace_gib * 2**30))
+        self.monitor = progress_monitor(self.report)
+        config.progress_monitor = self.monitor
+
+
+# -- the build ---------------------------------------------------------------------------------
+def build_engines(plan: BuildPlan, *, force: bool = False, report: Report = lambda m: None) -> Path:
+    """Build both engines into a staging directory and publish it as plan.output when all is done."""
+    out = plan.output
+    if out.exists() and not force:
+        raise RefusionError(f"output {out} already exists; pass --force to replace it.")
+    require_tensorrt()
+    import tensorrt as trt
+
+    target = Target.current()
+    strongly = plan.options.strongly_typed or int(str(trt.__version__).split(".")[0]) >= 11
+    report(f"building {plan.options.precision} engines for {target.gpu} (sm {target.compute_capability}) with "
+           f"TensorRT {target.tensorrt}{', strongly typed' if strongly else ''}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    try:
+        t0 = time.perf_counter()
+        engines: dict[GraphName, bytes] = {}
+        for graph in BUILD_ORDER:
+            profiles = ", ".join(p.name for p in plan.profiles[graph])
+            report(f"{graph}: parsing {plan.onnx_path(graph).name}, profiles: {profiles}")
+            t = time.perf_counter()
+            serialized = engine_loader(plan, graph, strongly_typed=strongly, report=report)()
+            engines[graph] = bytes(memoryview(serialized))
+            del serialized
+            report(f"{graph}.engine: {len(engines[graph]) / 2**20:.1f} MiB in {time.perf_counter() - t:.0f} s")
+        write_engines_dir(plan, staging, engines, target, strongly, time.perf_counter() - t0)
+        if out.exists():
+            shutil.rmtree(out)
+        staging.rename(out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return out
+
+
+def write_engines_dir(plan: BuildPlan, directory: Path, engines: dict[GraphName, bytes], target: Target,
+                      strongly_typed: bool, seconds: float) -> EngineManifest:
+    """Engine files, engines.json, and the export's refusion.json and tokenizer files beside them,
+    so the directory alone serves `refusion-run`."""
+    import hashlib
+
+    export = plan.export
+    for name in (MANIFEST_NAME, *export.tokenizer_files):
+        shutil.copyfile(export.path / name, directory / name)
+    files = {}
+    for graph in GRAPH_NAMES:
+        data = engines[graph]
+        (directory / f"{graph}.engine").write_bytes(data)
+        files[graph] = EngineFile(f"{graph}.engine", hashlib.sha256(data).hexdigest(), len(data),
+                                  tuple(plan.profiles[graph]))
+    sources = [*export.graph_files.values(), export.weights_file, MANIFEST_NAME]
+    manifest = EngineManifest(
+        path=directory,
+        target=target,
+        precision=export.dtype,
+        strongly_typed=strongly_typed,
+        limits=plan.limits,
+        engines=files,
+        source={"export": str(export.path.resolve()),
+                "sha256": {name: sha256_file(export.path / name) for name in sources}},
+        build={"command": plan.command, "seconds": round(seconds, 1),
+               "workspace_gib": plan.options.workspace_gib,
+               "timing_cache": str(plan.options.timing_cache) if plan.options.timing_cache else None},
+    )
+    manifest.write()
+    return manifest

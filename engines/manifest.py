@@ -1,0 +1,175 @@
+"""`engines.json`: what the engines were built from, for, and with; checked before any deserialization.
+
+A TensorRT engine only runs on the GPU model and TensorRT version it was built with, and a
+truncated or swapped file can crash the deserializer instead of failing cleanly. So loading
+checks, in order: the manifest's format, the TensorRT version and GPU recorded against the
+ones here, then each engine file's size and sha256.
+Every refusal carries the exact command that rebuilds the engines here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from refusion.engines.profiles import DecodeLimits, ProfileSpec
+from refusion.runtime.contract import GRAPH_NAMES, GraphName
+from refusion.runtime.errors import RefusionError
+from refusion.runtime.runners import ENGINES_MANIFEST
+
+FORMAT = "refusion-engines"
+FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where engines run: the TensorRT version and the GPU they were built with."""
+
+    tensorrt: str
+    gpu: str
+    compute_capability: str  # "major.minor"
+
+    def to_json(self) -> dict[str, str]:
+        return {"tensorrt": self.tensorrt, "gpu": self.gpu, "compute_capability": self.compute_capability}
+
+    @staticmethod
+    def current() -> Target:
+        """This machine's TensorRT and GPU (imports tensorrt and cuda-python, creates no engine)."""
+        from refusion.engines.build import require_tensorrt
+        from refusion.runtime.runners.cuda import device_info
+
+        require_tensorrt()
+        import tensorrt
+
+        gpu, capability = device_info()
+        return Target(str(tensorrt.__version__), gpu, capability)
+
+
+@dataclass(frozen=True)
+class EngineFile:
+    file: str
+    sha256: str
+    bytes: int
+    profiles: tuple[ProfileSpec, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"file": self.file, "sha256": self.sha256, "bytes": self.bytes,
+                "profiles": [p.to_json() for p in self.profiles]}
+
+
+@dataclass(frozen=True)
+class EngineManifest:
+    path: Path  # the engines directory
+    target: Target
+    precision: str  # numpy dtype name of weights and KV: float32, float16, bfloat16
+    strongly_typed: bool
+    limits: DecodeLimits
+    engines: dict[GraphName, EngineFile]
+    source: dict[str, Any]  # export directory and sha256 of its graphs and weights
+    build: dict[str, Any]  # the command that made these engines, timings
+
+    @property
+    def rebuild_command(self) -> str:
+        return str(self.build["command"])
+
+    def write(self) -> None:
+        data = {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "target": self.target.to_json(),
+            "precision": self.precision,
+            "strongly_typed": self.strongly_typed,
+            "limits": self.limits.to_json(),
+            "engines": {g: e.to_json() for g, e in self.engines.items()},
+            "source": self.source,
+            "build": self.build,
+        }
+        (self.path / ENGINES_MANIFEST).write_text(json.dumps(data, indent=1))
+
+    @staticmethod
+    def load(path: str | Path) -> EngineManifest:
+        path = Path(path)
+        file = path / ENGINES_MANIFEST
+        if not file.is_file():
+            raise RefusionError(
+                f"{path} holds no TensorRT engines ({ENGINES_MANIFEST} is missing); build them with "
+                f"`refusion-export build EXPORT_DIR --output {path}`."
+            )
+        try:
+            raw = json.loads(file.read_text())
+            if raw.get("format") != FORMAT or raw.get("format_version") != FORMAT_VERSION:
+                raise RefusionError(
+                    f"{file}: format {raw.get('format')!r} v{raw.get('format_version')!r} is not {FORMAT!r} "
+                    f"v{FORMAT_VERSION}; rebuild the engines with this version of refusion-trt."
+                )
+            engines = {
+                g: EngineFile(e["file"], e["sha256"], int(e["bytes"]),
+                              tuple(ProfileSpec.from_json(p) for p in e["profiles"]))
+                for g, e in raw["engines"].items()
+            }
+            manifest = EngineManifest(
+                path=path,
+                target=Target(**raw["target"]),
+                precision=raw["precision"],
+                strongly_typed=bool(raw["strongly_typed"]),
+                limits=DecodeLimits.from_json(raw["limits"]),
+                engines=engines,  # keys checked just below
+                source=raw["source"],
+                build=raw["build"],
+            )
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError) as e:
+            raise RefusionError(f"{file} is damaged ({type(e).__name__}: {e}); rebuild the engines.") from e
+        missing = [g for g in GRAPH_NAMES if g not in manifest.engines]
+        if missing:
+            raise RefusionError(f"{file} lists no {' or '.join(missing)} engine; rebuild with: {manifest.rebuild_command}")
+        return manifest
+
+    def verify_target(self, here: Target) -> None:
+        """Refuse engines built for another TensorRT or GPU, with the rebuild command."""
+        built = self.target
+        if built.tensorrt != here.tensorrt:
+            what = f"TensorRT {built.tensorrt}, and this machine has TensorRT {here.tensorrt}"
+        elif built.compute_capability != here.compute_capability or built.gpu != here.gpu:
+            what = (f"a {built.gpu} (compute capability {built.compute_capability}), and this GPU is a "
+                    f"{here.gpu} (compute capability {here.compute_capability})")
+        else:
+            return
+        raise RefusionError(
+            f"the engines in {self.path} were built with {what}; TensorRT engines only run where they were "
+            f"built. Rebuild them here with: {self.rebuild_command}"
+        )
+
+    def verify_files(self) -> None:
+        """Check every engine file's size and sha256 against the manifest. Streams the files, so a
+        16 GiB engine is never held twice; run it before deserializing any of them."""
+        for graph, entry in self.engines.items():
+            file = self.engine_path(graph)
+            if not file.is_file():
+                raise RefusionError(f"{file} is missing; rebuild the engines with: {self.rebuild_command}")
+            size = file.stat().st_size
+            if size != entry.bytes:
+                raise RefusionError(
+                    f"{file} has {size} bytes and {ENGINES_MANIFEST} records {entry.bytes}: the file is truncated "
+                    f"or was replaced. Rebuild with: {self.rebuild_command}"
+                )
+            digest = sha256_file(file)
+            if digest != entry.sha256:
+                raise RefusionError(
+                    f"{file} does not match {ENGINES_MANIFEST} (sha256 {digest[:16]}..., recorded "
+                    f"{entry.sha256[:16]}...): the file was modified or damaged. Rebuild with: {self.rebuild_command}"
+                )
+
+    def engine_path(self, graph: GraphName) -> Path:
+        return self.path / self.engines[graph].file
+
+
+def sha256_file(path: Path, chunk: int = 1 << 24) -> str:
+    """sha256 of a file read in chunks (weight files do not fit in memory twice)."""
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()

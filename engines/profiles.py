@@ -1,0 +1,217 @@
+"""Decode limits -> TensorRT optimization profiles, in one place.
+
+Every forward the decode loop issues is a (graph, seq, past) point; `forward_boxes` lists,
+for one request, the box of points each kind of forward can reach (the loop's shapes:
+docs/refusion-decoding.md and runtime/decode.py). The engines' profiles are derived from the
+same boxes evaluated at the build limits, so a request whose boxes fit the limits is served
+by construction, and `check_request` refuses one that does not before any GPU work, naming
+the limit and the `refusion-export build` flag that raises it.
+
+The infiller gets two profiles because its shapes are bimodal: prefill (prompt + first
+block, no past) and decode (at most one block over a long past). One profile spanning both
+would tune kernels for neither. The planner only ever sees decode shapes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from refusion.runtime.contract import BATCH, PAST_SEQ, SEQ, TOTAL_SEQ, GraphName, GraphSpec
+from refusion.runtime.errors import RefusionError
+
+Range = tuple[int, int, int]  # min, opt, max
+ShapeRange = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]
+
+
+@dataclass(frozen=True)
+class DecodeLimits:
+    """What the engines are built for: the defaults are the paper's gsm8k setting, which also
+    covers every other row of its settings table (their blocks are no longer)."""
+
+    max_prompt: int = 2048
+    gen_length: int = 512  # padded up to whole slots, as the loop pads it
+    slot_size: int = 32
+    serial_blocks: int = 4
+    max_slots: int | None = None  # slots per block the engines take; None: gen_length / serial_blocks / slot_size
+
+    def __post_init__(self) -> None:
+        for name in ("max_prompt", "gen_length", "slot_size", "serial_blocks"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise RefusionError(f"--{_flag(name)} {value!r} must be a positive integer.")
+        padded = self.gen_length + (-self.gen_length % self.slot_size)
+        object.__setattr__(self, "gen_length", padded)
+        if padded % self.serial_blocks or (padded // self.serial_blocks) % self.slot_size:
+            raise RefusionError(
+                f"--gen-length {padded} cannot be cut into --serial-blocks {self.serial_blocks} blocks of whole "
+                f"--slot-size {self.slot_size} slots; choose gen_length as a multiple of "
+                f"slot_size x serial_blocks = {self.slot_size * self.serial_blocks}."
+            )
+        per_block = padded // self.serial_blocks // self.slot_size
+        slots = per_block if self.max_slots is None else self.max_slots
+        if not isinstance(slots, int) or isinstance(slots, bool) or not per_block <= slots <= padded // self.slot_size:
+            raise RefusionError(
+                f"--max-slots {slots!r} must lie in [{per_block}, {padded // self.slot_size}]: at least the "
+                f"{per_block} slots of one block (gen_length / serial_blocks / slot_size), and a block is at "
+                "most the whole generation."
+            )
+        object.__setattr__(self, "max_slots", slots)
+
+    @property
+    def block_length(self) -> int:
+        """The longest block the engines take: max_slots x slot_size tokens."""
+        assert self.max_slots is not None  # resolved in __post_init__
+        return self.max_slots * self.slot_size
+
+    @property
+    def kv_capacity(self) -> int:
+        """KV tokens the loop allocates at the limits: prompt, generation, one block of scratch."""
+        return self.max_prompt + self.gen_length + self.block_length
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @staticmethod
+    def from_json(d: dict[str, Any]) -> DecodeLimits:
+        return DecodeLimits(**d)
+
+    def flags(self) -> list[str]:
+        """These limits as `refusion-export build` flags."""
+        return [f"--max-prompt {self.max_prompt}", f"--gen-length {self.gen_length}", f"--slot-size {self.slot_size}",
+                f"--serial-blocks {self.serial_blocks}", f"--max-slots {self.max_slots}"]
+
+
+@dataclass(frozen=True)
+class Box:
+    """The (seq, past) points one kind of forward can reach, inclusive."""
+
+    graph: GraphName
+    kind: str
+    seq: tuple[int, int]
+    past: tuple[int, int]
+
+
+def forward_boxes(prompt_len: int, gen_length: int, block_length: int) -> list[Box]:
+    """Every forward of a request (prompt P0, padded gen_length G, block length b), by kind.
+
+    Plan and verify run over the committed prefix, P0 <= past <= P0 + G. Infill rows see the
+    prefix plus n <= b/k private rows of scratch, so their past reaches P0 + G + b. The AR
+    baseline prefills the prompt, then feeds one token at a time.
+    """
+    p, g, b = prompt_len, gen_length, block_length
+    return [
+        Box("infiller", "prefill_plan", (p + b, p + b), (0, 0)),
+        Box("planner", "plan", (1, b), (p, p + g)),
+        Box("infiller", "verify", (1, b), (p, p + g)),
+        Box("planner", "infill_draft", (1, b), (p, p + g + b)),
+        Box("infiller", "infill_verify", (1, b), (p, p + g + b)),
+        Box("infiller", "ar_prefill", (p, p), (0, 0)),
+        Box("infiller", "ar_decode", (1, 1), (p, p + g)),
+    ]
+
+
+@dataclass(frozen=True)
+class ProfileSpec:
+    """One optimization profile: ranges of the two free dims; every input shape follows."""
+
+    name: str
+    seq: Range
+    past: Range
+
+    def contains(self, seq: int, past: int) -> bool:
+        return self.seq[0] <= seq <= self.seq[2] and self.past[0] <= past <= self.past[2]
+
+    def shapes(self, spec: GraphSpec) -> dict[str, ShapeRange]:
+        """min/opt/max shape of each input of `spec`, from its symbolic axes (batch is 1)."""
+        out = {}
+        for tensor in spec.inputs:
+            dims = [self._dims(axis) for axis in tensor.axes]
+            lo, opt, hi = (tuple(d[i] for d in dims) for i in range(3))
+            out[tensor.name] = (lo, opt, hi)
+        return out
+
+    def _dims(self, axis: str | int) -> Range:
+        if isinstance(axis, int):
+            return axis, axis, axis
+        s, p = self.seq, self.past
+        ranges: dict[str, Range] = {BATCH: (1, 1, 1), SEQ: s, PAST_SEQ: p,
+                                    TOTAL_SEQ: (s[0] + p[0], s[1] + p[1], s[2] + p[2])}
+        if axis not in ranges:
+            raise RefusionError(f"graph axis {axis!r} has no profile rule; the export is newer than this builder.")
+        return ranges[axis]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "seq": list(self.seq), "past": list(self.past)}
+
+    @staticmethod
+    def from_json(d: dict[str, Any]) -> ProfileSpec:
+        seq, past = (tuple(int(x) for x in d[key]) for key in ("seq", "past"))
+        if len(seq) != 3 or len(past) != 3:
+            raise ValueError(f"profile {d.get('name')!r}: seq and past need min, opt, max")
+        return ProfileSpec(d["name"], (seq[0], seq[1], seq[2]), (past[0], past[1], past[2]))
+
+
+def engine_profiles(limits: DecodeLimits) -> dict[GraphName, list[ProfileSpec]]:
+    """The profiles of each engine. Opt is the typical decode shape: a mid-length request
+    halfway through its generation; the planner's typical call plans a whole block, the
+    infiller's verifies one slot."""
+    p, g, b, k = limits.max_prompt, limits.gen_length, limits.block_length, limits.slot_size
+    past_max = p + g + b  # infill scratch after a full prefix: the largest past of any box
+    past_opt = p // 2 + g // 2
+    return {
+        "planner": [ProfileSpec("decode", (1, b, b), (0, past_opt, past_max))],
+        "infiller": [
+            ProfileSpec("prefill", (1, p // 2 + b, p + b), (0, 0, 0)),
+            ProfileSpec("decode", (1, min(k, b), b), (0, past_opt, past_max)),
+        ],
+    }
+
+
+def select_profile(profiles: list[ProfileSpec], seq: int, past: int) -> int | None:
+    """Index of the first profile holding (seq, past); profiles are ordered most specific first."""
+    return next((i for i, prof in enumerate(profiles) if prof.contains(seq, past)), None)
+
+
+def box_profile(profiles: list[ProfileSpec], box: Box) -> int | None:
+    """Index of the first profile holding the whole box (all four corners), if any."""
+    corners = [(s, p) for s in box.seq for p in box.past]
+    return next((i for i, prof in enumerate(profiles) if all(prof.contains(s, p) for s, p in corners)), None)
+
+
+def check_request(limits: DecodeLimits, prompt_len: int, gen_length: int, slot_size: int, serial_blocks: int) -> None:
+    """Refuse a request the engines cannot serve, naming the limit and the flag to rebuild with."""
+    gen = gen_length + (-gen_length % slot_size)
+    block = gen // serial_blocks
+    rebuild = "rebuild the engines with `refusion-export build EXPORT_DIR --output ENGINES_DIR"
+    if prompt_len > limits.max_prompt:
+        raise RefusionError(
+            f"the prompt has {prompt_len} tokens; the engines take at most --max-prompt {limits.max_prompt}. "
+            f"Shorten the prompt or {rebuild} --max-prompt {_round_up(prompt_len)}`."
+        )
+    if gen > limits.gen_length:
+        raise RefusionError(
+            f"gen_length {gen} (padded to slot_size {slot_size}) exceeds the engines' --gen-length "
+            f"{limits.gen_length}; lower gen_length or {rebuild} --gen-length {gen}`."
+        )
+    if block > limits.block_length:
+        fewest = math.ceil(gen / limits.block_length)
+        raise RefusionError(
+            f"a block of {block} tokens (gen_length {gen} / serial_num_blocks {serial_blocks}) exceeds the engines' "
+            f"block of {limits.block_length} tokens (--max-slots {limits.max_slots} x --slot-size {limits.slot_size}); "
+            f"use serial_num_blocks >= {fewest}, or {rebuild} --max-slots {math.ceil(block / limits.slot_size)}`."
+        )
+    # Fitting the three limits above puts every box inside a profile; keep that true by construction.
+    profiles = engine_profiles(limits)
+    for box in forward_boxes(prompt_len, gen, block):
+        assert box_profile(profiles[box.graph], box) is not None, box
+
+
+def _round_up(n: int) -> int:
+    """A rebuild suggestion with headroom: the next power of two."""
+    return 1 << (n - 1).bit_length()
+
+
+def _flag(field: str) -> str:
+    return field.replace("_", "-")

@@ -1,0 +1,112 @@
+"""Profiles from decode limits, over the paper's settings table (docs/refusion-decoding.md)."""
+
+from __future__ import annotations
+
+import pytest
+
+from refusion.engines.profiles import (
+    DecodeLimits,
+    ProfileSpec,
+    box_profile,
+    check_request,
+    engine_profiles,
+    forward_boxes,
+    select_profile,
+)
+from refusion.runtime.contract import graph_specs
+from refusion.runtime.errors import RefusionError
+
+# task: (slot_size, serial_num_blocks), gen_length 512 (upstream eval.sh), and the generate.py demo
+PAPER = {
+    "gsm8k_cot": (32, 4), "minerva_math": (32, 8), "gpqa": (8, 32), "mbpp": (32, 4),
+    "humaneval": (32, 4), "arc_challenge": (8, 64), "mmlu_pro": (16, 4), "demo": (4, 32),
+}
+PROMPTS = (1, 37, 1000, 2048)
+
+
+def _covered(limits: DecodeLimits, prompt: int, gen: int, k: int, blocks: int) -> None:
+    profiles = engine_profiles(limits)
+    padded = gen + (-gen % k)
+    for box in forward_boxes(prompt, padded, padded // blocks):
+        assert box_profile(profiles[box.graph], box) is not None, (limits, prompt, box)
+
+
+@pytest.mark.parametrize("task", PAPER)
+def test_each_setting_is_served_by_engines_built_for_it(task):
+    k, blocks = PAPER[task]
+    limits = DecodeLimits(slot_size=k, serial_blocks=blocks)
+    for prompt in PROMPTS:
+        check_request(limits, prompt, 512, k, blocks)
+        _covered(limits, prompt, 512, k, blocks)
+
+
+@pytest.mark.parametrize("task", PAPER)
+def test_default_engines_serve_the_whole_table(task):
+    """The default limits (gsm8k's 32 x 4) have the longest block of the table: one build serves all."""
+    k, blocks = PAPER[task]
+    for prompt in PROMPTS:
+        check_request(DecodeLimits(), prompt, 512, k, blocks)
+        _covered(DecodeLimits(), prompt, 512, k, blocks)
+        check_request(DecodeLimits(), prompt, 100, k, blocks)  # shorter generations fit too
+
+
+def test_profile_layout_and_opt_shapes():
+    limits = DecodeLimits()  # P 2048, G 512, k 32, block 128
+    profiles = engine_profiles(limits)
+    assert [p.name for p in profiles["infiller"]] == ["prefill", "decode"]
+    assert [p.name for p in profiles["planner"]] == ["decode"]
+    prefill, decode = profiles["infiller"]
+    assert prefill.seq == (1, 1024 + 128, 2048 + 128) and prefill.past == (0, 0, 0)
+    assert decode.seq == (1, 32, 128) and decode.past == (0, 1024 + 256, 2048 + 512 + 128)
+    assert profiles["planner"][0].seq == (1, 128, 128)
+    for p in profiles["planner"] + profiles["infiller"]:
+        assert p.seq[0] <= p.seq[1] <= p.seq[2] and p.past[0] <= p.past[1] <= p.past[2]
+    # the deepest past a forward may read is the whole KV cache the loop allocates at the limits
+    assert decode.past[2] == profiles["planner"][0].past[2] == limits.kv_capacity
+
+
+def test_select_profile_prefers_prefill_without_past():
+    profiles = engine_profiles(DecodeLimits())["infiller"]
+    assert select_profile(profiles, 2000, 0) == 0
+    assert select_profile(profiles, 1, 0) == 0
+    assert select_profile(profiles, 32, 1500) == 1
+    assert select_profile(profiles, 129, 1500) is None
+    assert select_profile(profiles, 3000, 0) is None
+
+
+def test_shapes_follow_the_contract_axes():
+    spec = graph_specs(2, 8, 128, 1000, "float16", logits=False)["infiller"]
+    shapes = ProfileSpec("decode", (1, 32, 128), (0, 1280, 2688)).shapes(spec)
+    assert shapes["input_ids"] == ((1, 1), (1, 32), (1, 128))
+    assert shapes["attention_mask"] == ((1, 1, 1), (1, 32, 1312), (1, 128, 2816))
+    assert shapes["past_key_values.1.value"] == ((1, 0, 8, 128), (1, 1280, 8, 128), (1, 2688, 8, 128))
+    assert set(shapes) == {t.name for t in spec.inputs}
+
+
+def test_limits_round_trip_and_flags():
+    limits = DecodeLimits(max_prompt=100, gen_length=60, slot_size=8, serial_blocks=2, max_slots=6)
+    assert limits.gen_length == 64  # padded to whole slots, as the loop pads
+    assert DecodeLimits.from_json(limits.to_json()) == limits
+    assert "--max-slots 6" in limits.flags() and limits.block_length == 48
+
+
+@pytest.mark.parametrize("kwargs, flag", [
+    (dict(max_prompt=0), "--max-prompt"),
+    (dict(gen_length=512, slot_size=32, serial_blocks=3), "--serial-blocks 3"),
+    (dict(max_slots=2), "--max-slots 2"),  # fewer than the 4 slots of a default block
+    (dict(max_slots=17), "--max-slots 17"),  # a block longer than the generation
+])
+def test_bad_limits_name_the_flag(kwargs, flag):
+    with pytest.raises(RefusionError, match=flag):
+        DecodeLimits(**kwargs)
+
+
+def test_requests_outside_the_limits_name_the_limit_and_the_flag():
+    limits = DecodeLimits()
+    with pytest.raises(RefusionError, match=r"2049 tokens.*--max-prompt 2048.*--max-prompt 4096"):
+        check_request(limits, 2049, 512, 32, 4)
+    with pytest.raises(RefusionError, match=r"gen_length 1024.*--gen-length 1024`"):
+        check_request(limits, 10, 1024, 32, 8)
+    with pytest.raises(RefusionError, match=r"block of 256 tokens.*serial_num_blocks >= 4.*--max-slots 8`"):
+        check_request(limits, 10, 512, 32, 2)
+    check_request(DecodeLimits(max_slots=8), 10, 512, 32, 2)  # which the flag then allows

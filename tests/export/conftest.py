@@ -1,0 +1,75 @@
+"""Tiny checkpoints and their exports, each made once per session and shared by the export tests."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.fixtures.checkpoints import TinySpec, make_checkpoint
+
+pytest.importorskip("transformers")
+pytest.importorskip("onnxruntime")
+
+# One feature per fixture, so a failure names the feature it breaks.
+SPECS: dict[str, TinySpec] = {
+    "gqa1": TinySpec(num_heads=4, kv_heads=4),  # plain multi-head attention
+    "gqa2": TinySpec(num_heads=4, kv_heads=2),
+    "gqa4": TinySpec(num_heads=8, kv_heads=2, head_dim=8, weight_scale=3.0),  # peaky logits too
+    "head_dim": TinySpec(num_heads=4, kv_heads=2, head_dim=24),  # head_dim != hidden / heads (16)
+    "tied": TinySpec(tie_word_embeddings=True),
+    "sharded": TinySpec(shard_size="100KB"),
+    "bf16": TinySpec(dtype="bfloat16"),  # bf16-stored weights, exported to fp32 graphs
+}
+
+
+@dataclass
+class Export:
+    checkpoint: Path
+    path: Path
+    dtype: str
+    logits: bool
+    report: object  # ValidationReport of a fresh validate_export(path)
+
+
+class Store:
+    """Lazily made checkpoints and exports, keyed by what they are; nothing is made twice."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self._checkpoints: dict[str, Path] = {}
+        self._exports: dict[tuple[str, str, bool], Export] = {}
+
+    def checkpoint(self, name: str) -> Path:
+        if name not in self._checkpoints:
+            self._checkpoints[name] = make_checkpoint(self.root / "ckpt" / name, SPECS[name])
+        return self._checkpoints[name]
+
+    def export(self, name: str, dtype: str = "fp32", logits: bool = False) -> Export:
+        from refusion.export.exporter import export_onnx
+        from refusion.export.validate import validate_export
+
+        key = (name, dtype, logits)
+        if key not in self._exports:
+            out = self.root / "exports" / f"{name}-{dtype}{'-logits' if logits else ''}"
+            export_onnx(self.checkpoint(name), out, dtype=dtype, logits=logits, validate=True)
+            self._exports[key] = Export(self.checkpoint(name), out, dtype, logits, validate_export(out))
+        return self._exports[key]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _one_torch_thread():
+    """Tiny models: torch's thread pool only adds contention (next to onnxruntime's spinning threads
+    on a shared 2-core box it made validation ~15x slower)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def store(tmp_path_factory: pytest.TempPathFactory) -> Store:
+    return Store(tmp_path_factory.mktemp("refusion-export"))

@@ -1,0 +1,119 @@
+"""`refusion-export onnx | check | inspect` through click's CliRunner, and the installed script once."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from refusion.tools.export_cli import cli
+
+
+def run(*args: str):
+    return CliRunner().invoke(cli, [str(a) for a in args])
+
+
+def assert_user_error(result, match: str) -> None:
+    assert result.exit_code == 1, result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+    assert "Traceback" not in result.output
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and match in errors[0], result.stderr
+
+
+@pytest.fixture(scope="module")
+def exported(store, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("cli") / "refusion-onnx"
+    result = run("onnx", store.checkpoint("gqa2"), "--output", out)
+    assert result.exit_code == 0, result.output
+    assert result.stdout.strip() == str(out)
+    for step in ("exporting", "checkpoint ", "weights 25/25 written", "planner.onnx written", "infiller.onnx written",
+                 "refusion.json written", "validating graphs", "result: PASS", "done in"):
+        assert step in result.stderr, f"no progress line for {step!r}"
+    return out
+
+
+def test_check_passes(exported):
+    result = run("check", exported)
+    assert result.exit_code == 0, result.output
+    assert "result: PASS" in result.stdout
+    assert "infiller present.*" in result.stdout
+
+
+def test_check_fails_when_graphs_and_manifest_disagree(exported, tmp_path):
+    broken = Path(shutil.copytree(exported, tmp_path / "broken"))
+    manifest = json.loads((broken / "refusion.json").read_text())
+    manifest["model"]["rope_theta"] = 10_000.0  # the graphs bake 1e6 into their rotary tables
+    (broken / "refusion.json").write_text(json.dumps(manifest))
+    result = run("check", broken)
+    assert "FAIL" in result.stdout
+    assert_user_error(result, "failed validation")
+
+
+def test_check_refuses_to_call_an_unchecked_export_a_pass(store, tmp_path):
+    out = tmp_path / "bf16"
+    assert run("onnx", store.checkpoint("gqa2"), "-o", out, "--dtype", "bf16").exit_code == 0
+    result = run("check", out)
+    assert "validation skipped" in result.stdout
+    assert_user_error(result, "was not checked")
+
+
+def test_check_and_inspect_on_a_non_export(tmp_path):
+    assert_user_error(run("check", tmp_path), "refusion.json is missing")
+    assert_user_error(run("inspect", tmp_path / "nope"), "is not a directory")
+
+
+def test_inspect(exported):
+    result = run("inspect", exported)
+    assert result.exit_code == 0, result.output
+    manifest = json.loads((exported / "refusion.json").read_text())
+    text = result.stdout
+    assert f"mask_token_id={manifest['tokens']['mask_token_id']}" in text
+    assert f"eos_token_id={manifest['tokens']['eos_token_id']}" in text
+    assert "dtype float32" in text and "kv_heads=2" in text and "head_dim=16" in text
+    for file in ("planner.onnx", "infiller.onnx", "weights.bin", "refusion.json", "tokenizer.json"):
+        assert file in text
+    assert "past_key_values.1.value    float32   [batch, past_seq, 2, 16]" in text
+    assert "present.1.key              float32   [batch, seq, 2, 16]" in text
+    assert "attention_mask             bool      [batch, seq, total_seq]" in text
+    assert text.count("contract: matches refusion.json") == 2
+    planner = text[text.index("graph planner"):text.index("graph infiller")]
+    assert "present" not in planner
+
+
+def test_onnx_errors(store, tmp_path):
+    assert_user_error(run("onnx", tmp_path / "missing", "-o", tmp_path / "out"), "is not a directory")
+    ckpt = Path(shutil.copytree(store.checkpoint("gqa2"), tmp_path / "ckpt"))
+    config = json.loads((ckpt / "config.json").read_text())
+    mask_id = config.pop("mask_token_id")
+    (ckpt / "config.json").write_text(json.dumps(config))
+    assert_user_error(run("onnx", ckpt, "-o", tmp_path / "out"), "--mask-token-id")
+    ok = run("onnx", ckpt, "-o", tmp_path / "out", "--mask-token-id", mask_id, "--no-validate")
+    assert ok.exit_code == 0, ok.output
+    assert "validating" not in ok.stderr
+    assert_user_error(run("onnx", ckpt, "-o", tmp_path / "out"), "already exists; pass --force")
+    assert run("onnx", ckpt, "-o", tmp_path / "out", "--mask-token-id", mask_id, "--force", "--no-validate").exit_code == 0
+    result = run("onnx", ckpt, "-o", tmp_path / "x", "--dtype", "int8")
+    assert result.exit_code == 2 and "'int8' is not one of" in result.stderr
+
+
+def test_installed_script(exported, tmp_path):
+    script = Path(sys.executable).parent / "refusion-export"
+    if not script.is_file():
+        pytest.skip(f"{script} not installed; run `pip install -e .`")
+    help_ = subprocess.run([script, "--help"], capture_output=True, text=True, timeout=60)
+    assert help_.returncode == 0
+    assert all(cmd in help_.stdout for cmd in ("onnx", "check", "inspect"))
+    inspect = subprocess.run([script, "inspect", exported], capture_output=True, text=True, timeout=60)
+    assert inspect.returncode == 0 and "contract: matches refusion.json" in inspect.stdout
+    fail = subprocess.run([script, "onnx", tmp_path / "missing", "--output", tmp_path / "out"],
+                          capture_output=True, text=True, timeout=120)
+    assert fail.returncode == 1
+    assert "Traceback" not in fail.stderr
+    assert fail.stderr.splitlines()[-1].startswith("error: checkpoint "), fail.stderr
+    assert sum(line.startswith("error") for line in fail.stderr.splitlines()) == 1

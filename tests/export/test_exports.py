@@ -1,0 +1,68 @@
+"""Every fixture exports and validates; validation compares every output of both graphs."""
+
+from __future__ import annotations
+
+import json
+
+import onnx
+import pytest
+
+from refusion.runtime.manifest import ExportManifest
+from tests.export.conftest import SPECS
+
+
+def _graph_outputs(path, name: str) -> list[str]:
+    return [o.name for o in onnx.load(str(path / f"{name}.onnx"), load_external_data=False).graph.output]
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_fp32_export_validates(store, name):
+    export = store.export(name, "fp32")
+    report = export.report
+    assert report.ok, report.text()
+    assert not report.skipped
+    assert "result: PASS" in report.text()
+    for graph in ("planner", "infiller"):
+        compared = {out for g, out, _, _ in report.rows if g == graph}
+        assert compared == set(_graph_outputs(export.path, graph)), f"{graph}: validation skipped some outputs"
+    manifest = ExportManifest.load(export.path)
+    spec = SPECS[name]
+    assert manifest.dtype == "float32"
+    assert (manifest.num_layers, manifest.kv_heads, manifest.head_dim) == (spec.num_layers, spec.kv_heads, spec.head_dim)
+    assert manifest.model["tie_word_embeddings"] == spec.tie_word_embeddings
+    assert ("lm_head.weight" in manifest.weights) == (not spec.tie_word_embeddings)
+    assert manifest.raw["source"]["dtype"] == spec.dtype
+
+
+def test_sharded_fixture_is_sharded(store):
+    ckpt = store.checkpoint("sharded")
+    index = json.loads((ckpt / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+
+
+def test_fp16_export_validates(store):
+    export = store.export("gqa2", "fp16")
+    assert export.report.ok, export.report.text()
+    assert ExportManifest.load(export.path).dtype == "float16"
+    infiller = {out for g, out, _, _ in export.report.rows if g == "infiller"}
+    assert infiller == set(_graph_outputs(export.path, "infiller"))
+    # fp16 weights: half the fp32 export's weight bytes (within alignment padding)
+    fp32 = (store.export("gqa2", "fp32").path / "weights.bin").stat().st_size
+    fp16 = (export.path / "weights.bin").stat().st_size
+    assert fp16 < 0.6 * fp32
+
+
+def test_logits_export_validates_logits(store):
+    export = store.export("gqa2", "fp32", logits=True)
+    assert export.report.ok, export.report.text()
+    for graph in ("planner", "infiller"):
+        assert (graph, "logits") in {(g, out) for g, out, _, _ in export.report.rows}
+
+
+def test_export_directory_is_readable_by_others(store):
+    """mkdtemp's 0700 must not leak into the published export (a TensorRT build may run as another user)."""
+    import os
+
+    umask = os.umask(0o22)
+    os.umask(umask)
+    assert store.export("gqa2").path.stat().st_mode & 0o777 == 0o777 & ~umask

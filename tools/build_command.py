@@ -1,0 +1,56 @@
+"""`refusion-export build`: ONNX export -> TensorRT engines; and the engines half of `refusion-export check`.
+
+Progress goes to stderr, results to stdout, as in tools/export_cli.py (whose group turns a
+RefusionError into one `error:` line and exit code 1).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from refusion.engines.profiles import DecodeLimits
+
+
+def _progress(message: str) -> None:
+    click.echo(message, err=True)
+
+
+@click.command("build")
+@click.argument("export_dir", type=click.Path(path_type=Path))
+@click.option("--output", "-o", required=True, type=click.Path(path_type=Path), help="Engines directory to create.")
+@click.option("--precision", type=click.Choice(["fp16", "bf16", "fp32"]), default=None,
+              help="Engine precision; the export's dtype (the default), which decides what stays fp32.")
+@click.option("--max-prompt", type=int, default=2048, show_default=True, help="Longest prompt, in tokens.")
+@click.option("--gen-length", type=int, default=512, show_default=True, help="Longest generation, in tokens.")
+@click.option("--slot-size", type=int, default=32, show_default=True, help="Typical slot size (sets opt shapes).")
+@click.option("--serial-blocks", type=int, default=4, show_default=True, help="Typical serial blocks.")
+@click.option("--max-slots", type=int, default=None,
+              help="Slots per block the engines take [default: gen-length / serial-blocks / slot-size]; "
+                   "raise it to serve fewer, longer blocks.")
+@click.option("--timing-cache", type=click.Path(path_type=Path), default=None,
+              help="Tactic timing cache to load and update (rebuilds of the same model get much faster).")
+@click.option("--strongly-typed", is_flag=True, help="Keep every type of the export exactly (no precision flags).")
+@click.option("--workspace", type=float, default=None, help="Builder workspace limit in GiB [default: TensorRT's].")
+@click.option("--force", is_flag=True, help="Replace OUTPUT if it exists.")
+def build_command(export_dir: Path, output: Path, precision: str | None, max_prompt: int, gen_length: int,
+                  slot_size: int, serial_blocks: int, max_slots: int | None, timing_cache: Path | None,
+                  strongly_typed: bool, workspace: float | None, force: bool) -> None:
+    """Build planner and infiller TensorRT engines for EXPORT_DIR (a `refusion-export onnx` directory)."""
+    from refusion.engines.build import build_engines, plan_build
+
+    limits = DecodeLimits(max_prompt, gen_length, slot_size, serial_blocks, max_slots)
+    plan = plan_build(export_dir, output, limits, precision=precision, strongly_typed=strongly_typed,
+                      workspace_gib=workspace, timing_cache=timing_cache)
+    _progress(f"engines for prompts <= {limits.max_prompt}, gen_length <= {limits.gen_length}, blocks <= "
+              f"{limits.block_length} tokens; KV capacity {limits.kv_capacity} tokens")
+    click.echo(str(build_engines(plan, force=force, report=_progress)))
+
+
+def check_engines(path: Path) -> bool:
+    """`refusion-export check` on a directory holding engines.json: TensorRT vs onnxruntime."""
+    from refusion.engines.check import check_engines as compare
+
+    _progress(f"comparing the TensorRT engines in {path} with onnxruntime on the same inputs")
+    return compare(path, report=click.echo)
