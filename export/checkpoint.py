@@ -69,49 +69,7 @@ class Checkpoint:
         dims = ModelDims.from_hf_config(config, str(path / "config.json"))
         mask_id = _mask_token_id(config, mask_token_id, dims, path)
         files = _tensor_files(path)
-        ckpt = Checkpoint(path, config, dims, mask_id, "float32", files)
-        return Checkpoint(path, config, dims, mask_id, ckpt._check_tensors(), files)
-
-    def _check_tensors(self) -> str:
-        """Every expected tensor present, with the right shape and one supported dtype."""
-        expected = expected_weights(self.dims)
-        present = set(self.files)
-        if self.dims.tie_word_embeddings:
-            present.discard("lm_head.weight")  # some exporters store the tied copy too
-        missing = [n for n in expected if n not in present]
-        if missing:
-            raise RefusionError(
-                f"checkpoint {self.path}: {len(missing)} weight(s) missing, first {missing[0]!r}; "
-                "the checkpoint is incomplete or not a Qwen3ForCausalLM (check every shard is there)."
-            )
-        unexpected = sorted(present - set(expected))
-        if unexpected:
-            raise RefusionError(
-                f"checkpoint {self.path}: unexpected weight {unexpected[0]!r} ({len(unexpected)} in all); "
-                "expected exactly the tensors of a plain Qwen3ForCausalLM."
-            )
-        dtypes: set[str] = set()
-        for file, names in _group_by_file(self.files, expected).items():
-            with _open_safetensors(file) as f:
-                for name in names:
-                    sl = f.get_slice(name)
-                    shape, dtype = tuple(sl.get_shape()), sl.get_dtype()
-                    if shape != expected[name]:
-                        raise RefusionError(
-                            f"checkpoint {self.path}: tensor {name!r} in {file.name} has shape {list(shape)}, "
-                            f"expected {list(expected[name])} from config.json; config and weights disagree."
-                        )
-                    if dtype not in SUPPORTED_DTYPES:
-                        raise RefusionError(
-                            f"checkpoint {self.path}: tensor {name!r} has dtype {dtype}; "
-                            f"expected one of {sorted(SUPPORTED_DTYPES)}."
-                        )
-                    dtypes.add(SUPPORTED_DTYPES[dtype])
-        # bf16 checkpoints commonly keep some norms in fp32; report the widest 16-bit type present.
-        for d in ("bfloat16", "float16", "float32"):
-            if d in dtypes:
-                return d
-        raise AssertionError("no tensors checked")
+        return Checkpoint(path, config, dims, mask_id, _check_tensors(path, dims, files), files)
 
     def tensors(self, names: list[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield (name, tensor) one at a time, memory-mapped, in the order asked."""
@@ -147,6 +105,49 @@ class Checkpoint:
                 "add one so generation knows where to stop."
             )
         return eos
+
+
+def _check_tensors(path: Path, dims: ModelDims, files: dict[str, Path]) -> str:
+    """Every expected tensor present, with the right shape and one supported dtype; returns
+    the checkpoint's weight dtype."""
+    expected = expected_weights(dims)
+    present = set(files)
+    if dims.tie_word_embeddings:
+        present.discard("lm_head.weight")  # some exporters store the tied copy too
+    missing = [n for n in expected if n not in present]
+    if missing:
+        raise RefusionError(
+            f"checkpoint {path}: {len(missing)} weight(s) missing, first {missing[0]!r}; "
+            "the checkpoint is incomplete or not a Qwen3ForCausalLM (check every shard is there)."
+        )
+    unexpected = sorted(present - set(expected))
+    if unexpected:
+        raise RefusionError(
+            f"checkpoint {path}: unexpected weight {unexpected[0]!r} ({len(unexpected)} in all); "
+            "expected exactly the tensors of a plain Qwen3ForCausalLM."
+        )
+    dtypes: set[str] = set()
+    for file, names in _group_by_file(files, expected).items():
+        with _open_safetensors(file) as f:
+            for name in names:
+                sl = f.get_slice(name)
+                shape, dtype = tuple(sl.get_shape()), sl.get_dtype()
+                if shape != expected[name]:
+                    raise RefusionError(
+                        f"checkpoint {path}: tensor {name!r} in {file.name} has shape {list(shape)}, "
+                        f"expected {list(expected[name])} from config.json; config and weights disagree."
+                    )
+                if dtype not in SUPPORTED_DTYPES:
+                    raise RefusionError(
+                        f"checkpoint {path}: tensor {name!r} has dtype {dtype}; "
+                        f"expected one of {sorted(SUPPORTED_DTYPES)}."
+                    )
+                dtypes.add(SUPPORTED_DTYPES[dtype])
+    # bf16 checkpoints commonly keep some norms in fp32; report the widest 16-bit type present.
+    for d in ("bfloat16", "float16", "float32"):
+        if d in dtypes:
+            return d
+    raise AssertionError("no tensors checked")
 
 
 def _read_json(file: Path, why: str) -> dict[str, Any]:

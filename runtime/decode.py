@@ -27,6 +27,7 @@ class Commit:
     step: int
     token_ids: tuple[int, ...]
     positions: tuple[int, ...]
+    how: str  # "verification" (whole slots from the verify pass), "infill", or "ar"
 
 
 @dataclass
@@ -120,10 +121,10 @@ def refusion_decode(runner: Runner, tokens: Tokens, params: DecodeParams, trace:
     step = 0
     eos_seen = False
 
-    def commit(ids: np.ndarray, pos: np.ndarray) -> Commit:
+    def commit(ids: np.ndarray, pos: np.ndarray, how: str) -> Commit:
         nonlocal step
         step += 1
-        return Commit(step, tuple(int(t) for t in ids), tuple(int(p) for p in pos))
+        return Commit(step, tuple(int(t) for t in ids), tuple(int(p) for p in pos), how)
 
     for block in range(params.serial_num_blocks):
         start = p0 + block * block_len
@@ -162,7 +163,7 @@ def refusion_decode(runner: Runner, tokens: Tokens, params: DecodeParams, trace:
                 remaining = [s for j, s in enumerate(remaining) if j not in drop]
                 trace.tpf_sum += k * slots / 2
                 trace.iterations += 1
-                yield commit(flat[:count], row_pos.reshape(-1)[:count])
+                yield commit(flat[:count], row_pos.reshape(-1)[:count], "verification")
                 continue
             # 3. Parallel infill
             trace.branches["infill_loop"] += 1
@@ -194,7 +195,7 @@ def refusion_decode(runner: Runner, tokens: Tokens, params: DecodeParams, trace:
                 eos_seen = True
                 trace.branches["eos_in_infill"] += 1
             remaining = [s for j, s in enumerate(remaining) if j not in drop]
-            yield commit(rows.reshape(-1)[:count], row_pos.reshape(-1)[:count])
+            yield commit(rows.reshape(-1)[:count], row_pos.reshape(-1)[:count], "infill")
         if eos_seen:
             break
 
@@ -215,6 +216,6 @@ def ar_decode(runner: Runner, tokens: Tokens, params: DecodeParams, trace: Decod
         ids, pos, kind = token.astype(np.int64), np.array([p0 + step - 1]), "decode"
         trace.tpf_sum += 1.0
         trace.iterations += 1
-        yield Commit(step, (int(token[0]),), (p0 + step - 1,))
+        yield Commit(step, (int(token[0]),), (p0 + step - 1,), "ar")
         if int(token[0]) == tokens.eos_id:
             break

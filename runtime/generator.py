@@ -50,9 +50,15 @@ class GenerationStats:
 class GenerationResult:
     text: str
     token_ids: list[int]  # generated ids in position order, prompt excluded
-    steps: list[int]  # for each token, the loop iteration that committed it
     prompt_ids: list[int]
     stats: GenerationStats
+    commits: list[Commit]  # what became final at each loop iteration, in order
+
+    @property
+    def steps(self) -> list[int]:
+        """For each token (position order), the loop iteration that committed it."""
+        step = {p: c.step for c in self.commits for p in c.positions}
+        return [step[p] for p in sorted(step)]
 
 
 class Generator:
@@ -125,15 +131,14 @@ class Generator:
         trace = DecodeTrace()
         loop = refusion_decode if params.mode == "refusion" else ar_decode
         engine0, t0 = self.runner.engine_seconds, time.perf_counter()
-        committed: dict[int, tuple[int, int]] = {}
+        commits: list[Commit] = []
         for commit in loop(self.runner, tokens, params, trace, self.manifest.has_logits):
-            for tok, pos in zip(commit.token_ids, commit.positions):
-                committed[pos] = (tok, commit.step)
+            commits.append(commit)
             yield commit
         wall = time.perf_counter() - t0
         engine = self.runner.engine_seconds - engine0
-        order = sorted(committed)
-        token_ids = [committed[p][0] for p in order]
+        committed = {p: t for c in commits for p, t in zip(c.positions, c.token_ids)}
+        token_ids = [committed[p] for p in sorted(committed)]
         upto_eos = _through_eos(token_ids, tokens.eos_id)
         forward_count = sum(trace.forwards.values())
         stats = GenerationStats(
@@ -152,7 +157,7 @@ class Generator:
             branches=dict(trace.branches),
         )
         text = self.tokenizer.decode(upto_eos) if self.tokenizer else ""
-        yield GenerationResult(text, token_ids, [committed[p][1] for p in order], ids, stats)
+        yield GenerationResult(text, token_ids, ids, stats, commits)
 
     def generate(self, prompt: str | None = None, *, messages=None, prompt_ids=None, chat: bool = False,
                  enable_thinking: bool = True, **params: Any) -> GenerationResult:

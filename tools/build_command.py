@@ -11,10 +11,7 @@ from pathlib import Path
 import click
 
 from refusion.engines.profiles import DecodeLimits
-
-
-def _progress(message: str) -> None:
-    click.echo(message, err=True)
+from refusion.tools.cli_common import progress
 
 
 @click.command("build")
@@ -43,14 +40,14 @@ def build_command(export_dir: Path, output: Path, precision: str | None, max_pro
     limits = DecodeLimits(max_prompt, gen_length, slot_size, serial_blocks, max_slots)
     plan = plan_build(export_dir, output, limits, precision=precision, strongly_typed=strongly_typed,
                       workspace_gib=workspace, timing_cache=timing_cache)
-    _progress(f"engines for prompts <= {limits.max_prompt}, gen_length <= {limits.gen_length}, blocks <= "
+    progress(f"engines for prompts <= {limits.max_prompt}, gen_length <= {limits.gen_length}, blocks <= "
               f"{limits.block_length} tokens; KV capacity {limits.kv_capacity} tokens")
-    click.echo(str(build_engines(plan, force=force, report=_progress)))
+    click.echo(str(build_engines(plan, force=force, report=progress)))
 
 
 def check_engines(path: Path) -> bool:
     """`refusion-export check` on a directory holding engines.json: TensorRT vs onnxruntime."""
     from refusion.engines.check import check_engines as compare
 
-    _progress(f"comparing the TensorRT engines in {path} with onnxruntime on the same inputs")
+    progress(f"comparing the TensorRT engines in {path} with onnxruntime on the same inputs")
     return compare(path, report=click.echo)

@@ -15,6 +15,7 @@ import click
 from refusion.runtime.errors import RefusionError
 from refusion.tools.build_command import build_command, check_engines
 from refusion.tools.cli_common import ErrorReportingGroup, progress
+from refusion.tools.demo import demo_command
 
 
 @click.group(cls=ErrorReportingGroup)
@@ -143,7 +144,7 @@ def _size(n: float) -> str:
 
 
 # Commands, in help order.
-for _command in (onnx_command, build_command, check_command, inspect_command):
+for _command in (demo_command, onnx_command, build_command, check_command, inspect_command):
     cli.add_command(_command)
 
 
