@@ -18,6 +18,7 @@ from typing import Any
 from refusion.engines.profiles import DecodeLimits, ProfileSpec
 from refusion.runtime.contract import GRAPH_NAMES, GraphName
 from refusion.runtime.errors import RefusionError
+from refusion.runtime.manifest import check_format
 from refusion.runtime.runners import ENGINES_MANIFEST
 
 FORMAT = "refusion-engines"
@@ -100,11 +101,7 @@ class EngineManifest:
             )
         try:
             raw = json.loads(file.read_text())
-            if raw.get("format") != FORMAT or raw.get("format_version") != FORMAT_VERSION:
-                raise RefusionError(
-                    f"{file}: format {raw.get('format')!r} v{raw.get('format_version')!r} is not {FORMAT!r} "
-                    f"v{FORMAT_VERSION}; rebuild the engines with this version of refusion-trt."
-                )
+            check_format(raw, file, FORMAT, FORMAT_VERSION, "rebuild the engines")
             engines = {
                 g: EngineFile(e["file"], e["sha256"], int(e["bytes"]),
                               tuple(ProfileSpec.from_json(p) for p in e["profiles"]))

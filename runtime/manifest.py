@@ -15,6 +15,15 @@ FORMAT = "refusion-onnx"
 FORMAT_VERSION = 1
 
 
+def check_format(raw: dict[str, Any], file: Path, fmt: str, version: int, redo: str) -> None:
+    """A manifest written by another format or version is refused, saying what to redo."""
+    if raw.get("format") != fmt or raw.get("format_version") != version:
+        raise RefusionError(
+            f"{file}: format {raw.get('format')!r} v{raw.get('format_version')!r} is not {fmt!r} "
+            f"v{version}; {redo} with this version of refusion-trt."
+        )
+
+
 @dataclass(frozen=True)
 class WeightEntry:
     dtype: str
@@ -82,11 +91,7 @@ class ExportManifest:
             raw = json.loads(file.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise RefusionError(f"{file} is not valid JSON ({e}); re-run `refusion-export onnx`.") from e
-        if raw.get("format") != FORMAT or raw.get("format_version") != FORMAT_VERSION:
-            raise RefusionError(
-                f"{file}: format {raw.get('format')!r} v{raw.get('format_version')!r} is not {FORMAT!r} "
-                f"v{FORMAT_VERSION}; re-export with this version of refusion-trt."
-            )
+        check_format(raw, file, FORMAT, FORMAT_VERSION, "re-export")
         graphs = {name: GraphSpec.from_json(name, raw["graphs"][name]) for name in GRAPH_NAMES}
         manifest = ExportManifest(
             path=path,

@@ -102,19 +102,22 @@ class OrtRunner(Runner):
         binding.bind_cpu_input("input_ids", input_ids)
         binding.bind_cpu_input("position_ids", position_ids)
         binding.bind_cpu_input("attention_mask", np.ascontiguousarray(attention_mask))
-        seq = input_ids.shape[1]
         wanted = self._outputs[graph]
         for name in wanted:  # bound first, so they come first in get_outputs()
             binding.bind_output(name, "cpu")
+        self._bind_kv(binding, past_length, write_at, input_ids.shape[1])
+        session.run_with_iobinding(binding)
+        outputs = binding.get_outputs()
+        return {name: outputs[j].numpy() for j, name in enumerate(wanted)}
+
+    def _bind_kv(self, binding: Any, past_length: int, write_at: int | None, seq: int) -> None:
+        """Past as views of the cache; present straight into the cache at write_at."""
         for i in range(self.manifest.num_layers):
             binding.bind_cpu_input(f"past_key_values.{i}.key", self.keys[i][:, :past_length])
             binding.bind_cpu_input(f"past_key_values.{i}.value", self.values[i][:, :past_length])
             if write_at is not None:
                 self._bind_present(binding, present_key_name(i), self.keys[i], write_at, seq)
                 self._bind_present(binding, present_value_name(i), self.values[i], write_at, seq)
-        session.run_with_iobinding(binding)
-        outputs = binding.get_outputs()
-        return {name: outputs[j].numpy() for j, name in enumerate(wanted)}
 
     def _bind_present(self, binding: Any, name: str, buf: np.ndarray, start: int, seq: int) -> None:
         """Present KV lands directly in the cache at [start, start + seq)."""
@@ -160,16 +163,8 @@ class OrtCudaRunner(OrtRunner):
         for buf in self.device_keys + self.device_values:
             buf.copy_within(src * t, dst * t, length * t)
 
-    def _run(self, graph, input_ids, position_ids, attention_mask, past_length, write_at):
-        session = self.sessions[graph]
-        binding = session.io_binding()
-        binding.bind_cpu_input("input_ids", input_ids)
-        binding.bind_cpu_input("position_ids", position_ids)
-        binding.bind_cpu_input("attention_mask", np.ascontiguousarray(attention_mask))
-        wanted = self._outputs[graph]
-        for name in wanted:
-            binding.bind_output(name, "cpu")
-        m, t, seq = self.manifest, self._token_bytes, input_ids.shape[1]
+    def _bind_kv(self, binding: Any, past_length: int, write_at: int | None, seq: int) -> None:
+        m, t = self.manifest, self._token_bytes
         for i in range(m.num_layers):
             for past, present, buf in (
                 (f"past_key_values.{i}.key", present_key_name(i), self.device_keys[i]),
@@ -179,6 +174,3 @@ class OrtCudaRunner(OrtRunner):
                 if write_at is not None:
                     binding.bind_output(present, "cuda", 0, self.dtype, [1, seq, m.kv_heads, m.head_dim],
                                         buf.ptr + write_at * t)
-        session.run_with_iobinding(binding)
-        outputs = binding.get_outputs()
-        return {name: outputs[j].numpy() for j, name in enumerate(wanted)}
