@@ -57,8 +57,8 @@ class _Forwards:
 
     def __init__(self, runner: Runner, cache: KVCache, trace: DecodeTrace, params: DecodeParams, logits: bool):
         self.runner, self.cache, self.trace, self.params = runner, cache, trace, params
-        self.rng = np.random.default_rng(params.seed)
         self.sampling = params.temperature > 0
+        self.rng = np.random.default_rng(params.seed) if self.sampling else None
         if self.sampling and not logits:
             raise RefusionError(
                 f"temperature={params.temperature} needs the graphs' logits output; re-export with "
@@ -71,7 +71,7 @@ class _Forwards:
 
     def draft(self, out: dict[str, np.ndarray], sample: bool) -> tuple[np.ndarray, np.ndarray]:
         """(token ids, softmax probability of each) from a forward's heads."""
-        if sample and self.sampling:
+        if sample and self.rng is not None:
             ids = policy.gumbel_argmax(out["logits"][0], self.params.temperature, self.rng)
             return ids, policy.softmax_prob_of(out["logits"][0], ids)
         return out["argmax_ids"][0], out["argmax_probs"][0]
@@ -130,7 +130,7 @@ def refusion_decode(runner: Runner, tokens: Tokens, params: DecodeParams, trace:
         start = p0 + block * block_len
         remaining = [start + j * k for j in range(block_len // k)]  # R: slot start positions, in order
         while remaining:
-            slot_pos = np.array([[s + j for j in range(k)] for s in remaining], dtype=np.int64)
+            slot_pos = np.add.outer(np.array(remaining, dtype=np.int64), np.arange(k))
             mask_ids = np.full(slot_pos.size, tokens.mask_id, dtype=np.int64)
             # 1. Plan
             if cache.length == 0:

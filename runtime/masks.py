@@ -8,7 +8,7 @@ import numpy as np
 def causal_after(past: int, seq: int) -> np.ndarray:
     """New tokens see all of the past and the new tokens before them (plan, verify, prefill)."""
     mask = np.ones((1, seq, past + seq), dtype=bool)
-    mask[0, :, past:] = np.tril(np.ones((seq, seq), dtype=bool))
+    mask[0, :, past:] = np.tri(seq, dtype=bool)
     return mask
 
 
@@ -25,7 +25,7 @@ def rows_over_prefix(prefix: int, scratch_rows: int, row_stride: int, private: i
     seq = rows * window
     mask = np.zeros((1, seq, past + seq), dtype=bool)
     mask[0, :, :prefix] = True
-    causal = np.tril(np.ones((window, window), dtype=bool))
+    causal = np.tri(window, dtype=bool)
     for r in range(rows):
         new = slice(r * window, (r + 1) * window)
         if private:

@@ -1,4 +1,4 @@
-"""`refusion-run`: generate with an export (or engines) from the command line.
+"""`refusion-run`: generate with an export (or engines), and benchmark decoding methods.
 
     refusion-run generate out/refusion-onnx "prompt" [--chat] [--stream] [--json] [--prompt-ids 1,2,3]
                  [--mode refusion|ar] [--gen-length N --slot-size K --serial-blocks B
@@ -17,6 +17,7 @@ from refusion.runtime.errors import RefusionError
 from refusion.runtime.generator import GenerationResult, Generator
 from refusion.runtime.params import DecodeParams
 from refusion.runtime.runners import BACKENDS
+from refusion.tools.bench import bench
 from refusion.tools.cli_common import ErrorReportingGroup, progress
 
 _DEFAULTS = DecodeParams()
@@ -89,6 +90,9 @@ def _summary(result: GenerationResult) -> str:
     return (f"{s.mode}: {s.tokens} tokens in {s.forward_count} forwards ({s.tokens_per_forward:.2f} tokens/forward, "
             f"TPF {s.tpf:.2f}), {s.tokens_per_second:.1f} tokens/s; engine {s.engine_seconds:.3f} s, "
             f"loop {s.loop_seconds:.3f} s ({100 * s.loop_share:.0f}%)")
+
+
+cli.add_command(bench)
 
 
 def main() -> None:

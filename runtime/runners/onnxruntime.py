@@ -5,8 +5,12 @@ the two sessions share its pages. Measured on a 434 MiB export (two sessions, CP
 peak RSS 815 MiB with onnxruntime's default weight prepacking (faster matmuls, a packed
 copy per session), 440 MiB with `low_memory=True` (prepacking off: one copy, ~30% slower
 forwards). Handing the sessions our own mapped views as initializers measured no better
-(440 / 1058 MiB), so the runtime lets onnxruntime map the file. KV past is bound as a view of the preallocated cache and present
-KV is bound to its slot in the cache, so no KV is copied by the loop.
+(440 / 1058 MiB), so the runtime lets onnxruntime map the file.
+
+On the CPU the past is fed as contiguous views of the preallocated cache (no copy) and
+only the new tokens' present KV is copied into its slot: measured as fast as IO binding
+(0.39 vs 0.41 ms per 1-token forward on the tiny model), with less Python per call. On CUDA,
+IO binding keeps past and present on the device.
 """
 
 from __future__ import annotations
@@ -15,7 +19,14 @@ from typing import Any
 
 import numpy as np
 
-from refusion.runtime.contract import GRAPH_NAMES, GraphName, present_key_name, present_value_name
+from refusion.runtime.contract import (
+    GRAPH_NAMES,
+    GraphName,
+    past_key_name,
+    past_value_name,
+    present_key_name,
+    present_value_name,
+)
 from refusion.runtime.errors import RefusionError
 from refusion.runtime.manifest import ExportManifest
 from refusion.runtime.runners.base import Runner
@@ -81,6 +92,7 @@ class OrtRunner(Runner):
                 raise RefusionError(f"{path} could not be loaded by onnxruntime ({e}); re-run `refusion-export onnx`.") from e
             self.sessions[graph] = session
             self._outputs[graph] = [o.name for o in session.get_outputs() if not o.name.startswith("present.")]
+        self._presents = [name(i) for i in range(self.manifest.num_layers) for name in (present_key_name, present_value_name)]
 
     def _deactivate(self) -> None:
         self.sessions.clear()
@@ -97,32 +109,19 @@ class OrtRunner(Runner):
             buf[:, dst : dst + length] = buf[:, src : src + length]  # numpy handles overlap
 
     def _run(self, graph, input_ids, position_ids, attention_mask, past_length, write_at):
-        session = self.sessions[graph]
-        binding = session.io_binding()
-        binding.bind_cpu_input("input_ids", input_ids)
-        binding.bind_cpu_input("position_ids", position_ids)
-        binding.bind_cpu_input("attention_mask", np.ascontiguousarray(attention_mask))
+        feed = {"input_ids": input_ids, "position_ids": position_ids, "attention_mask": attention_mask}
+        for i in range(self.manifest.num_layers):  # contiguous views of the cache: no copy
+            feed[past_key_name(i)] = self.keys[i][:, :past_length]
+            feed[past_value_name(i)] = self.values[i][:, :past_length]
         wanted = self._outputs[graph]
-        for name in wanted:  # bound first, so they come first in get_outputs()
-            binding.bind_output(name, "cpu")
-        self._bind_kv(binding, past_length, write_at, input_ids.shape[1])
-        session.run_with_iobinding(binding)
-        outputs = binding.get_outputs()
-        return {name: outputs[j].numpy() for j, name in enumerate(wanted)}
-
-    def _bind_kv(self, binding: Any, past_length: int, write_at: int | None, seq: int) -> None:
-        """Past as views of the cache; present straight into the cache at write_at."""
-        for i in range(self.manifest.num_layers):
-            binding.bind_cpu_input(f"past_key_values.{i}.key", self.keys[i][:, :past_length])
-            binding.bind_cpu_input(f"past_key_values.{i}.value", self.values[i][:, :past_length])
-            if write_at is not None:
-                self._bind_present(binding, present_key_name(i), self.keys[i], write_at, seq)
-                self._bind_present(binding, present_value_name(i), self.values[i], write_at, seq)
-
-    def _bind_present(self, binding: Any, name: str, buf: np.ndarray, start: int, seq: int) -> None:
-        """Present KV lands directly in the cache at [start, start + seq)."""
-        view = buf[:, start : start + seq]
-        binding.bind_output(name, "cpu", 0, self.dtype, list(view.shape), view.ctypes.data)
+        names = wanted + (self._presents if write_at is not None else [])
+        outputs = dict(zip(names, self.sessions[graph].run(names, feed)))
+        if write_at is not None:  # only the new tokens' KV is copied into its slot
+            end = write_at + input_ids.shape[1]
+            for i in range(self.manifest.num_layers):
+                self.keys[i][:, write_at:end] = outputs[present_key_name(i)]
+                self.values[i][:, write_at:end] = outputs[present_value_name(i)]
+        return {name: outputs[name] for name in wanted}
 
 
 class OrtCudaRunner(OrtRunner):
@@ -163,7 +162,22 @@ class OrtCudaRunner(OrtRunner):
         for buf in self.device_keys + self.device_values:
             buf.copy_within(src * t, dst * t, length * t)
 
+    def _run(self, graph, input_ids, position_ids, attention_mask, past_length, write_at):
+        session = self.sessions[graph]
+        binding = session.io_binding()
+        binding.bind_cpu_input("input_ids", input_ids)
+        binding.bind_cpu_input("position_ids", position_ids)
+        binding.bind_cpu_input("attention_mask", np.ascontiguousarray(attention_mask))
+        wanted = self._outputs[graph]
+        for name in wanted:  # bound first, so they come first in get_outputs()
+            binding.bind_output(name, "cpu")
+        self._bind_kv(binding, past_length, write_at, input_ids.shape[1])
+        session.run_with_iobinding(binding)
+        outputs = binding.get_outputs()
+        return {name: outputs[j].numpy() for j, name in enumerate(wanted)}
+
     def _bind_kv(self, binding: Any, past_length: int, write_at: int | None, seq: int) -> None:
+        """Past and present as addresses inside the device cache."""
         m, t = self.manifest, self._token_bytes
         for i in range(m.num_layers):
             for past, present, buf in (

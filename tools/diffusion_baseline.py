@@ -1,0 +1,184 @@
+"""Token-level masked-diffusion decoding without KV reuse (LLaDA-style): the benchmark's baseline.
+
+LLaDA (Nie et al. 2025, `generate.py`, `remasking="low_confidence"`, temperature 0) decodes a
+fixed span of `gen_length` masks in `steps` forwards. The span is cut into blocks of
+`block_length` done left to right (semi-autoregressive); each block gets
+`steps / num_blocks` steps, and step i commits `num_transfer[i]` of the block's masks
+(the block's mask count spread evenly over its steps, the remainder to the first steps).
+Every step feeds the *whole* sequence again, prompt + generation span (committed tokens
+and the remaining masks, in position order), with no past: no KV is reused from one step
+to the next. At every masked position of the current block the draft is the argmax of the
+logits and its confidence the softmax probability; the `num_transfer[i]` most confident
+drafts are committed (ties: lowest position first). Decoding stops when every position is
+filled; the answer is the tokens up to the first EOS in position order.
+
+Here it runs on the same Runner and the same network as ReFusion, through the planner
+graph (no KV written). Our network's attention is causal in sequence order, so this is
+ReFusion's network read LLaDA-style (a mask sees the prompt and the span *before* it),
+not a bidirectional LLaDA: the decoding schedule and its cost are LLaDA's, the model is
+ours. `order="clean_first"` feeds the committed tokens first and then the masks (each
+with its true position id, as ReFusion's training does), so every mask sees every
+committed token; the default is position order.
+
+Standard setting used by the benchmark: steps = gen_length (one token per step) and
+block_length 32, LLaDA's own defaults (`gen_length=steps=128, block_length=32`) scaled to
+our gen_length; steps = gen_length / 2 is LLaDA's usual "2 tokens per step" speed-up.
+`early_exit=True` (not LLaDA) stops once an EOS is committed and every position before it
+is filled, which is the most such a decoder can save without changing its answers.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+
+from refusion.runtime import masks
+from refusion.runtime.decode import DecodeTrace
+from refusion.runtime.errors import RefusionError
+from refusion.runtime.runners.base import Runner
+
+Order = Literal["position", "clean_first"]
+FORWARD_KIND = "diffusion_step"
+
+
+@dataclass(frozen=True)
+class DiffusionParams:
+    gen_length: int = 64
+    steps: int = 64
+    block_length: int = 32
+    order: Order = "position"
+    early_exit: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("gen_length", "steps", "block_length"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise RefusionError(f"{name}={value!r} must be a positive integer.")
+        if self.gen_length % self.block_length:
+            raise RefusionError(
+                f"gen_length {self.gen_length} is not a multiple of block_length {self.block_length} (LLaDA needs whole blocks)."
+            )
+        if self.steps % self.num_blocks:
+            raise RefusionError(
+                f"steps {self.steps} cannot be shared equally by {self.num_blocks} blocks of {self.block_length}; "
+                f"choose steps as a multiple of {self.num_blocks}."
+            )
+        if self.steps > self.gen_length:
+            raise RefusionError(f"steps {self.steps} > gen_length {self.gen_length}: a step must commit at least one token.")
+        if self.order not in ("position", "clean_first"):
+            raise RefusionError(f"order={self.order!r} is not one of 'position', 'clean_first'.")
+
+    @property
+    def num_blocks(self) -> int:
+        return self.gen_length // self.block_length
+
+    @property
+    def steps_per_block(self) -> int:
+        return self.steps // self.num_blocks
+
+    def label(self) -> str:
+        per = self.gen_length / self.steps
+        extra = (", clean-first" if self.order == "clean_first" else "") + (", early exit" if self.early_exit else "")
+        return f"steps={self.steps} block={self.block_length} ({per:g} tok/step{extra})"
+
+
+@dataclass
+class DiffusionResult:
+    token_ids: list[int]  # the whole span in position order (gen_length tokens)
+    tokens: int  # generated tokens through the first EOS
+    trace: DecodeTrace = field(default_factory=DecodeTrace)
+    wall_seconds: float = 0.0
+    engine_seconds: float = 0.0
+    filled: int = 0  # positions committed when decoding stopped
+
+    @property
+    def forward_count(self) -> int:
+        return sum(self.trace.forwards.values())
+
+    @property
+    def answer_ids(self) -> list[int]:
+        return self.token_ids[: self.tokens]
+
+
+def num_transfer_tokens(masked: int, steps: int) -> list[int]:
+    """LLaDA's `get_num_transfer_tokens`: `masked` tokens over `steps` steps, evenly, the
+    remainder one each to the first steps."""
+    base, rest = divmod(masked, steps)
+    return [base + (1 if i < rest else 0) for i in range(steps)]
+
+
+def diffusion_decode(runner: Runner, prompt: list[int], mask_id: int, eos_id: int, params: DiffusionParams,
+                     trace: DecodeTrace | None = None) -> DiffusionResult:
+    """LLaDA-style decoding of one prompt on `runner` (see the module docstring)."""
+    if not prompt:
+        raise RefusionError("the prompt is empty; give at least one token of prompt.")
+    trace = trace if trace is not None else DecodeTrace()
+    p0, gen = len(prompt), params.gen_length
+    if p0 + gen > runner.manifest.max_positions:
+        raise RefusionError(
+            f"prompt of {p0} tokens + gen_length {gen} exceeds the model's {runner.manifest.max_positions} positions."
+        )
+    runner.allocate_kv(1)  # the runner binds an (empty) past view of its buffer; nothing is cached
+    span = np.full(gen, mask_id, dtype=np.int64)
+    is_masked = np.ones(gen, dtype=bool)
+    prompt_arr = np.asarray(prompt, dtype=np.int64)
+    positions = np.arange(p0 + gen, dtype=np.int64)
+    seq = p0 + gen
+    mask = masks.causal_after(0, seq)  # same shape every step: prompt + whole span, past 0
+    engine0, t0 = runner.engine_seconds, time.perf_counter()
+    done = False
+    for block in range(params.num_blocks):
+        if done:
+            break
+        lo, hi = block * params.block_length, (block + 1) * params.block_length
+        for count in num_transfer_tokens(int(is_masked[lo:hi].sum()), params.steps_per_block):
+            if done:
+                break
+            if params.order == "position":
+                order = np.arange(gen)
+            else:  # committed tokens first, then the masks, each group in position order
+                order = np.concatenate([np.flatnonzero(~is_masked), np.flatnonzero(is_masked)])
+            ids = np.concatenate([prompt_arr, span[order]])
+            pos = np.concatenate([positions[:p0], positions[p0:][order]])
+            trace.forwards[FORWARD_KIND] += 1
+            out = runner.run("planner", ids[None], pos[None], mask, 0)
+            draft = np.empty(gen, dtype=np.int64)
+            conf = np.empty(gen, dtype=np.float32)
+            draft[order] = out["argmax_ids"][0, p0:]
+            conf[order] = out["argmax_probs"][0, p0:]
+            candidates = np.flatnonzero(is_masked[lo:hi]) + lo
+            if count and candidates.size:
+                best = candidates[np.argsort(-conf[candidates], kind="stable")[:count]]
+                span[best] = draft[best]
+                is_masked[best] = False
+                trace.tpf_sum += len(best)
+                trace.iterations += 1
+            done = params.early_exit and _settled_through_eos(span, is_masked, eos_id)
+    wall = time.perf_counter() - t0
+    ids_list = [int(t) for t in span]
+    return DiffusionResult(
+        token_ids=ids_list,
+        tokens=_through_eos_len(ids_list, is_masked, eos_id),
+        trace=trace,
+        wall_seconds=wall,
+        engine_seconds=runner.engine_seconds - engine0,
+        filled=int((~is_masked).sum()),
+    )
+
+
+def _settled_through_eos(span: np.ndarray, is_masked: np.ndarray, eos_id: int) -> bool:
+    """An EOS is committed and every position before it is filled."""
+    eos = np.flatnonzero((span == eos_id) & ~is_masked)
+    return bool(eos.size) and not is_masked[: eos[0]].any()
+
+
+def _through_eos_len(ids: list[int], is_masked: np.ndarray, eos_id: int) -> int:
+    """Tokens up to and including the first EOS; without an EOS, every filled position."""
+    if eos_id in ids:
+        e = ids.index(eos_id)
+        if not is_masked[e]:
+            return e + 1
+    return int((~is_masked).sum())
