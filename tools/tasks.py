@@ -1,0 +1,169 @@
+"""Generated tasks with exactly checkable answers, for training and evaluating a tiny ReFusion model.
+
+Every example is a (task, prompt, answer) triple of plain printable ASCII; the answer is a
+deterministic function of the prompt, so accuracy is exact match (`score`). Answers run
+from 7 to about 45 characters (the tiny model's tokenizer is character-level, so that
+many tokens), varied within every task, so that slots and the place of EOS both matter.
+
+    rng = random.Random(0)
+    ex = make_example(rng)                 # one example, a task drawn uniformly
+    train = make_dataset(seed=1, n=1000)   # never overlaps held_out()
+    test = held_out(200)                   # tasks in round-robin order, fixed seed
+    score(test[0], "  " + test[0].answer)  # True: exact match after stripping
+
+The held-out set is the first `HELD_OUT_RESERVED` examples of a stream drawn with
+`HELD_OUT_SEED`; `make_dataset` refuses that seed and skips any example whose prompt is
+in the reserved set, so training and held-out data are disjoint by content, not only by
+seed.
+"""
+
+from __future__ import annotations
+
+import random
+import string
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import lru_cache
+
+HELD_OUT_SEED = 1_000_003
+HELD_OUT_RESERVED = 2000  # held_out(n) is disjoint from training for every n up to this
+
+# Words the chat template spells as single tokens; random letter strings never contain them
+# so a prompt or answer tokenizes character by character.
+RESERVED_WORDS = ("user", "assistant", "system")
+
+_LOWER = string.ascii_lowercase
+
+
+@dataclass(frozen=True)
+class Example:
+    task: str
+    prompt: str
+    answer: str
+
+
+def _letters(rng: random.Random, n: int) -> str:
+    while True:
+        s = "".join(rng.choice(_LOWER) for _ in range(n))
+        if not any(w in s for w in RESERVED_WORDS):
+            return s
+
+
+def _number(rng: random.Random, digits: int) -> int:
+    return rng.randint(10 ** (digits - 1), 10**digits - 1)
+
+
+def _add(rng: random.Random) -> tuple[str, str]:
+    """add: 4821+3950 -> 4821+3950=8771 (two operands of the same length, 2-4 digits)."""
+    digits = rng.randint(2, 4)
+    a, b = _number(rng, digits), _number(rng, digits)
+    return f"add: {a}+{b}", f"{a}+{b}={a + b}"
+
+
+def _sort(rng: random.Random) -> tuple[str, str]:
+    """sort: 5 2 8 2 -> 2 2 5 8 (4-12 single digits, repeats allowed)."""
+    xs = [rng.randint(0, 9) for _ in range(rng.randint(4, 12))]
+    return "sort: " + " ".join(map(str, xs)), " ".join(map(str, sorted(xs)))
+
+
+def _reverse(rng: random.Random) -> tuple[str, str]:
+    """reverse: abcdefgh -> hgfedcba (8-24 lowercase letters)."""
+    s = _letters(rng, rng.randint(8, 24))
+    return f"reverse: {s}", s[::-1]
+
+
+def _lookup(rng: random.Random) -> tuple[str, str]:
+    """c3 a7 b1 d9; get b c b -> b1 c3 b1 (4-9 distinct letter keys, digit values, 3-8 queries)."""
+    keys = rng.sample(_LOWER, rng.randint(4, 9))
+    values = {k: rng.randint(0, 9) for k in keys}
+    queries = [rng.choice(keys) for _ in range(rng.randint(3, 8))]
+    table = " ".join(f"{k}{values[k]}" for k in keys)
+    return f"{table}; get {' '.join(queries)}", " ".join(f"{q}{values[q]}" for q in queries)
+
+
+def _list(rng: random.Random) -> tuple[str, str]:
+    """list: 3,1,12 -> [3, 1, 12] (3-9 numbers below 1000)."""
+    xs = [rng.randint(0, 10 ** rng.randint(1, 3) - 1) for _ in range(rng.randint(3, 9))]
+    return "list: " + ",".join(map(str, xs)), "[" + ", ".join(map(str, xs)) + "]"
+
+
+def _upper(rng: random.Random) -> tuple[str, str]:
+    """upper: ab cdefg -> AB CDEFG (2-5 words of 2-7 letters, 8 characters or more)."""
+    while True:
+        text = " ".join(_letters(rng, rng.randint(2, 7)) for _ in range(rng.randint(2, 5)))
+        if len(text) >= 8:
+            return f"upper: {text}", text.upper()
+
+
+GENERATORS: dict[str, Callable[[random.Random], tuple[str, str]]] = {
+    "add": _add,
+    "sort": _sort,
+    "reverse": _reverse,
+    "lookup": _lookup,
+    "list": _list,
+    "upper": _upper,
+}
+TASKS: tuple[str, ...] = tuple(GENERATORS)
+
+
+def make_example(rng: random.Random, task: str | None = None, tasks: tuple[str, ...] = TASKS,
+                 weights: tuple[float, ...] | None = None) -> Example:
+    """One example of `task`, or of a task drawn from `tasks` (uniformly, or with `weights`)."""
+    if task is None:
+        task = rng.choice(tasks) if weights is None else rng.choices(tasks, weights)[0]
+    if task not in GENERATORS:
+        raise ValueError(f"unknown task {task!r}; expected one of {', '.join(TASKS)}")
+    prompt, answer = GENERATORS[task](rng)
+    return Example(task, prompt, answer)
+
+
+@lru_cache(maxsize=1)
+def _held_out_stream() -> tuple[Example, ...]:
+    rng = random.Random(HELD_OUT_SEED)
+    out: list[Example] = []
+    seen: set[str] = set()
+    i = 0
+    while len(out) < HELD_OUT_RESERVED:
+        ex = make_example(rng, TASKS[i % len(TASKS)])
+        if ex.prompt not in seen:  # no duplicate prompts inside the held-out set either
+            seen.add(ex.prompt)
+            out.append(ex)
+            i += 1
+    return tuple(out)
+
+
+@lru_cache(maxsize=1)
+def held_out_prompts() -> frozenset[str]:
+    return frozenset(ex.prompt for ex in _held_out_stream())
+
+
+def held_out(n: int = 200, seed: int = HELD_OUT_SEED) -> list[Example]:
+    """The first n held-out examples, tasks in round-robin order (balanced per task)."""
+    if seed != HELD_OUT_SEED:
+        raise ValueError(f"the held-out set has one seed, {HELD_OUT_SEED}; got {seed}")
+    if not 0 <= n <= HELD_OUT_RESERVED:
+        raise ValueError(f"held_out(n) needs 0 <= n <= {HELD_OUT_RESERVED}; got {n}")
+    return list(_held_out_stream()[:n])
+
+
+def training_example(rng: random.Random, tasks: tuple[str, ...] = TASKS,
+                     weights: tuple[float, ...] | None = None) -> Example:
+    """A training example: never one whose prompt is in the held-out set."""
+    reserved = held_out_prompts()
+    while True:
+        ex = make_example(rng, tasks=tasks, weights=weights)
+        if ex.prompt not in reserved:
+            return ex
+
+
+def make_dataset(seed: int, n: int, tasks: tuple[str, ...] = TASKS) -> list[Example]:
+    """n training examples drawn with `seed`, disjoint from the held-out set."""
+    if seed == HELD_OUT_SEED:
+        raise ValueError(f"seed {seed} is the held-out seed; training data must use another")
+    rng = random.Random(seed)
+    return [training_example(rng, tasks) for _ in range(n)]
+
+
+def score(example: Example, text: str) -> bool:
+    """Exact match of the answer, ignoring surrounding whitespace."""
+    return text.strip() == example.answer.strip()
