@@ -1,5 +1,4 @@
-"""The task generator (tools/tasks.py), the ReFusion training sequences (tools/train_tiny.py),
-and the shipped checkpoint models/refusion-tiny."""
+"""The task generator (tools/tasks.py) and the shipped checkpoint models/refusion-tiny."""
 
 from __future__ import annotations
 
@@ -90,42 +89,6 @@ def test_score_is_exact_match_after_strip():
     assert not T.score(ex, "")
     with pytest.raises(ValueError):
         T.make_example(random.Random(0), "nope")
-
-
-# ----------------------------------------------------------------------------- training sequences
-
-
-def test_refusion_sequence_layout():
-    pytest.importorskip("torch")
-    from refusion.tools import train_tiny as TT
-
-    ids = TT.Ids(pad=100, eos=102, mask=103, vocab=104)
-    args = TT.parser().parse_args(["train"])
-    prompt, response = list(range(10)), [20 + i for i in range(13)] + [ids.eos]
-    rng = random.Random(0)
-    seen_masked = seen_clean = 0
-    for _ in range(200):
-        s = TT.refusion_sequence(prompt, response, rng, args, ids)
-        p0 = len(prompt)
-        assert s.ids[:p0] == prompt and s.pos[:p0] == list(range(p0))
-        span = len(s.ids) - p0
-        assert sorted(s.pos[p0:]) == list(range(p0, p0 + span))  # every response position once
-        truth = response + [ids.pad] * (span - len(response))
-        masked = [j for j in range(p0, len(s.ids)) if s.ids[j] == ids.mask]
-        clean = [j for j in range(p0, len(s.ids)) if s.ids[j] != ids.mask]
-        assert masked == list(range(len(s.ids) - len(masked), len(s.ids)))  # masks come last...
-        assert [s.pos[j] for j in masked] == sorted(s.pos[j] for j in masked)  # ...in position order
-        for j in masked:
-            assert s.mdm[j] == truth[s.pos[j] - p0] and s.ar[j] == TT.IGNORE
-        for j in clean:
-            assert s.ids[j] == truth[s.pos[j] - p0] and s.mdm[j] == TT.IGNORE
-            nxt = j + 1 < len(s.ids) and s.ids[j + 1] != ids.mask and s.pos[j + 1] == s.pos[j] + 1
-            assert s.ar[j] == (s.ids[j + 1] if nxt else TT.IGNORE)
-        assert s.ar[p0 - 1] in (TT.IGNORE, response[0]) and all(a == TT.IGNORE for a in s.ar[: p0 - 1])
-        assert s.weight > 0
-        seen_masked += bool(masked)
-        seen_clean += bool(clean)
-    assert seen_masked and seen_clean
 
 
 # ----------------------------------------------------------------------------- the shipped checkpoint
