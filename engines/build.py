@@ -25,11 +25,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from refusion.engines.manifest import EngineFile, EngineManifest, Target, sha256_file
-from refusion.engines.profiles import DecodeLimits, ProfileSpec, engine_profiles
-from refusion.runtime.contract import GRAPH_NAMES, GraphName
-from refusion.runtime.errors import RefusionError
-from refusion.runtime.manifest import MANIFEST_NAME, ExportManifest
+from refusion.runtime.core.contract import GRAPH_NAMES, GraphName
+from refusion.runtime.core.engines_manifest import (
+    EngineFile,
+    EngineManifest,
+    Target,
+    sha256_file,
+)
+from refusion.runtime.core.errors import RefusionError
+from refusion.runtime.core.export_manifest import MANIFEST_NAME, ExportManifest
+from refusion.runtime.core.profiles import DecodeLimits, ProfileSpec, engine_profiles
+from refusion.runtime.runners.tensorrt import current_target, require_tensorrt
 
 if TYPE_CHECKING:
     import tensorrt
@@ -39,19 +45,6 @@ PRECISIONS = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 # finds most tactics in the timing cache (the layers are the same).
 BUILD_ORDER: tuple[GraphName, ...] = ("infiller", "planner")
 Report = Callable[[str], None]
-
-
-def require_tensorrt() -> None:
-    """Fail with the install hint when TensorRT cannot be imported (callers then import it typed).
-    A module without __version__ is a stub folder seen as a namespace package, not TensorRT."""
-    hint = ("pip install 'refusion-trt[trt]' on a machine with an NVIDIA GPU (on Jetson, JetPack's "
-            "python3-libnvinfer; see docs/tensorrt.md).")
-    try:
-        import tensorrt
-    except ImportError as e:
-        raise RefusionError(f"TensorRT is not installed: {hint}") from e
-    if not hasattr(tensorrt, "__version__"):
-        raise RefusionError(f"`import tensorrt` finds only {list(tensorrt.__path__)} (type stubs?), not TensorRT: {hint}")
 
 
 @dataclass(frozen=True)
@@ -311,7 +304,7 @@ def build_engines(plan: BuildPlan, *, force: bool = False, report: Report = lamb
     require_tensorrt()
     import tensorrt as trt
 
-    target = Target.current()
+    target = current_target()
     strongly = plan.options.strongly_typed or int(str(trt.__version__).split(".")[0]) >= 11
     report(f"building {plan.options.precision} engines for {target.gpu} (sm {target.compute_capability}) with "
            f"TensorRT {target.tensorrt}{', strongly typed' if strongly else ''}")

@@ -16,10 +16,10 @@ from typing import Any
 
 import numpy as np
 
-from refusion.engines.manifest import EngineManifest, sha256_file
-from refusion.runtime.contract import GraphName, past_key_name, past_value_name
-from refusion.runtime.errors import RefusionError
-from refusion.runtime.manifest import ExportManifest
+from refusion.runtime.core.contract import GraphName, past_key_name, past_value_name
+from refusion.runtime.core.engines_manifest import EngineManifest, sha256_file
+from refusion.runtime.core.errors import RefusionError
+from refusion.runtime.core.export_manifest import ExportManifest
 
 TOLERANCE = {"float32": 1e-3, "float16": 2e-2}  # abs and rel, per element
 MIN_ARGMAX_AGREEMENT = 0.98

@@ -16,7 +16,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from refusion.runtime.errors import RefusionError
+from refusion.runtime.core.errors import RefusionError
 
 OPS_FILE = Path(__file__).with_name("trt_onnx_ops.json")
 
@@ -81,8 +81,8 @@ def check_export(export_dir: str | Path) -> list[Finding]:
     """Findings for both graphs of an export directory."""
     import onnx
 
-    from refusion.runtime.contract import GRAPH_NAMES
-    from refusion.runtime.manifest import ExportManifest
+    from refusion.runtime.core.contract import GRAPH_NAMES
+    from refusion.runtime.core.export_manifest import ExportManifest
 
     manifest = ExportManifest.load(export_dir)
     manifest.require_files(*manifest.graph_files.values())

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from refusion.export.dims import ModelDims
-from refusion.runtime.errors import RefusionError
+from refusion.runtime.core.dims import ModelDims
+from refusion.runtime.core.errors import RefusionError
 
 if TYPE_CHECKING:
     import torch

@@ -20,9 +20,9 @@ import onnx
 from refusion.export.checkpoint import Checkpoint, expected_weights
 from refusion.export.onnx_graph import OPSET, build_graph
 from refusion.export.weights_file import WeightsWriter
-from refusion.runtime.contract import GRAPH_NAMES, graph_specs
-from refusion.runtime.errors import RefusionError
-from refusion.runtime.manifest import FORMAT, FORMAT_VERSION, MANIFEST_NAME
+from refusion.runtime.core.contract import GRAPH_NAMES, graph_specs
+from refusion.runtime.core.errors import RefusionError
+from refusion.runtime.core.export_manifest import FORMAT, FORMAT_VERSION, MANIFEST_NAME
 from refusion.runtime.tokenizer import TOKENIZER_FILES
 from refusion.runtime.weights import is_linear_weight
 

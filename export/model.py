@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from refusion.export.checkpoint import Checkpoint
-from refusion.export.dims import ModelDims
+from refusion.runtime.core.dims import ModelDims
 from refusion.runtime.weights import is_linear_weight
 
 

@@ -13,8 +13,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from refusion.export.dims import ModelDims
-from refusion.runtime.contract import GraphSpec
+from refusion.runtime.core.contract import GraphSpec
+from refusion.runtime.core.dims import ModelDims
 
 OPSET = 17
 _NUMPY_TO_ONNX = {

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
-from refusion.runtime.contract import GRAPH_NAMES
-from refusion.runtime.manifest import ExportManifest
+from refusion.runtime.core.contract import GRAPH_NAMES
+from refusion.runtime.core.export_manifest import ExportManifest
 from refusion.runtime.weights import map_weights
 
 # (batch, past, seq, slot rows sharing the past)
@@ -50,8 +50,8 @@ def validate_export(path: str | Path, seed: int = 0) -> ValidationReport:
     import onnxruntime as ort
     import torch
 
-    from refusion.export.dims import ModelDims
     from refusion.export.model import Qwen3
+    from refusion.runtime.core.dims import ModelDims
 
     manifest = ExportManifest.load(path)
     report = ValidationReport(manifest.dtype)

@@ -1,6 +1,6 @@
 """The lightweight runtime: numpy, tokenizers and jinja2 only; backends are imported lazily."""
 
-from refusion.runtime.errors import RefusionError
+from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.generator import GenerationResult, GenerationStats, Generator
 from refusion.runtime.params import DecodeParams
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from refusion.runtime import masks, policy
-from refusion.runtime.errors import RefusionError
+from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.kv_cache import KVCache
 from refusion.runtime.params import DecodeParams
 from refusion.runtime.runners.base import Runner

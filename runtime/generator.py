@@ -13,9 +13,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from refusion.runtime.decode import Commit, DecodeTrace, Tokens, ar_decode, refusion_decode
-from refusion.runtime.errors import RefusionError
-from refusion.runtime.manifest import ExportManifest
+from refusion.runtime.core.errors import RefusionError
+from refusion.runtime.core.export_manifest import ExportManifest
+from refusion.runtime.decode import (
+    Commit,
+    DecodeTrace,
+    Tokens,
+    ar_decode,
+    refusion_decode,
+)
 from refusion.runtime.params import DecodeParams
 from refusion.runtime.runners import make_runner
 from refusion.runtime.runners.base import Runner

@@ -10,7 +10,7 @@ The device work (writes, moves) is the runner's; this class only decides where.
 
 from __future__ import annotations
 
-from refusion.runtime.errors import RefusionError
+from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.runners.base import Runner
 
 

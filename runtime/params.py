@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from refusion.runtime.errors import RefusionError
+from refusion.runtime.core.errors import RefusionError
 
 Mode = Literal["refusion", "ar"]
 

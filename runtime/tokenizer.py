@@ -25,7 +25,7 @@ from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as _Backend
 from tokenizers.models import BPE
 
-from refusion.runtime.errors import RefusionError
+from refusion.runtime.core.errors import RefusionError
 
 # Every tokenizer file a checkpoint may carry; the exporter copies those that exist.
 TOKENIZER_FILES: tuple[str, ...] = (

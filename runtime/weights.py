@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from refusion.runtime.errors import RefusionError
-from refusion.runtime.manifest import ExportManifest
+from refusion.runtime.core.errors import RefusionError
+from refusion.runtime.core.export_manifest import ExportManifest
 
 # numpy has no bfloat16: bf16 tensors are viewed as same-width integers (callers reinterpret).
 STORAGE_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}

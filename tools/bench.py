@@ -47,9 +47,9 @@ from typing import Any
 import click
 import numpy as np
 
-from refusion.runtime.errors import RefusionError
+from refusion.runtime.core.errors import RefusionError
+from refusion.runtime.core.export_manifest import MANIFEST_NAME
 from refusion.runtime.generator import GenerationResult, Generator
-from refusion.runtime.manifest import MANIFEST_NAME
 from refusion.runtime.params import DecodeParams
 from refusion.tools import tasks as T
 from refusion.tools.cli_common import progress as echo_progress

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import click
 
-from refusion.engines.profiles import DecodeLimits
+from refusion.runtime.core.profiles import DecodeLimits
 from refusion.tools.cli_common import progress
 
 

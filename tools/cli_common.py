@@ -6,7 +6,7 @@ from typing import Any
 
 import click
 
-from refusion.runtime.errors import RefusionError
+from refusion.runtime.core.errors import RefusionError
 
 
 class ErrorReportingGroup(click.Group):

@@ -51,7 +51,7 @@ def run_demo(output: Path, backend: str = "auto", threads: int | None = None) ->
     model_dir = export
     if use_trt:
         from refusion.engines.build import build_engines, plan_build
-        from refusion.engines.profiles import DecodeLimits
+        from refusion.runtime.core.profiles import DecodeLimits
 
         progress(f"[2/4] building TensorRT engines -> {output / 'engines'}")
         limits = DecodeLimits(256, DEMO_SETTINGS["gen_length"], DEMO_SETTINGS["slot_size"],

@@ -36,8 +36,8 @@ from typing import Literal
 import numpy as np
 
 from refusion.runtime import masks
+from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.decode import DecodeTrace
-from refusion.runtime.errors import RefusionError
 from refusion.runtime.runners.base import Runner
 
 Order = Literal["position", "clean_first"]

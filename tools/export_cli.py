@@ -12,7 +12,7 @@ from typing import Any
 
 import click
 
-from refusion.runtime.errors import RefusionError
+from refusion.runtime.core.errors import RefusionError
 from refusion.tools.build_command import build_command, check_engines
 from refusion.tools.cli_common import ErrorReportingGroup, progress
 from refusion.tools.demo import demo_command
@@ -84,8 +84,8 @@ def check_command(export_dir: Path) -> None:
 @click.argument("export_dir", type=click.Path(path_type=Path))
 def inspect_command(export_dir: Path) -> None:
     """Describe an export: model dims, token ids, files, and each graph's inputs and outputs."""
-    from refusion.runtime.contract import GRAPH_NAMES
-    from refusion.runtime.manifest import ExportManifest
+    from refusion.runtime.core.contract import GRAPH_NAMES
+    from refusion.runtime.core.export_manifest import ExportManifest
 
     m = ExportManifest.load(export_dir)
     echo = click.echo

@@ -48,7 +48,7 @@ def fixture(work: Path) -> Path:
 
 def build(export: Path, work: Path, strongly_typed: bool) -> Path:
     from refusion.engines.build import build_engines, plan_build
-    from refusion.engines.profiles import DecodeLimits
+    from refusion.runtime.core.profiles import DecodeLimits
 
     plan = plan_build(export, work / "engines", DecodeLimits(**LIMITS), strongly_typed=strongly_typed,
                       timing_cache=work / "timing.cache")
@@ -59,8 +59,8 @@ def build(export: Path, work: Path, strongly_typed: bool) -> Path:
 
 
 def parity(export: Path, engines: Path) -> bool:
+    from refusion.runtime.core.export_manifest import ExportManifest
     from refusion.runtime.generator import Generator
-    from refusion.runtime.manifest import ExportManifest
     from refusion.runtime.runners.onnxruntime import OrtRunner
     from refusion.runtime.runners.tensorrt import TensorRTRunner
 
@@ -87,8 +87,8 @@ def _first_difference(a: list[int], b: list[int]) -> int:
 
 def latency(engines: Path, repeats: int = 50) -> None:
     """Median wall time per forward at the profiles' typical shapes (a tiny model: launch-bound)."""
-    from refusion.engines.profiles import DecodeLimits
-    from refusion.runtime.contract import GraphName
+    from refusion.runtime.core.contract import GraphName
+    from refusion.runtime.core.profiles import DecodeLimits
     from refusion.runtime.runners.tensorrt import TensorRTRunner
 
     limits = DecodeLimits(**LIMITS)

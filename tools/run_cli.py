@@ -13,7 +13,7 @@ from pathlib import Path
 
 import click
 
-from refusion.runtime.errors import RefusionError
+from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.generator import GenerationResult, Generator
 from refusion.runtime.params import DecodeParams
 from refusion.runtime.runners import BACKENDS

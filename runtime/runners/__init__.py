@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from refusion.runtime.errors import RefusionError
-from refusion.runtime.manifest import ExportManifest
+from refusion.runtime.core.engines_manifest import ENGINES_MANIFEST
+from refusion.runtime.core.errors import RefusionError
+from refusion.runtime.core.export_manifest import ExportManifest
 from refusion.runtime.runners.base import Runner
 
 BACKENDS = ("auto", "trt", "ort-cuda", "ort-cpu")
-ENGINES_MANIFEST = "engines.json"
 
 
 def available_backend(path: Path) -> str:

@@ -14,9 +14,9 @@ from types import TracebackType
 
 import numpy as np
 
-from refusion.runtime.contract import GraphName
-from refusion.runtime.errors import RefusionError
-from refusion.runtime.manifest import ExportManifest
+from refusion.runtime.core.contract import GraphName
+from refusion.runtime.core.errors import RefusionError
+from refusion.runtime.core.export_manifest import ExportManifest
 from refusion.runtime.params import DecodeParams
 
 

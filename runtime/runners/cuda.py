@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from refusion.runtime.errors import RefusionError
+from refusion.runtime.core.errors import RefusionError
 
 _CUDART: Any = None  # cuda-python's runtime module, imported on first use
 

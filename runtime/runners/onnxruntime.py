@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from refusion.runtime.contract import (
+from refusion.runtime.core.contract import (
     GRAPH_NAMES,
     GraphName,
     past_key_name,
@@ -27,8 +27,8 @@ from refusion.runtime.contract import (
     present_key_name,
     present_value_name,
 )
-from refusion.runtime.errors import RefusionError
-from refusion.runtime.manifest import ExportManifest
+from refusion.runtime.core.errors import RefusionError
+from refusion.runtime.core.export_manifest import ExportManifest
 from refusion.runtime.runners.base import Runner
 
 _NP = {"float32": np.float32, "float16": np.float16}

@@ -20,14 +20,21 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from refusion.engines.manifest import EngineManifest, Target
-from refusion.engines.profiles import check_request, select_profile
-from refusion.runtime.contract import BATCH, GRAPH_NAMES, SEQ, GraphName, past_key_name, past_value_name
-from refusion.runtime.errors import RefusionError
-from refusion.runtime.manifest import ExportManifest
+from refusion.runtime.core.contract import (
+    BATCH,
+    GRAPH_NAMES,
+    SEQ,
+    GraphName,
+    past_key_name,
+    past_value_name,
+)
+from refusion.runtime.core.engines_manifest import EngineManifest, Target
+from refusion.runtime.core.errors import RefusionError
+from refusion.runtime.core.export_manifest import ExportManifest
+from refusion.runtime.core.profiles import check_request, select_profile
 from refusion.runtime.params import DecodeParams
 from refusion.runtime.runners.base import Runner
-from refusion.runtime.runners.cuda import DeviceBuffer, Stream
+from refusion.runtime.runners.cuda import DeviceBuffer, Stream, device_info
 
 if TYPE_CHECKING:
     import tensorrt
@@ -37,6 +44,28 @@ _TRT_DTYPES = {"FLOAT": "float32", "HALF": "float16", "BF16": "bfloat16", "INT64
                "BOOL": "bool"}
 _HOST_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16, "int64": np.int64,
                 "int32": np.int32, "bool": np.bool_}
+
+
+def require_tensorrt() -> None:
+    """Fail with the install hint when TensorRT cannot be imported (callers then import it typed).
+    A module without __version__ is a stub folder seen as a namespace package, not TensorRT."""
+    hint = ("pip install 'refusion-trt[trt]' on a machine with an NVIDIA GPU (on Jetson, JetPack's "
+            "python3-libnvinfer; see docs/tensorrt.md).")
+    try:
+        import tensorrt
+    except ImportError as e:
+        raise RefusionError(f"TensorRT is not installed: {hint}") from e
+    if not hasattr(tensorrt, "__version__"):
+        raise RefusionError(f"`import tensorrt` finds only {list(tensorrt.__path__)} (type stubs?), not TensorRT: {hint}")
+
+
+def current_target() -> Target:
+    """This machine's TensorRT and GPU (imports tensorrt and cuda-python, creates no engine)."""
+    require_tensorrt()
+    import tensorrt
+
+    gpu, capability = device_info()
+    return Target(str(tensorrt.__version__), gpu, capability)
 
 
 class TensorRTRunner(Runner):
@@ -71,7 +100,7 @@ class TensorRTRunner(Runner):
 
     # -- lifecycle ---------------------------------------------------------------------------
     def _activate(self) -> None:
-        self.engines.verify_target(Target.current())  # needs tensorrt; says how to install it
+        self.engines.verify_target(current_target())  # needs tensorrt; says how to install it
         self.engines.verify_files()  # every check before any deserialization
         try:
             self._load()

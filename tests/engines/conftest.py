@@ -52,8 +52,8 @@ def fakes(monkeypatch) -> tuple[FakeTensorRT, FakeCudart]:
 def fake_engines(export: Path, output: Path, limits=None, **target) -> Path:
     """An engines directory as `build_engines` writes it, with fake engine files."""
     from refusion.engines.build import plan_build, write_engines_dir
-    from refusion.engines.manifest import Target
-    from refusion.engines.profiles import DecodeLimits
+    from refusion.runtime.core.engines_manifest import Target
+    from refusion.runtime.core.profiles import DecodeLimits
 
     plan = plan_build(export, output, limits or DecodeLimits(max_prompt=16, gen_length=64, slot_size=4, serial_blocks=2))
     output.mkdir(parents=True)

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from refusion.engines.build import BuildPlan
-from refusion.runtime.contract import GraphName
+from refusion.runtime.core.contract import GraphName
 
 
 class FakeCudart:

@@ -17,8 +17,8 @@ from refusion.engines.build import (
     plan_build,
     progress_monitor,
 )
-from refusion.engines.profiles import DecodeLimits, engine_profiles
-from refusion.runtime.errors import RefusionError
+from refusion.runtime.core.errors import RefusionError
+from refusion.runtime.core.profiles import DecodeLimits, engine_profiles
 
 LIMITS = DecodeLimits(max_prompt=64, gen_length=64, slot_size=8, serial_blocks=2)
 
@@ -47,8 +47,13 @@ def test_rebuild_command_carries_every_choice(exports, tmp_path):
 
 
 def test_weakly_typed_fp16_loaders(exports, tmp_path):
-    from polygraphy.backend.trt import CreateConfig, EngineBytesFromNetwork, NetworkFromOnnxPath, PostprocessConfig
-    from polygraphy.backend.trt import PostprocessNetwork
+    from polygraphy.backend.trt import (
+        CreateConfig,
+        EngineBytesFromNetwork,
+        NetworkFromOnnxPath,
+        PostprocessConfig,
+        PostprocessNetwork,
+    )
 
     cache = tmp_path / "timing.cache"
     plan = plan_build(exports["fp16"], tmp_path / "engines", LIMITS, timing_cache=cache, workspace_gib=2)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from refusion.engines import check
-from refusion.runtime.errors import RefusionError
-from refusion.runtime.manifest import ExportManifest
+from refusion.runtime.core.errors import RefusionError
+from refusion.runtime.core.export_manifest import ExportManifest
 from tests.engines.conftest import fake_engines
 
 

@@ -7,7 +7,7 @@ import importlib.util
 import pytest
 from click.testing import CliRunner
 
-from refusion.runtime.errors import RefusionError
+from refusion.runtime.core.errors import RefusionError
 from refusion.tools.build_command import build_command, check_engines
 from tests.engines.conftest import fake_engines
 

@@ -13,9 +13,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 def _need_gpu() -> None:
     pytest.importorskip("polygraphy")
-    from refusion.engines.build import require_tensorrt
-    from refusion.runtime.errors import RefusionError
+    from refusion.runtime.core.errors import RefusionError
     from refusion.runtime.runners.cuda import device_info
+    from refusion.runtime.runners.tensorrt import require_tensorrt
 
     try:
         require_tensorrt()

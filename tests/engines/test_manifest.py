@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from refusion.engines.manifest import EngineManifest, Target
-from refusion.engines.profiles import DecodeLimits
-from refusion.runtime.errors import RefusionError
-from refusion.runtime.manifest import ExportManifest
+from refusion.runtime.core.engines_manifest import EngineManifest, Target
+from refusion.runtime.core.errors import RefusionError
+from refusion.runtime.core.export_manifest import ExportManifest
+from refusion.runtime.core.profiles import DecodeLimits
 from refusion.runtime.runners.tensorrt import TensorRTRunner
 from tests.engines.conftest import fake_engines
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-MODULES = ["refusion.engines.build", "refusion.engines.manifest", "refusion.engines.profiles",
+MODULES = ["refusion.engines.build", "refusion.runtime.core.engines_manifest", "refusion.runtime.core.profiles",
            "refusion.engines.check", "refusion.engines.onnx_support", "refusion.runtime.runners.tensorrt",
            "refusion.runtime.runners.cuda"]
 # The same settings as [tool.mypy] in pyproject.toml, with this test's own paths.

@@ -6,8 +6,13 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from refusion.engines.onnx_support import check_export, check_model, documented, require_supported
-from refusion.runtime.errors import RefusionError
+from refusion.engines.onnx_support import (
+    check_export,
+    check_model,
+    documented,
+    require_supported,
+)
+from refusion.runtime.core.errors import RefusionError
 
 
 def test_op_list_names_its_source():

@@ -13,9 +13,9 @@ import itertools
 import numpy as np
 import pytest
 
+from refusion.runtime.core.errors import RefusionError
+from refusion.runtime.core.export_manifest import ExportManifest
 from refusion.runtime.decode import DecodeTrace, Tokens, ar_decode, refusion_decode
-from refusion.runtime.errors import RefusionError
-from refusion.runtime.manifest import ExportManifest
 from refusion.runtime.params import DecodeParams
 from refusion.runtime.runners import cuda
 from refusion.runtime.runners.onnxruntime import OrtRunner

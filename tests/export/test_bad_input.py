@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from refusion.export.exporter import export_onnx
-from refusion.runtime.errors import RefusionError
+from refusion.runtime.core.errors import RefusionError
 
 
 def assert_nothing_published(out: Path) -> None:

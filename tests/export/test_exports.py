@@ -7,7 +7,7 @@ import json
 import onnx
 import pytest
 
-from refusion.runtime.manifest import ExportManifest
+from refusion.runtime.core.export_manifest import ExportManifest
 from tests.export.conftest import SPECS
 
 

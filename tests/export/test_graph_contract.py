@@ -10,8 +10,8 @@ from onnx import helper
 
 from refusion.export.checkpoint import Checkpoint
 from refusion.export.model import Qwen3
-from refusion.runtime.contract import GRAPH_NAMES, graph_specs
-from refusion.runtime.manifest import ExportManifest
+from refusion.runtime.core.contract import GRAPH_NAMES, graph_specs
+from refusion.runtime.core.export_manifest import ExportManifest
 
 ort = pytest.importorskip("onnxruntime")
 

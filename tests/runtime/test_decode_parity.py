@@ -7,8 +7,8 @@ from collections import Counter
 
 import pytest
 
+from refusion.runtime.core.export_manifest import ExportManifest
 from refusion.runtime.decode import DecodeTrace, Tokens, ar_decode, refusion_decode
-from refusion.runtime.manifest import ExportManifest
 from refusion.runtime.params import DecodeParams
 from refusion.runtime.runners.onnxruntime import OrtRunner
 from tests.reference.models import frequent_tokens

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from refusion.runtime.errors import RefusionError
+from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.generator import Generator
 from refusion.tools.run_cli import cli
 from tests.runtime.conftest import export_peaky

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from refusion.runtime import masks, policy
-from refusion.runtime.errors import RefusionError
+from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.params import DecodeParams
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from refusion.runtime.errors import RefusionError
+from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.tokenizer import TOKENIZER_FILES, Tokenizer
 from tests.fixtures.tokenizer_files import write_tokenizer
 

@@ -12,7 +12,7 @@ from click.testing import CliRunner
 pytest.importorskip("onnxruntime")
 pytest.importorskip("transformers")
 
-from refusion.runtime.errors import RefusionError  # noqa: E402
+from refusion.runtime.core.errors import RefusionError  # noqa: E402
 from refusion.runtime.generator import Generator  # noqa: E402
 from refusion.tools import bench as B  # noqa: E402
 from refusion.tools.cli_common import ErrorReportingGroup  # noqa: E402

@@ -18,8 +18,15 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from refusion.runtime.contract import BATCH, PAST_SEQ, SEQ, TOTAL_SEQ, GraphName, GraphSpec
-from refusion.runtime.errors import RefusionError
+from refusion.runtime.core.contract import (
+    BATCH,
+    PAST_SEQ,
+    SEQ,
+    TOTAL_SEQ,
+    GraphName,
+    GraphSpec,
+)
+from refusion.runtime.core.errors import RefusionError
 
 Range = tuple[int, int, int]  # min, opt, max
 ShapeRange = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]

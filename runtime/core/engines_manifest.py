@@ -15,12 +15,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from refusion.engines.profiles import DecodeLimits, ProfileSpec
-from refusion.runtime.contract import GRAPH_NAMES, GraphName
-from refusion.runtime.errors import RefusionError
-from refusion.runtime.manifest import check_format
-from refusion.runtime.runners import ENGINES_MANIFEST
+from refusion.runtime.core.contract import GRAPH_NAMES, GraphName
+from refusion.runtime.core.errors import RefusionError
+from refusion.runtime.core.export_manifest import check_format
+from refusion.runtime.core.profiles import DecodeLimits, ProfileSpec
 
+ENGINES_MANIFEST = "engines.json"
 FORMAT = "refusion-engines"
 FORMAT_VERSION = 1
 
@@ -35,18 +35,6 @@ class Target:
 
     def to_json(self) -> dict[str, str]:
         return {"tensorrt": self.tensorrt, "gpu": self.gpu, "compute_capability": self.compute_capability}
-
-    @staticmethod
-    def current() -> Target:
-        """This machine's TensorRT and GPU (imports tensorrt and cuda-python, creates no engine)."""
-        from refusion.engines.build import require_tensorrt
-        from refusion.runtime.runners.cuda import device_info
-
-        require_tensorrt()
-        import tensorrt
-
-        gpu, capability = device_info()
-        return Target(str(tensorrt.__version__), gpu, capability)
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from refusion.runtime.contract import GRAPH_NAMES, GraphName, GraphSpec
-from refusion.runtime.errors import RefusionError
+from refusion.runtime.core.contract import GRAPH_NAMES, GraphName, GraphSpec
+from refusion.runtime.core.errors import RefusionError
 
 MANIFEST_NAME = "refusion.json"
 FORMAT = "refusion-onnx"

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from refusion.runtime.errors import RefusionError
+from refusion.runtime.core.errors import RefusionError
 
 SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM",)
 

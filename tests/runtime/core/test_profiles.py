@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from refusion.engines.profiles import (
+from refusion.runtime.core.contract import graph_specs
+from refusion.runtime.core.errors import RefusionError
+from refusion.runtime.core.profiles import (
     DecodeLimits,
     ProfileSpec,
     box_profile,
@@ -13,8 +15,6 @@ from refusion.engines.profiles import (
     forward_boxes,
     select_profile,
 )
-from refusion.runtime.contract import graph_specs
-from refusion.runtime.errors import RefusionError
 
 # task: (slot_size, serial_num_blocks), gen_length 512 (upstream eval.sh), and the generate.py demo
 PAPER = {
