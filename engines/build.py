@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from refusion.runtime.core.contract import GRAPH_NAMES, GraphName
+from refusion.runtime.core.dtypes import EXPORT_DTYPES, dtype
 from refusion.runtime.core.engines_manifest import (
     EngineFile,
     EngineManifest,
@@ -40,7 +41,6 @@ from refusion.runtime.runners.tensorrt import current_target, require_tensorrt
 if TYPE_CHECKING:
     import tensorrt
 
-PRECISIONS = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 # The infiller first: with two profiles its build is the longer one, and the planner's build then
 # finds most tactics in the timing cache (the layers are the same).
 BUILD_ORDER: tuple[GraphName, ...] = ("infiller", "planner")
@@ -89,10 +89,10 @@ def plan_build(export_dir: str | Path, output: str | Path, limits: DecodeLimits,
 
     export = ExportManifest.load(export_dir)
     export.require_files(export.weights_file, *export.graph_files.values())
-    exported = next(k for k, v in PRECISIONS.items() if v == export.dtype)
+    exported = dtype(export.dtype).flag
     precision = precision or exported
-    if precision not in PRECISIONS:
-        raise RefusionError(f"--precision {precision!r} is not one of {', '.join(PRECISIONS)}.")
+    if precision not in EXPORT_DTYPES:
+        raise RefusionError(f"--precision {precision!r} is not one of {', '.join(EXPORT_DTYPES)}.")
     if precision != exported:
         raise RefusionError(
             f"--precision {precision} needs a {precision} export; {export.path} holds {export.dtype} graphs. The "

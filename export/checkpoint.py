@@ -13,13 +13,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from refusion.runtime.core.dims import ModelDims
+from refusion.runtime.core.dtypes import from_safetensors
 from refusion.runtime.core.errors import RefusionError
 
 if TYPE_CHECKING:
     import torch
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
-SUPPORTED_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
+SUPPORTED_DTYPES = ("BF16", "F16", "F32")  # safetensors names of the float types a checkpoint may hold
 CONVERT_HINT = (
     "convert it once with transformers: "
     "AutoModelForCausalLM.from_pretrained(SRC).save_pretrained(DST, safe_serialization=True)"
@@ -137,12 +138,13 @@ def _check_tensors(path: Path, dims: ModelDims, files: dict[str, Path]) -> str:
                         f"checkpoint {path}: tensor {name!r} in {file.name} has shape {list(shape)}, "
                         f"expected {list(expected[name])} from config.json; config and weights disagree."
                     )
-                if dtype not in SUPPORTED_DTYPES:
+                row = from_safetensors(dtype)
+                if dtype not in SUPPORTED_DTYPES or row is None:
                     raise RefusionError(
                         f"checkpoint {path}: tensor {name!r} has dtype {dtype}; "
                         f"expected one of {sorted(SUPPORTED_DTYPES)}."
                     )
-                dtypes.add(SUPPORTED_DTYPES[dtype])
+                dtypes.add(row.name)
     # bf16 checkpoints commonly keep some norms in fp32; report the widest 16-bit type present.
     for d in ("bfloat16", "float16", "float32"):
         if d in dtypes:

@@ -21,12 +21,12 @@ from refusion.export.checkpoint import Checkpoint, expected_weights
 from refusion.export.onnx_graph import OPSET, build_graph
 from refusion.export.weights_file import WeightsWriter
 from refusion.runtime.core.contract import GRAPH_NAMES, graph_specs
+from refusion.runtime.core.dtypes import from_flag
 from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.core.export_manifest import FORMAT, FORMAT_VERSION, MANIFEST_NAME
 from refusion.runtime.tokenizer import TOKENIZER_FILES
 from refusion.runtime.weights import is_linear_weight
 
-DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 WEIGHTS_FILE = "weights.bin"
 Progress = Callable[[str], None]
 
@@ -43,8 +43,7 @@ def export_onnx(
     progress: Progress = lambda msg: None,
 ) -> Path:
     output = Path(output)
-    if dtype not in DTYPES:
-        raise RefusionError(f"--dtype {dtype!r} is not supported; choose one of {', '.join(DTYPES)}.")
+    export_dtype = from_flag(dtype).name
     if output.exists() and not force:
         raise RefusionError(f"output {output} already exists; pass --force to replace it.")
     if output.exists() and not _replaceable(output):
@@ -65,7 +64,7 @@ def export_onnx(
         why = "a file is in the way" if isinstance(e, (FileExistsError, NotADirectoryError)) else e.strerror
         raise RefusionError(f"cannot write to {output.parent} ({why}); choose a writable --output.") from e
     try:
-        _write_export(ckpt, staging, DTYPES[dtype], logits, eos_id, progress)
+        _write_export(ckpt, staging, export_dtype, logits, eos_id, progress)
         if validate:
             from refusion.export.validate import validate_export
 

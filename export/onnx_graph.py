@@ -15,15 +15,9 @@ from onnx import TensorProto, helper, numpy_helper
 
 from refusion.runtime.core.contract import GraphSpec
 from refusion.runtime.core.dims import ModelDims
+from refusion.runtime.core.dtypes import dtype as core_dtype
 
 OPSET = 17
-_NUMPY_TO_ONNX = {
-    "int64": TensorProto.INT64,
-    "bool": TensorProto.BOOL,
-    "float32": TensorProto.FLOAT,
-    "float16": TensorProto.FLOAT16,
-    "bfloat16": TensorProto.BFLOAT16,
-}
 
 
 class _Builder:
@@ -55,7 +49,7 @@ def build_graph(
 ) -> onnx.ModelProto:
     """One graph of the contract: embed, decoder layers with explicit KV, fused heads."""
     g = _Builder()
-    onnx_dtype = _NUMPY_TO_ONNX[dtype]
+    onnx_dtype = core_dtype(dtype).onnx
     wants = {t.name for t in spec.outputs}
     n_rep = dims.num_heads // dims.kv_heads
     d = dims.head_dim
@@ -109,8 +103,8 @@ def build_graph(
     graph = helper.make_graph(
         g.nodes,
         f"refusion_{spec.name}",
-        [helper.make_tensor_value_info(t.name, _NUMPY_TO_ONNX[t.dtype], list(t.axes)) for t in spec.inputs],
-        [helper.make_tensor_value_info(t.name, _NUMPY_TO_ONNX[t.dtype], list(t.axes)) for t in spec.outputs],
+        [helper.make_tensor_value_info(t.name, core_dtype(t.dtype).onnx, list(t.axes)) for t in spec.inputs],
+        [helper.make_tensor_value_info(t.name, core_dtype(t.dtype).onnx, list(t.axes)) for t in spec.outputs],
         initializer=[initializers[n] for n in _used_initializers(g, initializers)] + g.constants,
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)], producer_name="refusion-trt")

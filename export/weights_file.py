@@ -14,12 +14,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 from onnx import TensorProto
 
+from refusion.runtime.core.dtypes import dtype
+
 if TYPE_CHECKING:
     import torch
 
 ALIGNMENT = 4096
-ONNX_DTYPES = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16}
-
 
 class WeightsWriter:
     def __init__(self, path: Path, dtype: str):
@@ -33,7 +33,7 @@ class WeightsWriter:
         """Append `tensor` (converted to the export dtype) and return its initializer."""
         import torch
 
-        target = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[self.dtype]
+        target = getattr(torch, dtype(self.dtype).torch)
         t = tensor.to(target, memory_format=torch.contiguous_format).contiguous()  # one copy even when transposed
         # numpy has no bfloat16: write its raw bytes through a same-width integer view.
         raw = (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
@@ -43,7 +43,7 @@ class WeightsWriter:
         self._file.write(np.ascontiguousarray(raw).data)
         init = TensorProto()
         init.name = name
-        init.data_type = ONNX_DTYPES[self.dtype]
+        init.data_type = dtype(self.dtype).onnx
         init.dims.extend(t.shape)
         init.data_location = TensorProto.EXTERNAL
         for key, value in (("location", self.path.name), ("offset", str(self._offset)), ("length", str(raw.nbytes))):

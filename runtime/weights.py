@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from refusion.runtime.core.dtypes import dtype
 from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.core.export_manifest import ExportManifest
-
-# numpy has no bfloat16: bf16 tensors are viewed as same-width integers (callers reinterpret).
-STORAGE_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
 
 
 def map_weights(manifest: ExportManifest) -> dict[str, np.ndarray]:
@@ -23,8 +21,8 @@ def map_weights(manifest: ExportManifest) -> dict[str, np.ndarray]:
         )
     blob = np.memmap(file, dtype=np.uint8, mode="c")  # copy-on-write: writable views for torch, pages still shared
     views = {}
-    for name, e in manifest.weights.items():
-        views[name] = blob[e.offset : e.offset + e.nbytes].view(STORAGE_DTYPES[e.dtype]).reshape(e.shape)
+    for name, e in manifest.weights.items():  # bf16 tensors come as their raw uint16 bits
+        views[name] = blob[e.offset : e.offset + e.nbytes].view(dtype(e.dtype).numpy).reshape(e.shape)
     return views
 
 

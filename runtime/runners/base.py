@@ -15,6 +15,7 @@ from types import TracebackType
 import numpy as np
 
 from refusion.runtime.core.contract import GraphName
+from refusion.runtime.core.dtypes import dtype
 from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.core.export_manifest import ExportManifest
 from refusion.runtime.params import DecodeParams
@@ -66,7 +67,7 @@ class Runner(ABC):
     @property
     def kv_bytes_per_token(self) -> int:
         m = self.manifest
-        return 2 * m.num_layers * m.kv_heads * m.head_dim * np.dtype(_storage(m.dtype)).itemsize
+        return 2 * m.num_layers * m.kv_heads * m.head_dim * dtype(m.dtype).itemsize
 
     @property
     def kv_bytes(self) -> int:
@@ -160,6 +161,3 @@ class Runner(ABC):
         attention_mask: np.ndarray, past_length: int, write_at: int | None,
     ) -> dict[str, np.ndarray]: ...
 
-
-def _storage(dtype: str) -> type:
-    return {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}[dtype]

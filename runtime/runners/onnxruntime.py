@@ -27,11 +27,13 @@ from refusion.runtime.core.contract import (
     present_key_name,
     present_value_name,
 )
+from refusion.runtime.core.dtypes import dtype
 from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.core.export_manifest import ExportManifest
 from refusion.runtime.runners.base import Runner
 
-_NP = {"float32": np.float32, "float16": np.float16}
+# onnxruntime's CPU provider has no bfloat16 MatMul.
+ORT_DTYPES = ("float32", "float16")
 
 
 def import_onnxruntime() -> Any:
@@ -53,7 +55,7 @@ class OrtRunner(Runner):
 
     def __init__(self, manifest: ExportManifest, threads: int | None = None, low_memory: bool = False):
         super().__init__(manifest)
-        if manifest.dtype not in _NP:
+        if manifest.dtype not in ORT_DTYPES:
             raise RefusionError(
                 f"{manifest.path}: {manifest.dtype} graphs do not run on onnxruntime's CPU provider; "
                 "re-export with --dtype fp32 or fp16, or use the TensorRT backend."
@@ -61,7 +63,7 @@ class OrtRunner(Runner):
         manifest.require_files(manifest.weights_file, *manifest.graph_files.values())
         self.threads = threads
         self.low_memory = low_memory
-        self.dtype = _NP[manifest.dtype]
+        self.dtype = dtype(manifest.dtype).numpy.type
         self.sessions: dict[GraphName, Any] = {}
         self._outputs: dict[GraphName, list[str]] = {}
         self.keys: list[np.ndarray] = []

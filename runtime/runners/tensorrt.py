@@ -29,6 +29,7 @@ from refusion.runtime.core.contract import (
     past_value_name,
 )
 from refusion.runtime.core.engines_manifest import EngineManifest, Target
+from refusion.runtime.core.dtypes import dtype, from_trt
 from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.core.export_manifest import ExportManifest
 from refusion.runtime.core.profiles import check_request, select_profile
@@ -40,10 +41,6 @@ if TYPE_CHECKING:
     import tensorrt
 
 ALIGNMENT = 256  # bytes; TensorRT's requirement for tensor addresses
-_TRT_DTYPES = {"FLOAT": "float32", "HALF": "float16", "BF16": "bfloat16", "INT64": "int64", "INT32": "int32",
-               "BOOL": "bool"}
-_HOST_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16, "int64": np.int64,
-                "int32": np.int32, "bool": np.bool_}
 
 
 def require_tensorrt() -> None:
@@ -141,7 +138,8 @@ class TensorRTRunner(Runner):
         for i in range(engine.num_io_tensors):
             name = engine.get_tensor_name(i)
             mode = "in" if engine.get_tensor_mode(name) == trt.TensorIOMode.INPUT else "out"
-            found[name] = (mode, _TRT_DTYPES.get(engine.get_tensor_dtype(name).name, "?"))
+            row = from_trt(engine.get_tensor_dtype(name).name)
+            found[name] = (mode, row.name if row else "?")
         spec = self.manifest.graphs[graph]
         expected = {t.name: ("in", t.dtype) for t in spec.inputs} | {t.name: ("out", t.dtype) for t in spec.outputs}
         profiles = len(self.engines.engines[graph].profiles)
@@ -193,11 +191,11 @@ class TensorRTRunner(Runner):
         self._check_range("KV read", start, length)
         m, t = self.manifest, self._token_bytes
         shape = (1, length, m.kv_heads, m.head_dim)
-        dtype = _HOST_DTYPES[m.dtype]
+        host = dtype(m.dtype).numpy
         out = {}
         for i in range(m.num_layers):
-            out[f"present.{i}.key"] = self._keys[i].copy_to_host(shape, dtype, start * t)
-            out[f"present.{i}.value"] = self._values[i].copy_to_host(shape, dtype, start * t)
+            out[f"present.{i}.key"] = self._keys[i].copy_to_host(shape, host, start * t)
+            out[f"present.{i}.value"] = self._values[i].copy_to_host(shape, host, start * t)
         return out
 
     # -- forwards ----------------------------------------------------------------------------
@@ -218,10 +216,10 @@ class TensorRTRunner(Runner):
         for i in range(m.num_layers):  # past: the cache's first past_length tokens, in place
             self._bind_input(context, past_key_name(i), self._keys[i].ptr, kv_shape)
             self._bind_input(context, past_value_name(i), self._values[i].ptr, kv_shape)
-        heads = {o.name: (_shape(o.axes, seq), _HOST_DTYPES[o.dtype])
+        heads = {o.name: (_shape(o.axes, seq), dtype(o.dtype).numpy)
                  for o in m.graphs[graph].outputs if not o.name.startswith("present.")}
-        for name, (shape, dtype) in heads.items():
-            nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        for name, (shape, host) in heads.items():
+            nbytes = int(np.prod(shape)) * host.itemsize
             self._bind_output(context, name, self._buffer(name, nbytes).ptr)
         staging = self._bind_presents(context, seq, write_at) if write_at is not None else None
         if not context.execute_async_v3(self._active_stream.handle):
@@ -231,7 +229,7 @@ class TensorRTRunner(Runner):
             buf, stride = staging
             for j, cache in enumerate(self._keys + self._values):
                 buf.copy_to(cache, seq * t, src_offset=j * stride, dst_offset=write_at * t)
-        return {name: self._io[name].copy_to_host(shape, dtype) for name, (shape, dtype) in heads.items()}
+        return {name: self._io[name].copy_to_host(shape, host) for name, (shape, host) in heads.items()}
 
     def _bind_presents(self, context: tensorrt.IExecutionContext, seq: int, write_at: int) -> tuple[DeviceBuffer, int] | None:
         """Present KV straight into the cache at write_at; through an aligned staging buffer when

@@ -1,0 +1,75 @@
+"""The one dtype table: each element type under every name the project's formats and backends use.
+
+refusion.json and the graph contract name types as numpy does ("float16"); the CLIs say
+"fp16"; ONNX, TensorRT, torch and safetensors each have their own spelling. Everything
+converts through this table, so adding a type (int4 weights, say) is one row here.
+numpy has no bfloat16: its bytes live in a same-width unsigned integer (`storage`), and
+whoever hands them to torch or a device reinterprets them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from refusion.runtime.core.errors import RefusionError
+
+
+@dataclass(frozen=True)
+class DType:
+    name: str  # numpy-style name, as written in refusion.json and the contract
+    flag: str | None  # CLI spelling of an export dtype (--dtype / --precision); None for other types
+    onnx: int  # onnx.TensorProto.DataType value
+    trt: str  # tensorrt.DataType member name
+    torch: str  # torch attribute name
+    safetensors: str | None  # dtype string in a safetensors header
+    storage: str  # numpy dtype that holds the bytes on the host
+
+    @property
+    def numpy(self) -> np.dtype:
+        return np.dtype(self.storage)
+
+    @property
+    def itemsize(self) -> int:
+        return self.numpy.itemsize
+
+
+_TABLE = (
+    DType("float32", "fp32", 1, "FLOAT", "float32", "F32", "float32"),
+    DType("float16", "fp16", 10, "HALF", "float16", "F16", "float16"),
+    DType("bfloat16", "bf16", 16, "BF16", "bfloat16", "BF16", "uint16"),
+    DType("int64", None, 7, "INT64", "int64", "I64", "int64"),
+    DType("int32", None, 6, "INT32", "int32", "I32", "int32"),
+    DType("bool", None, 9, "BOOL", "bool", "BOOL", "bool"),
+)
+_BY_NAME = {d.name: d for d in _TABLE}
+
+# The float types an export (weights and KV) can have, by CLI flag: fp32, fp16, bf16.
+EXPORT_DTYPES: dict[str, DType] = {d.flag: d for d in _TABLE if d.flag is not None}
+
+
+def dtype(name: str) -> DType:
+    """The table row of a numpy-style type name; a RefusionError naming the known ones otherwise."""
+    if isinstance(name, str) and name in _BY_NAME:
+        return _BY_NAME[name]
+    raise RefusionError(f"dtype {name!r} is unknown; expected one of {', '.join(_BY_NAME)}.")
+
+
+def from_flag(flag: str) -> DType:
+    """fp32 | fp16 | bf16 -> the export dtype."""
+    if flag in EXPORT_DTYPES:
+        return EXPORT_DTYPES[flag]
+    raise RefusionError(f"dtype {flag!r} is not supported; choose one of {', '.join(EXPORT_DTYPES)}.")
+
+
+def from_onnx(value: int) -> DType | None:
+    return next((d for d in _TABLE if d.onnx == value), None)
+
+
+def from_trt(member: str) -> DType | None:
+    return next((d for d in _TABLE if d.trt == member), None)
+
+
+def from_safetensors(name: str) -> DType | None:
+    return next((d for d in _TABLE if d.safetensors == name), None)
