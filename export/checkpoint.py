@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from refusion.runtime.core.dims import ModelDims
+from refusion.runtime.core.dims import ModelDims, expected_weights
 from refusion.runtime.core.dtypes import from_safetensors
 from refusion.runtime.core.errors import RefusionError
 
@@ -25,31 +25,6 @@ CONVERT_HINT = (
     "convert it once with transformers: "
     "AutoModelForCausalLM.from_pretrained(SRC).save_pretrained(DST, safe_serialization=True)"
 )
-
-
-def expected_weights(dims: ModelDims) -> dict[str, tuple[int, ...]]:
-    """Every tensor a Qwen3ForCausalLM checkpoint must hold, with its shape."""
-    h, d, q, kv, inter = dims.hidden_size, dims.head_dim, dims.q_size, dims.kv_size, dims.intermediate_size
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (dims.vocab_size, h)}
-    for i in range(dims.num_layers):
-        p = f"model.layers.{i}."
-        shapes |= {
-            p + "input_layernorm.weight": (h,),
-            p + "self_attn.q_proj.weight": (q, h),
-            p + "self_attn.k_proj.weight": (kv, h),
-            p + "self_attn.v_proj.weight": (kv, h),
-            p + "self_attn.o_proj.weight": (h, q),
-            p + "self_attn.q_norm.weight": (d,),
-            p + "self_attn.k_norm.weight": (d,),
-            p + "post_attention_layernorm.weight": (h,),
-            p + "mlp.gate_proj.weight": (inter, h),
-            p + "mlp.up_proj.weight": (inter, h),
-            p + "mlp.down_proj.weight": (h, inter),
-        }
-    shapes["model.norm.weight"] = (h,)
-    if not dims.tie_word_embeddings:
-        shapes["lm_head.weight"] = (dims.vocab_size, h)
-    return shapes
 
 
 @dataclass(frozen=True)

@@ -17,15 +17,15 @@ from pathlib import Path
 
 import onnx
 
-from refusion.export.checkpoint import Checkpoint, expected_weights
+from refusion.export.checkpoint import Checkpoint
 from refusion.export.onnx_graph import OPSET, build_graph
 from refusion.export.weights_file import WeightsWriter
 from refusion.runtime.core.contract import GRAPH_NAMES, graph_specs
 from refusion.runtime.core.dtypes import from_flag
+from refusion.runtime.core.dims import expected_weights, is_linear_weight
 from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.core.export_manifest import FORMAT, FORMAT_VERSION, MANIFEST_NAME
 from refusion.runtime.tokenizer import TOKENIZER_FILES
-from refusion.runtime.weights import is_linear_weight
 
 WEIGHTS_FILE = "weights.bin"
 Progress = Callable[[str], None]

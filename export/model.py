@@ -14,8 +14,7 @@ import torch
 from torch import nn
 
 from refusion.export.checkpoint import Checkpoint
-from refusion.runtime.core.dims import ModelDims
-from refusion.runtime.weights import is_linear_weight
+from refusion.runtime.core.dims import ModelDims, is_linear_weight
 
 
 class RMSNorm(nn.Module):

@@ -24,8 +24,3 @@ def map_weights(manifest: ExportManifest) -> dict[str, np.ndarray]:
     for name, e in manifest.weights.items():  # bf16 tensors come as their raw uint16 bits
         views[name] = blob[e.offset : e.offset + e.nbytes].view(dtype(e.dtype).numpy).reshape(e.shape)
     return views
-
-
-def is_linear_weight(name: str) -> bool:
-    """Linear weights are stored [in, out] so the graphs multiply without a Transpose."""
-    return name.endswith("_proj.weight") or name == "lm_head.weight"

@@ -90,3 +90,33 @@ class ModelDims:
             )
         if self.head_dim % 2:
             raise RefusionError(f"{source}: head_dim={self.head_dim} must be even for rotary embeddings.")
+
+
+def expected_weights(dims: ModelDims) -> dict[str, tuple[int, ...]]:
+    """Every tensor a Qwen3ForCausalLM checkpoint must hold, with its shape."""
+    h, d, q, kv, inter = dims.hidden_size, dims.head_dim, dims.q_size, dims.kv_size, dims.intermediate_size
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (dims.vocab_size, h)}
+    for i in range(dims.num_layers):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "input_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (q, h),
+            p + "self_attn.k_proj.weight": (kv, h),
+            p + "self_attn.v_proj.weight": (kv, h),
+            p + "self_attn.o_proj.weight": (h, q),
+            p + "self_attn.q_norm.weight": (d,),
+            p + "self_attn.k_norm.weight": (d,),
+            p + "post_attention_layernorm.weight": (h,),
+            p + "mlp.gate_proj.weight": (inter, h),
+            p + "mlp.up_proj.weight": (inter, h),
+            p + "mlp.down_proj.weight": (h, inter),
+        }
+    shapes["model.norm.weight"] = (h,)
+    if not dims.tie_word_embeddings:
+        shapes["lm_head.weight"] = (dims.vocab_size, h)
+    return shapes
+
+
+def is_linear_weight(name: str) -> bool:
+    """Linear weights are stored [in, out] so the graphs multiply without a Transpose."""
+    return name.endswith("_proj.weight") or name == "lm_head.weight"
