@@ -27,14 +27,10 @@ from typing import TYPE_CHECKING, Any
 
 from refusion.runtime.core.contract import GRAPH_NAMES, GraphName
 from refusion.runtime.core.dtypes import EXPORT_DTYPES, dtype
-from refusion.runtime.core.engines_manifest import (
-    EngineFile,
-    EngineManifest,
-    Target,
-    sha256_file,
-)
+from refusion.runtime.core.engines_manifest import EngineFile, EngineManifest, Target
 from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.core.export_manifest import MANIFEST_NAME, ExportManifest
+from refusion.runtime.core.files import sha256_file
 from refusion.runtime.core.profiles import DecodeLimits, ProfileSpec, engine_profiles
 from refusion.runtime.runners.tensorrt import current_target, require_tensorrt
 
@@ -88,7 +84,6 @@ def plan_build(export_dir: str | Path, output: str | Path, limits: DecodeLimits,
     from refusion.engines.onnx_support import require_supported
 
     export = ExportManifest.load(export_dir)
-    export.require_files(export.weights_file, *export.graph_files.values())
     exported = dtype(export.dtype).flag
     precision = precision or exported
     if precision not in EXPORT_DTYPES:

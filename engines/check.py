@@ -17,7 +17,8 @@ from typing import Any
 import numpy as np
 
 from refusion.runtime.core.contract import GraphName, past_key_name, past_value_name
-from refusion.runtime.core.engines_manifest import EngineManifest, sha256_file
+from refusion.runtime.core.engines_manifest import EngineManifest
+from refusion.runtime.core.files import sha256_file
 from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.core.export_manifest import ExportManifest
 
@@ -121,7 +122,7 @@ def compare(runner: Any, export: ExportManifest, max_prompt: int, block: int, sl
     from polygraphy.comparator.compare import SimpleCompareFunc
 
     prefix = min(max_prompt, 12)
-    all_cases = cases(prefix, block, slot, export.mask_token_id, int(export.model["vocab_size"]))
+    all_cases = cases(prefix, block, slot, export.mask_token_id, export.vocab_size)
     ort = _OrtReference(export)
     runner.allocate_kv(prefix + 2 * block + 1)
     trt_iters, ort_iters = [], []

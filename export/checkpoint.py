@@ -12,9 +12,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from refusion.runtime.core.defaults import DecodeDefaults
 from refusion.runtime.core.dims import ModelDims, expected_weights
 from refusion.runtime.core.dtypes import from_safetensors
 from refusion.runtime.core.errors import RefusionError
+from refusion.runtime.core.fields import Fields
 
 if TYPE_CHECKING:
     import torch
@@ -65,6 +67,17 @@ class Checkpoint:
         finally:
             for handle in open_files.values():
                 handle.__exit__(None, None, None)
+
+    def decode_defaults(self) -> DecodeDefaults:
+        """The checkpoint's own decode settings (`refusion_decode` in generation_config.json), else
+        the paper's gsm8k row; the exporter clamps them to the model's positions."""
+        file = self.path / "generation_config.json"
+        if not file.is_file():
+            return DecodeDefaults()
+        raw = _read_json(file, "")
+        if "refusion_decode" not in raw:
+            return DecodeDefaults()
+        return DecodeDefaults.read(Fields(file, raw, "fix or remove refusion_decode there"), "refusion_decode")
 
     def eos_token_id(self) -> int:
         """The id generation stops at: the tokenizer's eos_token, as upstream uses it."""
@@ -131,9 +144,12 @@ def _read_json(file: Path, why: str) -> dict[str, Any]:
     if not file.is_file():
         raise RefusionError(f"{file} not found; {why}.")
     try:
-        return json.loads(file.read_text())
+        raw = json.loads(file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise RefusionError(f"{file} is not valid JSON ({e}); restore it from the original checkpoint.") from e
+    if not isinstance(raw, dict):
+        raise RefusionError(f"{file} holds a JSON {type(raw).__name__}, not an object; restore it from the original checkpoint.")
+    return raw
 
 
 def _mask_token_id(config: dict[str, Any], override: int | None, dims: ModelDims, path: Path) -> int:

@@ -1,16 +1,13 @@
 """`refusion-export onnx`: checkpoint directory -> planner.onnx + infiller.onnx + weights.bin + refusion.json.
 
-The export is written into a hidden temporary directory beside the output and renamed
-into place only when everything (graphs, weights, tokenizer, manifest, validation) is
-done, so a failed or interrupted export never leaves a directory that looks complete.
+The export is written into a hidden staging directory beside the output and published only
+when everything (graphs, weights, tokenizer, manifest, validation) is done, so a failed or
+interrupted export never leaves a directory that loads (export/publish.py says how).
 """
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -19,15 +16,15 @@ import onnx
 
 from refusion.export.checkpoint import Checkpoint
 from refusion.export.onnx_graph import OPSET, build_graph
+from refusion.export.publish import clean_leftovers, cleanup_on_signals, make_staging, publish
 from refusion.export.weights_file import WeightsWriter
 from refusion.runtime.core.contract import GRAPH_NAMES, graph_specs
 from refusion.runtime.core.dtypes import from_flag
 from refusion.runtime.core.dims import expected_weights, is_linear_weight
 from refusion.runtime.core.errors import RefusionError
-from refusion.runtime.core.export_manifest import FORMAT, FORMAT_VERSION, MANIFEST_NAME
+from refusion.runtime.core.export_manifest import MANIFEST_NAME, PENDING_NAME, ExportManifest, WeightEntry, with_files
 from refusion.runtime.tokenizer import TOKENIZER_FILES
 
-WEIGHTS_FILE = "weights.bin"
 Progress = Callable[[str], None]
 
 
@@ -56,40 +53,31 @@ def export_onnx(
     d = ckpt.dims
     progress(f"checkpoint {ckpt.path}: {d.num_layers} layers, hidden {d.hidden_size}, heads {d.num_heads}/{d.kv_heads} "
              f"kv, head_dim {d.head_dim}, vocab {d.vocab_size}, {ckpt.source_dtype} weights, {len(ckpt.files)} tensors")
-    try:
-        output.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.partial-", dir=output.parent))
-        staging.chmod(0o777 & ~_umask())  # mkdtemp makes it 0700; publish with the permissions mkdir would give
-    except OSError as e:
-        why = "a file is in the way" if isinstance(e, (FileExistsError, NotADirectoryError)) else e.strerror
-        raise RefusionError(f"cannot write to {output.parent} ({why}); choose a writable --output.") from e
-    try:
-        _write_export(ckpt, staging, export_dtype, logits, eos_id, progress)
-        if validate:
-            from refusion.export.validate import validate_export
+    with cleanup_on_signals():
+        try:
+            output.parent.mkdir(parents=True, exist_ok=True)
+            clean_leftovers(output, progress)
+            staging = make_staging(output)
+        except OSError as e:
+            why = "a file is in the way" if isinstance(e, (FileExistsError, NotADirectoryError)) else e.strerror
+            raise RefusionError(f"cannot write to {output.parent} ({why}); choose a writable --output.") from e
+        try:
+            _write_export(ckpt, staging, export_dtype, logits, eos_id, progress)
+            if validate:
+                from refusion.export.validate import validate_export
 
-            progress("validating graphs against the torch definition on onnxruntime CPU")
-            report = validate_export(staging)
-            progress(report.text())
-            if not report.ok:
-                raise RefusionError(f"export validation failed (report above); nothing was written to {output}.")
-        _publish(staging, output)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+                progress("validating graphs against the torch definition on onnxruntime CPU")
+                report = validate_export(staging, pending=True)
+                progress(report.text())
+                if not report.ok:
+                    raise RefusionError(f"export validation failed (report above); nothing was written to {output}.")
+            (staging / PENDING_NAME).rename(staging / MANIFEST_NAME)  # complete: the very last write
+            publish(staging, output)
+            progress(f"{MANIFEST_NAME} written: the export is complete")
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
     return output
-
-
-def _publish(staging: Path, output: Path) -> None:
-    """Rename the finished export into place; an old one is moved aside first and deleted
-    last, so at every moment `output` is either the old export or the new one."""
-    if not output.exists():
-        staging.rename(output)
-        return
-    old = staging.with_name(staging.name.replace(".partial-", ".old-"))
-    output.rename(old)
-    staging.rename(output)
-    shutil.rmtree(old)
 
 
 def _replaceable(output: Path) -> bool:
@@ -98,50 +86,38 @@ def _replaceable(output: Path) -> bool:
         (output / MANIFEST_NAME).is_file() or not any(output.iterdir()))
 
 
-def _umask() -> int:
-    mask = os.umask(0o22)
-    os.umask(mask)
-    return mask
-
-
 def _write_export(ckpt: Checkpoint, out: Path, dtype: str, logits: bool, eos_id: int, progress: Progress) -> None:
     dims = ckpt.dims
     t0 = time.perf_counter()
-    writer = WeightsWriter(out / WEIGHTS_FILE, dtype)
+    writer = WeightsWriter(out / ExportManifest.weights_file, dtype)
     names = list(expected_weights(dims))
     index = {}
     for n, (name, tensor) in enumerate(ckpt.tensors(names), 1):
         init = writer.add(name, tensor.T if is_linear_weight(name) else tensor)
         ext = {e.key: e.value for e in init.external_data}
-        index[name] = {"dtype": dtype, "shape": list(init.dims), "offset": int(ext["offset"]), "nbytes": int(ext["length"])}
+        index[name] = WeightEntry(dtype, tuple(init.dims), int(ext["offset"]), int(ext["length"]))
         if n % max(1, len(names) // 10) == 0 or n == len(names):
             progress(f"weights {n}/{len(names)} written ({writer.bytes_written / 2**20:.0f} MiB)")
-    weight_bytes = writer.close()
+    writer.close()
 
     specs = graph_specs(dims.num_layers, dims.kv_heads, dims.head_dim, dims.vocab_size, dtype, logits)
     for name in GRAPH_NAMES:
         model = build_graph(specs[name], dims, dtype, writer.initializers)
-        onnx.save_model(model, out / f"{name}.onnx")
-        progress(f"{name}.onnx written ({len(model.graph.node)} nodes)")
+        onnx.save_model(model, out / ExportManifest.graph_files[name])
+        progress(f"{ExportManifest.graph_files[name]} written ({len(model.graph.node)} nodes)")
 
-    tokenizer_files = [f for f in TOKENIZER_FILES if (ckpt.path / f).is_file()]
+    tokenizer_files = tuple(f for f in TOKENIZER_FILES if (ckpt.path / f).is_file())
     for f in tokenizer_files:
         shutil.copyfile(ckpt.path / f, out / f)
 
-    manifest = {
-        "format": FORMAT,
-        "format_version": FORMAT_VERSION,
-        "model": {"architecture": "Qwen3ForCausalLM", **dims.to_json()},
-        "dtype": dtype,
-        "tokens": {"mask_token_id": ckpt.mask_token_id, "eos_token_id": eos_id},
-        "graphs": {
-            name: {"file": f"{name}.onnx", "opset": OPSET, "logits": logits, **specs[name].to_json()}
-            for name in GRAPH_NAMES
-        },
-        "weights": {"file": WEIGHTS_FILE, "bytes": weight_bytes, "layout": "linear weights [in, out]", "tensors": index},
-        "tokenizer": {"files": tokenizer_files},
-        "source": {"checkpoint": str(ckpt.path.resolve()), "dtype": ckpt.source_dtype,
-                   "export_seconds": round(time.perf_counter() - t0, 2)},
-    }
-    (out / MANIFEST_NAME).write_text(json.dumps(manifest, indent=1))
-    progress(f"tokenizer ({', '.join(tokenizer_files) or 'none'}) and {MANIFEST_NAME} written")
+    defaults = ckpt.decode_defaults().clamped(dims.max_position_embeddings)
+    manifest = ExportManifest(
+        path=out, dims=dims, dtype=dtype, mask_token_id=ckpt.mask_token_id, eos_token_id=eos_id,
+        defaults=defaults, graphs=specs, opset=OPSET, has_logits=logits, weights=index,
+        tokenizer_files=tokenizer_files, files={},
+        source={"checkpoint": str(ckpt.path.resolve()), "dtype": ckpt.source_dtype,
+                "export_seconds": round(time.perf_counter() - t0, 2)},
+    )
+    with_files(manifest).write(pending=True)
+    progress(f"tokenizer ({', '.join(tokenizer_files) or 'none'}) and {PENDING_NAME} written; "
+             f"default decode settings {defaults.to_json()}")

@@ -46,14 +46,13 @@ class ValidationReport:
         return "\n".join(lines)
 
 
-def validate_export(path: str | Path, seed: int = 0) -> ValidationReport:
+def validate_export(path: str | Path, seed: int = 0, pending: bool = False) -> ValidationReport:
     import onnxruntime as ort
     import torch
 
     from refusion.export.model import Qwen3
-    from refusion.runtime.core.dims import ModelDims
 
-    manifest = ExportManifest.load(path)
+    manifest = ExportManifest.load(path, pending=pending)
     report = ValidationReport(manifest.dtype)
     if manifest.dtype not in TOLERANCE:
         report.skipped = (
@@ -61,7 +60,7 @@ def validate_export(path: str | Path, seed: int = 0) -> ValidationReport:
             "run `refusion-export check` where onnxruntime-gpu is installed, or export with --dtype fp32 or fp16"
         )
         return report
-    dims = ModelDims(**{k: v for k, v in manifest.model.items() if k != "architecture"})
+    dims = manifest.dims
     rng = np.random.default_rng(seed)
     feeds = [_random_feed(rng, dims, manifest.num_layers, *case, np.dtype(manifest.dtype)) for case in CASES]
     # onnxruntime first, one session at a time, then torch once per case for both graphs:

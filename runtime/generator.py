@@ -74,9 +74,11 @@ class Generator:
         self.tokenizer = tokenizer
 
     @staticmethod
-    def from_dir(path: str | Path, backend: str = "auto", threads: int | None = None) -> Generator:
-        manifest = ExportManifest.load(path)
-        runner = make_runner(manifest, backend, threads)
+    def from_dir(path: str | Path, backend: str = "auto", threads: int | None = None, verify: bool = False) -> Generator:
+        """Load an export or engines directory; `verify` also checks every file's sha256 (a full read)."""
+        manifest = ExportManifest.read(Path(path))
+        manifest.check_files(verify, manifest.tokenizer_files)
+        runner = make_runner(manifest, backend, threads, verify)
         tokenizer = Tokenizer.from_dir(manifest.path) if manifest.tokenizer_files else None
         runner.activate()
         return Generator(manifest, runner, tokenizer)
@@ -105,7 +107,7 @@ class Generator:
             raise RefusionError("give exactly one of a prompt, messages, or prompt_ids.")
         if prompt_ids is not None:
             ids = [int(t) for t in prompt_ids]
-            vocab = int(self.manifest.model["vocab_size"])
+            vocab = self.manifest.vocab_size
             bad = [t for t in ids if not 0 <= t < vocab]
             if bad:
                 raise RefusionError(f"prompt id {bad[0]} is outside the vocabulary [0, {vocab}).")

@@ -5,20 +5,13 @@ from __future__ import annotations
 import numpy as np
 
 from refusion.runtime.core.dtypes import dtype
-from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.core.export_manifest import ExportManifest
 
 
 def map_weights(manifest: ExportManifest) -> dict[str, np.ndarray]:
     """name -> read-only view into weights file; nothing is copied or read until touched."""
+    manifest.check_files(names=(manifest.weights_file,))  # the index lies inside the recorded size
     file = manifest.path / manifest.weights_file
-    size = file.stat().st_size
-    needed = max((e.offset + e.nbytes for e in manifest.weights.values()), default=0)
-    if size < needed:
-        raise RefusionError(
-            f"{file} has {size} bytes but the export's index needs {needed}; the file is truncated. "
-            "Re-run `refusion-export onnx`."
-        )
     blob = np.memmap(file, dtype=np.uint8, mode="c")  # copy-on-write: writable views for torch, pages still shared
     views = {}
     for name, e in manifest.weights.items():  # bf16 tensors come as their raw uint16 bits

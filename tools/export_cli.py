@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any
 
 import click
 
@@ -62,15 +61,25 @@ def onnx_command(checkpoint: Path, output: Path, dtype: str, force: bool, logits
 @click.command("check")
 @click.argument("export_dir", type=click.Path(path_type=Path))
 def check_command(export_dir: Path) -> None:
-    """Re-validate an export (onnxruntime CPU vs torch) or engines (TensorRT vs onnxruntime);
-    exit 0 only on parity."""
+    """Check an export (every file's size and sha256, the graphs against refusion.json, then
+    onnxruntime CPU against torch) or engines (TensorRT against onnxruntime); exit 0 only when all pass."""
     if (export_dir / "engines.json").is_file():
         if not check_engines(export_dir):
             raise RefusionError(f"{export_dir}: the TensorRT engines disagree with onnxruntime (report above).")
         return
     _need_export_extra()
+    from refusion.export.audit import audit
     from refusion.export.validate import validate_export
+    from refusion.runtime.core.export_manifest import REEXPORT, ExportManifest
 
+    manifest = ExportManifest.read(export_dir)
+    progress(f"verifying {len(manifest.files)} files (sizes, sha256) and both graphs against refusion.json")
+    problems = audit(manifest)
+    for problem in problems:
+        click.echo(f"  {problem}")
+    if problems:
+        raise RefusionError(f"{export_dir}: {len(problems)} problem(s), listed above; {REEXPORT}.")
+    click.echo(f"files and graphs: match refusion.json ({len(manifest.files)} files, sha256 verified)")
     progress(f"validating {export_dir} on onnxruntime CPU against the torch definition")
     report = validate_export(export_dir)
     click.echo(report.text())
@@ -83,56 +92,40 @@ def check_command(export_dir: Path) -> None:
 @click.command("inspect")
 @click.argument("export_dir", type=click.Path(path_type=Path))
 def inspect_command(export_dir: Path) -> None:
-    """Describe an export: model dims, token ids, files, and each graph's inputs and outputs."""
+    """Describe an export (model dims, token ids, defaults, files, each graph's inputs and outputs)
+    and list every mismatch with refusion.json (sizes, sha256, graphs); exit 1 if there is one."""
+    _need_export_extra()
+    from refusion.export.audit import audit, graph_io
     from refusion.runtime.core.contract import GRAPH_NAMES
-    from refusion.runtime.core.export_manifest import ExportManifest
+    from refusion.runtime.core.export_manifest import FORMAT, FORMAT_VERSION, MANIFEST_NAME, REEXPORT, ExportManifest
 
-    m = ExportManifest.load(export_dir)
+    m = ExportManifest.read(export_dir)
     echo = click.echo
-    echo(f"export   {m.path}  ({m.raw['format']} v{m.raw['format_version']}, dtype {m.dtype})")
-    echo("model    " + "  ".join(f"{k}={v}" for k, v in m.model.items()))
+    echo(f"export   {m.path}  ({FORMAT} v{FORMAT_VERSION}, dtype {m.dtype})")
+    echo("model    " + "  ".join(f"{k}={v}" for k, v in m.dims.to_json().items()))
     echo(f"tokens   mask_token_id={m.mask_token_id}  eos_token_id={m.eos_token_id}")
-    source = m.raw.get("source", {})
-    if source:
-        echo(f"source   {source.get('checkpoint')} ({source.get('dtype')})")
+    echo("defaults " + "  ".join(f"{k}={v}" for k, v in m.defaults.to_json().items()))
+    if m.source:
+        echo(f"source   {m.source.get('checkpoint')} ({m.source.get('dtype')})")
+    problems = audit(m)
     echo("files")
-    files = [m.graph_files[g] for g in GRAPH_NAMES] + [m.weights_file, "refusion.json", *m.tokenizer_files]
-    for name in files:
+    for name in [*m.files, MANIFEST_NAME]:
         f = m.path / name
-        echo(f"  {name:24s} {_size(f.stat().st_size) if f.is_file() else 'MISSING':>10s}")
-    echo(f"  {'total':24s} {_size(sum((m.path / n).stat().st_size for n in files if (m.path / n).is_file())):>10s}"
-         f"  ({len(m.weights)} weight tensors)")
+        size = _size(f.stat().st_size) if f.is_file() else "MISSING"
+        bad = any(str(f) in p for p in problems)
+        echo(f"  {name:24s} {size:>10s}  {'MISMATCH' if bad else 'ok' if name in m.files else ''}")
     for name in GRAPH_NAMES:
-        _echo_graph(m, name)
-
-
-def _echo_graph(m: Any, name: str) -> None:
-    """A graph as the ONNX file declares it (not just the manifest), flagged if the two differ."""
-    path = m.graph_path(name)
-    if not path.is_file():
-        click.echo(f"graph {name}: {path.name} MISSING")
-        return
-    try:
-        import onnx
-    except ModuleNotFoundError as e:
-        raise RefusionError("onnx is not installed; pip install 'refusion-trt[export]'.") from e
-    from onnx import helper
-
-    model = onnx.load(str(path), load_external_data=False)
-    opsets = ", ".join(f"{o.domain or 'ai.onnx'} {o.version}" for o in model.opset_import)
-    click.echo(f"graph {name}  ({path.name}, {opsets}, {len(model.graph.node)} nodes)")
-    found = []
-    for kind, values in (("in ", model.graph.input), ("out", model.graph.output)):
-        for v in values:
-            t = v.type.tensor_type
-            dtype = helper.tensor_dtype_to_np_dtype(t.elem_type).name
-            axes = [d.dim_param or d.dim_value for d in t.shape.dim]
-            found.append((kind, v.name, dtype, axes))
-            click.echo(f"  {kind}  {v.name:26s} {dtype:9s} [{', '.join(map(str, axes))}]")
-    spec = m.graphs[name]
-    declared = [("in ", t.name, t.dtype, list(t.axes)) for t in spec.inputs]
-    declared += [("out", t.name, t.dtype, list(t.axes)) for t in spec.outputs]
-    click.echo("  contract: " + ("matches refusion.json" if found == declared else "DIFFERS from refusion.json"))
+        path = m.graph_path(name)
+        if not any(str(path) in p for p in problems):
+            echo(f"graph {name}  ({path.name})")
+            for kind, tensor, dtype, axes in graph_io(m, name):
+                echo(f"  {kind:3s}  {tensor:26s} {dtype:9s} [{', '.join(map(str, axes))}]")
+            echo("  contract: matches refusion.json")
+    if problems:
+        echo("mismatches")
+        for problem in problems:
+            echo(f"  {problem}")
+        raise RefusionError(f"{export_dir}: {len(problems)} mismatch(es) with refusion.json, listed above; {REEXPORT}.")
 
 
 def _size(n: float) -> str:

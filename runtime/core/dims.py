@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 from refusion.runtime.core.errors import RefusionError
+from refusion.runtime.core.fields import Fields
 
 SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM",)
 
@@ -36,9 +38,10 @@ class ModelDims:
         return asdict(self)
 
     @staticmethod
-    def from_hf_config(config: dict[str, Any], source: str = "config.json") -> ModelDims:
+    def from_hf_config(config: Any, source: str = "config.json") -> ModelDims:
+        f = Fields(Path(source), config, "restore the original config.json of the checkpoint")
         archs = config.get("architectures") or []
-        if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
+        if not isinstance(archs, list) or not any(a in SUPPORTED_ARCHITECTURES for a in archs):
             raise RefusionError(
                 f"{source}: architectures={archs!r} is not supported; refusion-trt exports "
                 f"{', '.join(SUPPORTED_ARCHITECTURES)} (ReFusion is Qwen3-based). "
@@ -47,36 +50,57 @@ class ModelDims:
         for flag in ("attention_bias", "use_sliding_window"):
             if config.get(flag):
                 raise RefusionError(f"{source}: {flag}=true is not supported by the ReFusion graphs; expected false.")
-        rope_scaling = config.get("rope_scaling") or (config.get("rope_parameters") or {}).get("rope_type")
+        rope_parameters = config.get("rope_parameters") if isinstance(config.get("rope_parameters"), dict) else {}
+        rope_scaling = config.get("rope_scaling") or rope_parameters.get("rope_type")
         if rope_scaling not in (None, "default") and not (isinstance(rope_scaling, dict) and rope_scaling.get("rope_type") == "default"):
             raise RefusionError(f"{source}: rope scaling {rope_scaling!r} is not supported; expected plain RoPE.")
         act = config.get("hidden_act", "silu")
         if act != "silu":
             raise RefusionError(f"{source}: hidden_act={act!r} is not supported; expected 'silu'.")
 
-        def need(key: str) -> Any:
-            if key not in config:
-                raise RefusionError(f"{source}: missing {key!r}; a Qwen3 config.json carries it.")
-            return config[key]
+        def optional(key: str, default: Any, read: Any) -> Any:
+            return read(key) if config.get(key) is not None else default
 
-        hidden, heads = int(need("hidden_size")), int(need("num_attention_heads"))
-        rope_theta = config.get("rope_theta", (config.get("rope_parameters") or {}).get("rope_theta"))
-        if rope_theta is None:
+        hidden, heads = f.positive_int("hidden_size"), f.positive_int("num_attention_heads")
+        if config.get("rope_theta") is not None:
+            rope_theta = f.float("rope_theta", 0.0, low_open=True)
+        elif rope_parameters.get("rope_theta") is not None:
+            rope_theta = f.float("rope_parameters.rope_theta", 0.0, low_open=True)
+        else:
             raise RefusionError(f"{source}: no rope_theta (nor rope_parameters.rope_theta); a Qwen3 config.json carries it.")
         dims = ModelDims(
-            num_layers=int(need("num_hidden_layers")),
+            num_layers=f.positive_int("num_hidden_layers"),
             hidden_size=hidden,
             num_heads=heads,
-            kv_heads=int(config.get("num_key_value_heads") or heads),
-            head_dim=int(config.get("head_dim") or hidden // heads),
-            intermediate_size=int(need("intermediate_size")),
-            vocab_size=int(need("vocab_size")),
-            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(rope_theta),
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            max_position_embeddings=int(config.get("max_position_embeddings", 40960)),
+            kv_heads=optional("num_key_value_heads", heads, f.positive_int),
+            head_dim=optional("head_dim", hidden // heads, f.positive_int),
+            intermediate_size=f.positive_int("intermediate_size"),
+            vocab_size=f.positive_int("vocab_size"),
+            rms_norm_eps=optional("rms_norm_eps", 1e-6, lambda k: f.float(k, 0.0, low_open=True)),
+            rope_theta=rope_theta,
+            tie_word_embeddings=optional("tie_word_embeddings", False, f.bool),
+            max_position_embeddings=optional("max_position_embeddings", 40960, f.positive_int),
         )
         dims.validate(source)
+        return dims
+
+    @staticmethod
+    def read(f: Fields, at: str) -> ModelDims:
+        """The dims as refusion.json records them (the `model` section), every field type-checked."""
+        dims = ModelDims(
+            num_layers=f.positive_int(f"{at}.num_layers"),
+            hidden_size=f.positive_int(f"{at}.hidden_size"),
+            num_heads=f.positive_int(f"{at}.num_heads"),
+            kv_heads=f.positive_int(f"{at}.kv_heads"),
+            head_dim=f.positive_int(f"{at}.head_dim"),
+            intermediate_size=f.positive_int(f"{at}.intermediate_size"),
+            vocab_size=f.positive_int(f"{at}.vocab_size"),
+            rms_norm_eps=f.float(f"{at}.rms_norm_eps", 0.0, low_open=True),
+            rope_theta=f.float(f"{at}.rope_theta", 0.0, low_open=True),
+            tie_word_embeddings=f.bool(f"{at}.tie_word_embeddings"),
+            max_position_embeddings=f.positive_int(f"{at}.max_position_embeddings"),
+        )
+        dims.validate(str(f.file))
         return dims
 
     def validate(self, source: str) -> None:

@@ -9,7 +9,6 @@ Every refusal carries the exact command that rebuilds the engines here.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +17,8 @@ from typing import Any
 from refusion.runtime.core.contract import GRAPH_NAMES, GraphName
 from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.core.export_manifest import check_format
+from refusion.runtime.core.fields import Fields
+from refusion.runtime.core.files import sha256_file
 from refusion.runtime.core.profiles import DecodeLimits, ProfileSpec
 
 ENGINES_MANIFEST = "engines.json"
@@ -89,7 +90,7 @@ class EngineManifest:
             )
         try:
             raw = json.loads(file.read_text())
-            check_format(raw, file, FORMAT, FORMAT_VERSION, "rebuild the engines")
+            check_format(Fields(file, raw, "rebuild the engines"), FORMAT, FORMAT_VERSION, "rebuild the engines")
             engines = {
                 g: EngineFile(e["file"], e["sha256"], int(e["bytes"]),
                               tuple(ProfileSpec.from_json(p) for p in e["profiles"]))
@@ -105,7 +106,7 @@ class EngineManifest:
                 source=raw["source"],
                 build=raw["build"],
             )
-        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError) as e:
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError, AttributeError) as e:
             raise RefusionError(f"{file} is damaged ({type(e).__name__}: {e}); rebuild the engines.") from e
         missing = [g for g in GRAPH_NAMES if g not in manifest.engines]
         if missing:
@@ -149,12 +150,3 @@ class EngineManifest:
 
     def engine_path(self, graph: GraphName) -> Path:
         return self.path / self.engines[graph].file
-
-
-def sha256_file(path: Path, chunk: int = 1 << 24) -> str:
-    """sha256 of a file read in chunks (weight files do not fit in memory twice)."""
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()

@@ -1,25 +1,46 @@
-"""`refusion.json`: everything the runtime needs about an export, read without torch or the HF config."""
+"""`refusion.json`: everything the runtime needs about an export, read without torch or the HF config.
+
+One writer (`ExportManifest.write`, used by the exporter) and one reader (`load`). The
+reader trusts nothing: each field is type-checked, the contract and the weight index must
+be the ones the dims imply, ids must lie inside the vocabulary, every listed file must have
+its recorded size (and sha256 with `verify=True`), and a per-section digest catches edits
+that are consistent but not what the exporter wrote (a raised max_position_embeddings).
+Every failure is one RefusionError naming the file, the field, and the fix: re-export.
+
+The exporter first writes `refusion.pending.json`, validates, and renames it to
+`refusion.json` as its very last step, so a directory left by a killed export never loads.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from refusion.runtime.core.contract import GRAPH_NAMES, GraphName, GraphSpec
+from refusion.runtime.core.contract import GRAPH_NAMES, GraphName, GraphSpec, TensorSpec, graph_specs
+from refusion.runtime.core.defaults import DecodeDefaults
+from refusion.runtime.core.dims import ModelDims, expected_weights, is_linear_weight
+from refusion.runtime.core.dtypes import EXPORT_DTYPES, dtype
 from refusion.runtime.core.errors import RefusionError
+from refusion.runtime.core.fields import Fields
+from refusion.runtime.core.files import FileRecord
 
 MANIFEST_NAME = "refusion.json"
+PENDING_NAME = "refusion.pending.json"
 FORMAT = "refusion-onnx"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+REEXPORT = "re-export with `refusion-export onnx CHECKPOINT --output DIR --force`"
+_SECTIONS = ("model", "dtype", "tokens", "defaults", "graphs", "weights", "tokenizer", "files")
 
 
-def check_format(raw: dict[str, Any], file: Path, fmt: str, version: int, redo: str) -> None:
+def check_format(fields: Fields, fmt: str, version: int, redo: str) -> None:
     """A manifest written by another format or version is refused, saying what to redo."""
+    raw = fields.raw
     if raw.get("format") != fmt or raw.get("format_version") != version:
         raise RefusionError(
-            f"{file}: format {raw.get('format')!r} v{raw.get('format_version')!r} is not {fmt!r} "
+            f"{fields.file}: format {raw.get('format')!r} v{raw.get('format_version')!r} is not {fmt!r} "
             f"v{version}; {redo} with this version of refusion-trt."
         )
 
@@ -31,83 +52,254 @@ class WeightEntry:
     offset: int
     nbytes: int
 
+    def to_json(self) -> dict[str, Any]:
+        return {"dtype": self.dtype, "shape": list(self.shape), "offset": self.offset, "nbytes": self.nbytes}
+
 
 @dataclass(frozen=True)
 class ExportManifest:
-    """What `refusion-export onnx` wrote: model dims, token ids, graph contracts, weight index."""
+    """What `refusion-export onnx` wrote: model dims, token ids, graph contracts, weight index, files."""
 
     path: Path  # the export directory
-    model: dict[str, Any]
-    dtype: str
+    dims: ModelDims
+    dtype: str  # weights and KV: float32 | float16 | bfloat16
     mask_token_id: int
     eos_token_id: int
+    defaults: DecodeDefaults
     graphs: dict[GraphName, GraphSpec]
-    graph_files: dict[GraphName, str]
-    weights_file: str
+    opset: int
+    has_logits: bool
     weights: dict[str, WeightEntry]
     tokenizer_files: tuple[str, ...]
-    has_logits: bool
-    raw: dict[str, Any]
+    files: dict[str, FileRecord]  # every file above by name: graphs, weights.bin, tokenizer files
+    source: dict[str, Any] = field(default_factory=dict)  # checkpoint path and dtype, export time: informative
+
+    graph_files = {"planner": "planner.onnx", "infiller": "infiller.onnx"}
+    weights_file = "weights.bin"
 
     @property
     def num_layers(self) -> int:
-        return int(self.model["num_layers"])
+        return self.dims.num_layers
 
     @property
     def kv_heads(self) -> int:
-        return int(self.model["kv_heads"])
+        return self.dims.kv_heads
 
     @property
     def head_dim(self) -> int:
-        return int(self.model["head_dim"])
+        return self.dims.head_dim
+
+    @property
+    def vocab_size(self) -> int:
+        return self.dims.vocab_size
 
     @property
     def max_positions(self) -> int:
-        return int(self.model["max_position_embeddings"])
+        return self.dims.max_position_embeddings
 
     def graph_path(self, name: GraphName) -> Path:
         return self.path / self.graph_files[name]
 
-    def require_files(self, *names: str) -> None:
-        """Fail clearly when a file a backend needs is not in the directory."""
-        for needed in names:
-            if not (self.path / needed).is_file():
-                raise RefusionError(
-                    f"{self.path} is incomplete: {needed} is missing; re-run `refusion-export onnx`."
-                )
+    # -- files -----------------------------------------------------------------------------
+    @property
+    def model_files(self) -> tuple[str, ...]:
+        """What the onnxruntime backends load: both graphs and the weights."""
+        return (*self.graph_files.values(), self.weights_file)
+
+    def file_problems(self, verify: bool = False, names: tuple[str, ...] | None = None) -> list[str]:
+        """Every listed file (or those of `names`) whose size, and with `verify` sha256, differs from the record."""
+        chosen = self.files if names is None else names
+        found = (self.files[name].problem(self.path / name, verify) for name in chosen)
+        return [p for p in found if p]
+
+    def check_files(self, verify: bool = False, names: tuple[str, ...] | None = None) -> None:
+        problems = self.file_problems(verify, names)
+        if problems:
+            more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+            raise RefusionError(f"{problems[0]}{more}; the export is damaged: {REEXPORT}.")
+
+    # -- writer ------------------------------------------------------------------------------
+    def to_json(self) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "model": {"architecture": "Qwen3ForCausalLM", **self.dims.to_json()},
+            "dtype": self.dtype,
+            "tokens": {"mask_token_id": self.mask_token_id, "eos_token_id": self.eos_token_id},
+            "defaults": self.defaults.to_json(),
+            "graphs": {name: {"file": self.graph_files[name], "opset": self.opset, "logits": self.has_logits,
+                              **self.graphs[name].to_json()} for name in GRAPH_NAMES},
+            "weights": {"file": self.weights_file, "layout": "linear weights [in, out]",
+                        "tensors": {n: e.to_json() for n, e in self.weights.items()}},
+            "tokenizer": {"files": list(self.tokenizer_files)},
+            "files": {name: record.to_json() for name, record in self.files.items()},
+        }
+        return {"format": FORMAT, "format_version": FORMAT_VERSION, **body,
+                "digests": {k: _digest(body[k]) for k in _SECTIONS}, "source": self.source}
+
+    def write(self, pending: bool = False) -> Path:
+        """Write into self.path: as refusion.pending.json while the export is not yet validated."""
+        file = self.path / (PENDING_NAME if pending else MANIFEST_NAME)
+        file.write_text(json.dumps(self.to_json(), indent=1))
+        return file
+
+    # -- reader ------------------------------------------------------------------------------
+    @staticmethod
+    def load(path: str | Path, *, verify: bool = False, pending: bool = False) -> ExportManifest:
+        """Read and check an export directory (sizes always, sha256 with `verify`); `pending` reads
+        an unpublished export's refusion.pending.json (the exporter's own validation)."""
+        path = Path(path)
+        manifest = ExportManifest.read(path, pending)
+        manifest.check_files(verify)
+        return manifest
 
     @staticmethod
-    def load(path: str | Path) -> ExportManifest:
-        path = Path(path)
-        file = path / MANIFEST_NAME
+    def read(path: Path, pending: bool = False) -> ExportManifest:
+        """Parse and cross-check refusion.json without touching the other files."""
+        file = path / (PENDING_NAME if pending else MANIFEST_NAME)
         if not path.is_dir():
             raise RefusionError(f"{path} is not a directory; pass the output directory of `refusion-export onnx`.")
         if not file.is_file():
+            if (path / PENDING_NAME).is_file():
+                raise RefusionError(
+                    f"{path} is an unfinished export ({PENDING_NAME}, no {MANIFEST_NAME}): it was interrupted or "
+                    "failed validation and must not be used. Delete it and re-run `refusion-export onnx`."
+                )
             raise RefusionError(
                 f"{path} is not a refusion export: {MANIFEST_NAME} is missing. "
                 f"Create one with `refusion-export onnx CHECKPOINT --output {path}`."
             )
         try:
             raw = json.loads(file.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise RefusionError(f"{file} is not valid JSON ({e}); re-run `refusion-export onnx`.") from e
-        check_format(raw, file, FORMAT, FORMAT_VERSION, "re-export")
-        graphs = {name: GraphSpec.from_json(name, raw["graphs"][name]) for name in GRAPH_NAMES}
-        manifest = ExportManifest(
-            path=path,
-            model=raw["model"],
-            dtype=raw["dtype"],
-            mask_token_id=int(raw["tokens"]["mask_token_id"]),
-            eos_token_id=int(raw["tokens"]["eos_token_id"]),
-            graphs=graphs,
-            graph_files={name: raw["graphs"][name]["file"] for name in GRAPH_NAMES},
-            weights_file=raw["weights"]["file"],
-            weights={
-                n: WeightEntry(e["dtype"], tuple(e["shape"]), int(e["offset"]), int(e["nbytes"]))
-                for n, e in raw["weights"]["tensors"].items()
-            },
-            tokenizer_files=tuple(raw["tokenizer"]["files"]),
-            has_logits=bool(raw["graphs"]["planner"].get("logits", False)),
-            raw=raw,
-        )
-        return manifest
+        except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as e:
+            raise RefusionError(f"{file} is not valid JSON ({e}); {REEXPORT}.") from e
+        fields = Fields(file, raw, REEXPORT)
+        check_format(fields, FORMAT, FORMAT_VERSION, "re-export")
+        return _parse(path, fields)
+
+
+def _digest(section: Any) -> str:
+    return hashlib.sha256(json.dumps(section, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _parse(path: Path, f: Fields) -> ExportManifest:
+    f.str("model.architecture", ("Qwen3ForCausalLM",))
+    dims = ModelDims.read(f, "model")
+    export_dtype = f.str("dtype", tuple(d.name for d in EXPORT_DTYPES.values()))
+    vocab = dims.vocab_size
+    logits = f.bool("graphs.planner.logits")
+    opset = f.positive_int("graphs.planner.opset")
+    graphs: dict[GraphName, GraphSpec] = {}
+    expected = graph_specs(dims.num_layers, dims.kv_heads, dims.head_dim, vocab, export_dtype, logits)
+    for name in GRAPH_NAMES:
+        f.str(f"graphs.{name}.file", (ExportManifest.graph_files[name],))
+        f.int(f"graphs.{name}.opset", opset, opset + 1)
+        f.bool(f"graphs.{name}.logits")
+        graphs[name] = _read_spec(f, name, expected[name])
+    f.str("weights.file", (ExportManifest.weights_file,))
+    weights = _read_weights(f, dims, export_dtype)
+    tokenizer_files = tuple(_name(f, "tokenizer.files", x) for x in f.list("tokenizer.files"))
+    listed = {*ExportManifest.graph_files.values(), ExportManifest.weights_file, *tokenizer_files}
+    files_raw = f.object("files")
+    if set(files_raw) != listed:
+        raise f.fail("files", sorted(files_raw), f"records for exactly {sorted(listed)}")
+    files = {name: FileRecord(f.int(("files", name, "bytes")), f.str(("files", name, "sha256"))) for name in sorted(listed)}
+    manifest = ExportManifest(
+        path=path,
+        dims=dims,
+        dtype=export_dtype,
+        mask_token_id=f.int("tokens.mask_token_id", 0, vocab),
+        eos_token_id=f.int("tokens.eos_token_id", 0, vocab),
+        defaults=DecodeDefaults.read(f, "defaults"),
+        graphs=graphs,
+        opset=opset,
+        has_logits=logits,
+        weights=weights,
+        tokenizer_files=tokenizer_files,
+        files=files,
+        source=f.raw.get("source") if isinstance(f.raw.get("source"), dict) else {},
+    )
+    _check_weights_fit(f, manifest)
+    if manifest.defaults.gen_length >= dims.max_position_embeddings:
+        raise f.fail("defaults.gen_length", manifest.defaults.gen_length,
+                     f"fewer than max_position_embeddings {dims.max_position_embeddings}")
+    # What the exporter wrote, section by section: catches consistent edits the checks above allow.
+    body = manifest.to_json()
+    for section in _SECTIONS:
+        recorded = f.str(f"digests.{section}")
+        if recorded != body["digests"][section]:
+            raise RefusionError(
+                f"{f.file}: section {section!r} differs from what the exporter wrote (digest {recorded}, content "
+                f"{body['digests'][section]}); refusion.json is not meant to be edited. {REEXPORT[0].upper()}{REEXPORT[1:]}."
+            )
+    return manifest
+
+
+def _name(f: Fields, at: str, value: Any) -> str:
+    """A plain file name inside the export directory (no paths)."""
+    if not isinstance(value, str) or not value or "/" in value or "\\" in value or value in (".", ".."):
+        raise f.fail(at, value, "plain file names")
+    return value
+
+
+def _read_spec(f: Fields, name: GraphName, expected: GraphSpec) -> GraphSpec:
+    """The contract as recorded must be the one the dims imply, tensor by tensor."""
+    for kind in ("inputs", "outputs"):
+        recorded = f.list(f"graphs.{name}.{kind}")
+        want: tuple[TensorSpec, ...] = getattr(expected, kind)
+        for i, spec in enumerate(want):
+            at = f"graphs.{name}.{kind}.{i}"
+            if i >= len(recorded):
+                raise RefusionError(f"{f.file}: field graphs.{name}.{kind} ends after {len(recorded)} tensors; "
+                                    f"the model dims need {len(want)} (next: {spec.name}); {REEXPORT}.")
+            got = recorded[i]
+            if not isinstance(got, dict) or got != spec.to_json():
+                raise f.fail(at, got, f"{spec.to_json()} (from the model dims)")
+        if len(recorded) > len(want):
+            raise f.fail(f"graphs.{name}.{kind}.{len(want)}", recorded[len(want)],
+                         f"nothing: the model dims need {len(want)} tensors")
+    return expected
+
+
+def _read_weights(f: Fields, dims: ModelDims, export_dtype: str) -> dict[str, WeightEntry]:
+    """The index must hold exactly the tensors the dims imply, in the export dtype, linear ones [in, out]."""
+    tensors = f.object("weights.tensors")
+    shapes = expected_weights(dims)
+    missing = [n for n in shapes if n not in tensors]
+    extra = sorted(set(tensors) - set(shapes))
+    if missing or extra:
+        what = f"lacks {missing[0]!r}" if missing else f"has unexpected {extra[0]!r}"
+        raise RefusionError(f"{f.file}: field weights.tensors {what} for a {dims.num_layers}-layer model "
+                            f"(tie_word_embeddings={dims.tie_word_embeddings}); {REEXPORT}.")
+    itemsize = dtype(export_dtype).itemsize
+    index = {}
+    for name, hf_shape in shapes.items():
+        at = ("weights", "tensors", name)
+        shape = tuple(reversed(hf_shape)) if is_linear_weight(name) else hf_shape
+        f.str((*at, "dtype"), (export_dtype,))
+        recorded = f.list((*at, "shape"))
+        if recorded != list(shape):
+            raise f.fail((*at, "shape"), recorded, f"{list(shape)} (from the model dims)")
+        nbytes = f.int((*at, "nbytes"), 1)
+        count = 1
+        for d in shape:
+            count *= d
+        if nbytes != count * itemsize:
+            raise f.fail((*at, "nbytes"), nbytes, f"{count * itemsize} ({list(shape)} x {itemsize} bytes)")
+        index[name] = WeightEntry(export_dtype, shape, f.int((*at, "offset")), nbytes)
+    return index
+
+
+def _check_weights_fit(f: Fields, m: ExportManifest) -> None:
+    """Tensors lie inside weights.bin's recorded size and do not overlap."""
+    size = m.files[m.weights_file].bytes
+    end = 0
+    for name, e in sorted(m.weights.items(), key=lambda item: item[1].offset):
+        if e.offset < end or e.offset + e.nbytes > size:
+            raise f.fail(("weights", "tensors", name, "offset"), e.offset,
+                         f"a range inside {m.weights_file}'s {size} bytes that overlaps no other tensor")
+        end = e.offset + e.nbytes
+
+
+def with_files(manifest: ExportManifest) -> ExportManifest:
+    """The manifest with sizes and sha256 of its files as they are now on disk (the exporter's last step)."""
+    names = [*manifest.graph_files.values(), manifest.weights_file, *manifest.tokenizer_files]
+    return replace(manifest, files={name: FileRecord.of(manifest.path / name) for name in sorted(names)})

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from refusion.runtime.core.engines_manifest import ENGINES_MANIFEST
+from refusion.runtime.core.engines_manifest import ENGINES_MANIFEST, EngineManifest
 from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.core.export_manifest import ExportManifest
 from refusion.runtime.runners.base import Runner
@@ -32,7 +32,9 @@ def available_backend(path: Path) -> str:
     return "ort-cpu"
 
 
-def make_runner(manifest: ExportManifest, backend: str = "auto", threads: int | None = None) -> Runner:
+def make_runner(manifest: ExportManifest, backend: str = "auto", threads: int | None = None,
+                verify: bool = False) -> Runner:
+    """The backend's Runner over `manifest`, its files checked (sizes; sha256 too with `verify`)."""
     if backend not in BACKENDS:
         raise RefusionError(f"backend {backend!r} is unknown; choose one of {', '.join(BACKENDS)}.")
     if backend == "auto":
@@ -42,7 +44,8 @@ def make_runner(manifest: ExportManifest, backend: str = "auto", threads: int | 
             from refusion.runtime.runners.tensorrt import TensorRTRunner
         except ImportError as e:
             raise RefusionError("the trt backend needs TensorRT: pip install 'refusion-trt[trt]' on a CUDA machine.") from e
-        return TensorRTRunner.from_dir(manifest.path)
+        return TensorRTRunner(manifest, EngineManifest.load(manifest.path))
     from refusion.runtime.runners.onnxruntime import OrtCudaRunner, OrtRunner
 
-    return OrtCudaRunner(manifest, threads) if backend == "ort-cuda" else OrtRunner(manifest, threads)
+    runner = OrtCudaRunner if backend == "ort-cuda" else OrtRunner
+    return runner(manifest, threads, verify=verify)

@@ -53,14 +53,15 @@ class OrtRunner(Runner):
     name = "ort-cpu"
     provider = "CPUExecutionProvider"
 
-    def __init__(self, manifest: ExportManifest, threads: int | None = None, low_memory: bool = False):
+    def __init__(self, manifest: ExportManifest, threads: int | None = None, low_memory: bool = False,
+                 verify: bool = False):
         super().__init__(manifest)
         if manifest.dtype not in ORT_DTYPES:
             raise RefusionError(
                 f"{manifest.path}: {manifest.dtype} graphs do not run on onnxruntime's CPU provider; "
                 "re-export with --dtype fp32 or fp16, or use the TensorRT backend."
             )
-        manifest.require_files(manifest.weights_file, *manifest.graph_files.values())
+        manifest.check_files(verify, manifest.model_files)
         self.threads = threads
         self.low_memory = low_memory
         self.dtype = dtype(manifest.dtype).numpy.type
@@ -135,8 +136,9 @@ class OrtCudaRunner(OrtRunner):
     name = "ort-cuda"
     provider = "CUDAExecutionProvider"
 
-    def __init__(self, manifest: ExportManifest, threads: int | None = None, low_memory: bool = False):
-        super().__init__(manifest, threads, low_memory)
+    def __init__(self, manifest: ExportManifest, threads: int | None = None, low_memory: bool = False,
+                 verify: bool = False):
+        super().__init__(manifest, threads, low_memory, verify)
         self.device_keys: list[Any] = []
         self.device_values: list[Any] = []
 

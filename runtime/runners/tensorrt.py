@@ -85,7 +85,7 @@ class TensorRTRunner(Runner):
     def from_dir(path: str | Path) -> TensorRTRunner:
         """Engines built by `refusion-export build` (the directory also holds refusion.json)."""
         engines = EngineManifest.load(path)
-        return TensorRTRunner(ExportManifest.load(path), engines)
+        return TensorRTRunner(ExportManifest.read(Path(path)), engines)
 
     # -- requests ----------------------------------------------------------------------------
     def check_request(self, prompt_length: int, params: DecodeParams) -> None:

@@ -22,7 +22,7 @@ def engines_dir(exports, tmp_path):
 def test_directory_serves_the_runtime_alone(engines_dir, exports):
     names = {p.name for p in engines_dir.iterdir()}
     assert {"engines.json", "planner.engine", "infiller.engine", "refusion.json", "tokenizer.json"} <= names
-    assert ExportManifest.load(engines_dir).graphs == ExportManifest.load(exports["fp32"]).graphs
+    assert ExportManifest.read(engines_dir).graphs == ExportManifest.load(exports["fp32"]).graphs
     m = EngineManifest.load(engines_dir)
     assert m.limits == DecodeLimits(max_prompt=16, gen_length=64, slot_size=4, serial_blocks=2)
     assert [p.name for p in m.engines["infiller"].profiles] == ["prefill", "decode"]

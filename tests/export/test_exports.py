@@ -29,9 +29,9 @@ def test_fp32_export_validates(store, name):
     spec = SPECS[name]
     assert manifest.dtype == "float32"
     assert (manifest.num_layers, manifest.kv_heads, manifest.head_dim) == (spec.num_layers, spec.kv_heads, spec.head_dim)
-    assert manifest.model["tie_word_embeddings"] == spec.tie_word_embeddings
+    assert manifest.dims.tie_word_embeddings == spec.tie_word_embeddings
     assert ("lm_head.weight" in manifest.weights) == (not spec.tie_word_embeddings)
-    assert manifest.raw["source"]["dtype"] == spec.dtype
+    assert manifest.source["dtype"] == spec.dtype
 
 
 def test_sharded_fixture_is_sharded(store):

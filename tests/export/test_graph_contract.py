@@ -41,8 +41,8 @@ def export(request, store):
 
 def test_io_exactly_as_declared(export):
     manifest = ExportManifest.load(export.path)
-    m = manifest.model
-    declared = graph_specs(m["num_layers"], m["kv_heads"], m["head_dim"], m["vocab_size"], manifest.dtype, export.logits)
+    m = manifest.dims
+    declared = graph_specs(m.num_layers, m.kv_heads, m.head_dim, m.vocab_size, manifest.dtype, export.logits)
     for name in GRAPH_NAMES:
         graph = _load(export.path, name).graph
         assert manifest.graphs[name] == declared[name], "refusion.json disagrees with runtime.contract"
@@ -94,7 +94,7 @@ def test_one_weights_file_shared_at_identical_offsets(export):
         entry = manifest.weights[tensor]
         assert (entry.offset, entry.nbytes) == (offset, length)
         assert offset % 4096 == 0
-    assert (export.path / "weights.bin").stat().st_size == manifest.raw["weights"]["bytes"]
+    assert (export.path / "weights.bin").stat().st_size == manifest.files["weights.bin"].bytes
     # nothing else holds weights: two small graph files beside one weights file
     assert sorted(p.name for p in export.path.glob("*.onnx")) == ["infiller.onnx", "planner.onnx"]
     assert not list(export.path.glob("*.data")) and [p.name for p in export.path.glob("*.bin")] == ["weights.bin"]
@@ -102,7 +102,7 @@ def test_one_weights_file_shared_at_identical_offsets(export):
 
 
 def test_vocabulary_leaves_only_with_logits(export):
-    vocab = ExportManifest.load(export.path).model["vocab_size"]
+    vocab = ExportManifest.load(export.path).vocab_size
     for name in GRAPH_NAMES:
         outputs = _io(_load(export.path, name).graph.output)
         vocab_sized = [n for n, _, axes in outputs if vocab in axes]

@@ -115,8 +115,14 @@ def test_not_an_export_and_corrupt_graph(tmp_path, export_dir):
     broken = tmp_path / "broken"
     shutil.copytree(export_dir, broken)
     (broken / "infiller.onnx").write_bytes(b"not a protobuf")
+    with pytest.raises(RefusionError, match=r"infiller.onnx has 14 bytes, \d+ recorded \(truncated or replaced\)"):
+        Generator.from_dir(broken, backend="ort-cpu")
+    size = (export_dir / "infiller.onnx").stat().st_size  # same size, not a graph: only onnxruntime can tell
+    (broken / "infiller.onnx").write_bytes(b"\xff" * size)
     with pytest.raises(RefusionError, match="infiller.onnx could not be loaded by onnxruntime"):
         Generator.from_dir(broken, backend="ort-cpu")
+    with pytest.raises(RefusionError, match=r"infiller.onnx has sha256 .* recorded \(modified or damaged\)"):
+        Generator.from_dir(broken, backend="ort-cpu", verify=True)
     (broken / "planner.onnx").unlink()
     with pytest.raises(RefusionError, match="planner.onnx is missing"):
         Generator.from_dir(broken, backend="ort-cpu")
