@@ -32,6 +32,7 @@ PENDING_NAME = "refusion.pending.json"
 FORMAT = "refusion-onnx"
 FORMAT_VERSION = 2
 REEXPORT = "re-export with `refusion-export onnx CHECKPOINT --output DIR --force`"
+WEIGHTS_LAYOUT = "linear weights [in, out]"
 _SECTIONS = ("model", "dtype", "tokens", "defaults", "graphs", "weights", "tokenizer", "files")
 
 
@@ -127,7 +128,7 @@ class ExportManifest:
             "defaults": self.defaults.to_json(),
             "graphs": {name: {"file": self.graph_files[name], "opset": self.opset, "logits": self.has_logits,
                               **self.graphs[name].to_json()} for name in GRAPH_NAMES},
-            "weights": {"file": self.weights_file, "layout": "linear weights [in, out]",
+            "weights": {"file": self.weights_file, "layout": WEIGHTS_LAYOUT,
                         "tensors": {n: e.to_json() for n, e in self.weights.items()}},
             "tokenizer": {"files": list(self.tokenizer_files)},
             "files": {name: record.to_json() for name, record in self.files.items()},
@@ -192,9 +193,11 @@ def _parse(path: Path, f: Fields) -> ExportManifest:
     for name in GRAPH_NAMES:
         f.str(f"graphs.{name}.file", (ExportManifest.graph_files[name],))
         f.int(f"graphs.{name}.opset", opset, opset + 1)
-        f.bool(f"graphs.{name}.logits")
+        if f.bool(f"graphs.{name}.logits") != logits:
+            raise f.fail(f"graphs.{name}.logits", not logits, f"{logits}, as for the planner")
         graphs[name] = _read_spec(f, name, expected[name])
     f.str("weights.file", (ExportManifest.weights_file,))
+    f.str("weights.layout", (WEIGHTS_LAYOUT,))
     weights = _read_weights(f, dims, export_dtype)
     tokenizer_files = tuple(_name(f, "tokenizer.files", x) for x in f.list("tokenizer.files"))
     listed = {*ExportManifest.graph_files.values(), ExportManifest.weights_file, *tokenizer_files}
@@ -222,13 +225,12 @@ def _parse(path: Path, f: Fields) -> ExportManifest:
         raise f.fail("defaults.gen_length", manifest.defaults.gen_length,
                      f"fewer than max_position_embeddings {dims.max_position_embeddings}")
     # What the exporter wrote, section by section: catches consistent edits the checks above allow.
-    body = manifest.to_json()
     for section in _SECTIONS:
-        recorded = f.str(f"digests.{section}")
-        if recorded != body["digests"][section]:
+        recorded, content = f.str(f"digests.{section}"), _digest(f.get(section))
+        if recorded != content:
             raise RefusionError(
                 f"{f.file}: section {section!r} differs from what the exporter wrote (digest {recorded}, content "
-                f"{body['digests'][section]}); refusion.json is not meant to be edited. {REEXPORT[0].upper()}{REEXPORT[1:]}."
+                f"{content}); refusion.json is not meant to be edited. {REEXPORT[0].upper()}{REEXPORT[1:]}."
             )
     return manifest
 
