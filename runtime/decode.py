@@ -2,7 +2,7 @@
 
 Both are generators that yield a `Commit` whenever tokens become final, so streaming and
 visualisation come for free; `run_to_end` collects the result. The loop reads like the
-algorithm in docs (refusion-decoding.md) and follows upstream `generate_refusion` exactly.
+algorithm in docs/decoding.md and follows upstream `generate_refusion` exactly.
 """
 
 from __future__ import annotations

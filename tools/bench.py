@@ -1,7 +1,7 @@
 """`refusion-run bench`: accuracy and speed of every decoding method on one checkpoint, one backend.
 
     refusion-run bench models/refusion-tiny [--n 200] [--threads 1] [--gen-length 64]
-        [--settings "8,1,0.9,0.4;4,4,0.7,0.2"] [--diffusion "64,32;32,32"] [--no-reference] [--out docs/bench]
+        [--settings "8,1,0.9,0.4;4,4,0.7,0.2"] [--diffusion "64,32;32,32"] [--no-reference] [--out results/bench]
 
 On the first `n` prompts of the held-out task mix (`refusion.tools.tasks.held_out`, one fixed
 seed), with greedy decoding and the same thread count everywhere (onnxruntime intra-op
@@ -63,7 +63,7 @@ DEFAULT_DIFFUSION = "64,32;32,32;64,32,exit"
 DEFAULT_GEN_LENGTH = 64
 BOOTSTRAP = 2000
 
-# The targets of issue 5 (docs/bench.md).
+# The targets of issue 5 (reported in results/bench/bench.md).
 TARGET_SPEEDUP_VS_AR = 2.33
 TARGET_ACCURACY_POINTS = 1.0
 TARGET_SPEEDUP_VS_REFERENCE = 3.0
@@ -309,7 +309,7 @@ class BenchConfig:
     reference: bool = True
     reference_settings: str = "all"  # all | first
     warmup: int = 2
-    out: Path | None = Path("docs/bench")
+    out: Path | None = Path("results/bench")
     plot: bool = True
     profile: bool = False
 
@@ -793,7 +793,7 @@ def profile_refusion(gen: Generator, prompts: list[list[int]], params: DecodePar
 @click.option("--reference-settings", type=click.Choice(["all", "first"]), default="all", show_default=True,
               help="The ReFusion settings the PyTorch reference runs: every one, or the first.")
 @click.option("--warmup", type=int, default=2, show_default=True, help="Warm-up prompts (not scored), every method.")
-@click.option("--out", type=click.Path(path_type=Path), default=Path("docs/bench"), show_default=True)
+@click.option("--out", type=click.Path(path_type=Path), default=Path("results/bench"), show_default=True)
 @click.option("--no-plot", is_flag=True, help="Skip bench.png.")
 @click.option("--profile", is_flag=True, help="Also cProfile ReFusion (first setting) on the prompts: OUT/profile.txt.")
 def bench(model: Path, n: int, seed: int, threads: int, gen_length: int, settings: str, diffusion: str, reference: bool,

@@ -12,7 +12,7 @@ transformers' Qwen3ForCausalLM / AutoTokenizer. Training state and the log go to
 
     .venv/bin/python tools/train_tiny.py eval --runtime   # accuracy per task: AR in torch, then our runtime
 
-The objective (docs/refusion-decoding.md, "Training recipe"; upstream `forward_process`),
+The objective (docs/training.md, "Objective"; upstream `forward_process`),
 with the choices docs/training.md lists: per example a slot size k; the response
 (answer + <|im_end|>) padded with <|endoftext|> to a multiple of k, sometimes one more
 all-pad slot; t ~ U(0,1), p = (1 - eps) t + eps; each slot masked with probability p; the

@@ -1,7 +1,7 @@
 """Independent PyTorch reference of ReFusion's default decoding loop (the test oracle).
 
 The spec is ``generate_refusion`` in upstream ML-GSAI/ReFusion ``generate.py``
-(summarised in docs/refusion-decoding.md; where they disagree the code wins).
+(summarised in docs/decoding.md; where they disagree the code wins).
 This file re-implements the same semantics, written from scratch for
 readability, on a stock Hugging Face ``transformers`` ``Qwen3ForCausalLM``.
 The runtime must produce exactly the token ids this produces, so upstream

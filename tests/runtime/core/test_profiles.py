@@ -1,4 +1,4 @@
-"""Profiles from decode limits, over the paper's settings table (docs/refusion-decoding.md)."""
+"""Profiles from decode limits, over the paper's settings table (docs/decoding.md)."""
 
 from __future__ import annotations
 
