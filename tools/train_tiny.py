@@ -385,6 +385,11 @@ class Log:
         self.file.flush()
 
 
+# The fastest benchmarked setting within a point of AR accuracy (docs/benchmark.md).
+DECODE_DEFAULTS = {"gen_length": 64, "slot_size": 4, "serial_num_blocks": 4, "slot_threshold": 0.5,
+                   "token_threshold": 0.1}
+
+
 def save_state(path: Path, model, opt, step: int, args, elapsed: float) -> None:
     tmp = path.with_suffix(".tmp")
     torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "elapsed": elapsed,
@@ -405,6 +410,11 @@ def save_model(model, tok, out: Path) -> None:
     cfg["tokenizer_class"] = "PreTrainedTokenizerFast"  # the name transformers 4 and 5 both load
     cfg["chat_template"] = CHAT_TEMPLATE
     cfg_path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    # The decode settings exports record as their defaults (docs/decoding.md, "Export defaults").
+    gen_path = out / "generation_config.json"
+    gen = json.loads(gen_path.read_text(encoding="utf-8"))
+    gen["refusion_decode"] = DECODE_DEFAULTS
+    gen_path.write_text(json.dumps(gen, indent=2) + "\n", encoding="utf-8")
     for f in out.iterdir():
         f.chmod(0o644)
 
