@@ -157,7 +157,10 @@ class ExportManifest:
         """Parse and cross-check refusion.json without touching the other files."""
         file = path / (PENDING_NAME if pending else MANIFEST_NAME)
         if not path.is_dir():
-            raise RefusionError(f"{path} is not a directory; pass the output directory of `refusion-export onnx`.")
+            aside = sorted(path.parent.glob(f".{path.name}.*-*")) if path.parent.is_dir() else []
+            hint = (f" An interrupted export left {aside[0].name} beside it; re-run the same `refusion-export onnx` "
+                    "to restore or replace it." if aside else "")
+            raise RefusionError(f"{path} is not a directory; pass the output directory of `refusion-export onnx`.{hint}")
         if not file.is_file():
             if (path / PENDING_NAME).is_file():
                 raise RefusionError(
