@@ -61,6 +61,3 @@ class DecodeDefaults:
         unit = slot * blocks
         gen = max(unit, min(self.gen_length, budget) // unit * unit)
         return DecodeDefaults(gen, slot, blocks, self.slot_threshold, self.token_threshold)
-
-    def fits(self, max_positions: int) -> bool:
-        return self.gen_length < max_positions

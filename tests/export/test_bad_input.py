@@ -57,6 +57,33 @@ def test_wrong_architecture(ckpt, tmp_path):
     _fails(ckpt, tmp_path / "out", r"architectures=\['LlamaForCausalLM'\] is not supported.*Qwen3ForCausalLM")
 
 
+@pytest.mark.parametrize("content, match", [
+    ("[]", r"config\.json holds a JSON list, not an object; restore it"),
+    ('{"architectures": ["Qwen3ForCausalLM"], "hidden_size": "abc"}',
+     r"config\.json: field hidden_size is 'abc' \(str\), expected an integer >= 1; restore the original config\.json"),
+    ('{"architectures": ["Qwen3ForCausalLM"], "hidden_size": null}',
+     r"config\.json: field hidden_size is None \(NoneType\), expected an integer >= 1"),
+], ids=["list", "string", "null"])
+def test_config_of_the_wrong_shape(ckpt, tmp_path, content, match):
+    config = json.loads((ckpt / "config.json").read_text())
+    if content.startswith("{"):
+        config.update(json.loads(content))
+        content = json.dumps(config)
+    (ckpt / "config.json").write_text(content)
+    _fails(ckpt, tmp_path / "out", match)
+
+
+def test_checkpoint_decode_defaults_are_recorded_and_checked(ckpt, tmp_path):
+    from refusion.runtime.core.export_manifest import ExportManifest
+
+    mine = {"gen_length": 48, "slot_size": 8, "serial_num_blocks": 2, "slot_threshold": 0.7, "token_threshold": 0.2}
+    (ckpt / "generation_config.json").write_text(json.dumps({"refusion_decode": mine}))
+    out = export_onnx(ckpt, tmp_path / "out", validate=False)
+    assert ExportManifest.load(out).defaults.to_json() == mine
+    (ckpt / "generation_config.json").write_text(json.dumps({"refusion_decode": {**mine, "slot_size": "8"}}))
+    _fails(ckpt, tmp_path / "out2", r"generation_config\.json: field refusion_decode\.slot_size is '8' \(str\)")
+
+
 @pytest.mark.parametrize("keep", ["data", "header"], ids=["truncated-data", "truncated-header"])
 def test_truncated_safetensors(ckpt, tmp_path, keep):
     file = ckpt / "model.safetensors"
