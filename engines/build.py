@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import re
 import shutil
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -27,7 +26,8 @@ from typing import TYPE_CHECKING, Any
 
 from refusion.runtime.core.contract import GRAPH_NAMES, GraphName
 from refusion.runtime.core.dtypes import EXPORT_DTYPES, dtype
-from refusion.runtime.core.engines_manifest import EngineFile, EngineManifest, Target
+from refusion.export.publish import clean_leftovers, cleanup_on_signals, make_staging, publish
+from refusion.runtime.core.engines_manifest import ENGINES_MANIFEST, EngineFile, EngineManifest, Target
 from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.core.export_manifest import MANIFEST_NAME, ExportManifest
 from refusion.runtime.core.files import sha256_file
@@ -296,6 +296,10 @@ def build_engines(plan: BuildPlan, *, force: bool = False, report: Report = lamb
     out = plan.output
     if out.exists() and not force:
         raise RefusionError(f"output {out} already exists; pass --force to replace it.")
+    if out.exists() and not (out.is_dir() and not out.is_symlink()
+                             and ((out / ENGINES_MANIFEST).is_file() or not any(out.iterdir()))):
+        raise RefusionError(f"output {out} exists and is not an engines directory (no {ENGINES_MANIFEST}) nor empty; "
+                            "--force replaces only those. Choose another --output.")
     require_tensorrt()
     import tensorrt as trt
 
@@ -303,26 +307,26 @@ def build_engines(plan: BuildPlan, *, force: bool = False, report: Report = lamb
     strongly = plan.options.strongly_typed or int(str(trt.__version__).split(".")[0]) >= 11
     report(f"building {plan.options.precision} engines for {target.gpu} (sm {target.compute_capability}) with "
            f"TensorRT {target.tensorrt}{', strongly typed' if strongly else ''}")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
-    try:
-        t0 = time.perf_counter()
-        engines: dict[GraphName, bytes] = {}
-        for graph in BUILD_ORDER:
-            profiles = ", ".join(p.name for p in plan.profiles[graph])
-            report(f"{graph}: parsing {plan.onnx_path(graph).name}, profiles: {profiles}")
-            t = time.perf_counter()
-            serialized = engine_loader(plan, graph, strongly_typed=strongly, report=report)()
-            engines[graph] = bytes(memoryview(serialized))
-            del serialized
-            report(f"{graph}.engine: {len(engines[graph]) / 2**20:.1f} MiB in {time.perf_counter() - t:.0f} s")
-        write_engines_dir(plan, staging, engines, target, strongly, time.perf_counter() - t0)
-        if out.exists():
-            shutil.rmtree(out)
-        staging.rename(out)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+    with cleanup_on_signals():  # SIGTERM/SIGHUP during a long build clean up like Ctrl-C
+        out.parent.mkdir(parents=True, exist_ok=True)
+        clean_leftovers(out, report, complete_marker=ENGINES_MANIFEST)
+        staging = make_staging(out)
+        try:
+            t0 = time.perf_counter()
+            engines: dict[GraphName, bytes] = {}
+            for graph in BUILD_ORDER:
+                profiles = ", ".join(p.name for p in plan.profiles[graph])
+                report(f"{graph}: parsing {plan.onnx_path(graph).name}, profiles: {profiles}")
+                t = time.perf_counter()
+                serialized = engine_loader(plan, graph, strongly_typed=strongly, report=report)()
+                engines[graph] = bytes(memoryview(serialized))
+                del serialized
+                report(f"{graph}.engine: {len(engines[graph]) / 2**20:.1f} MiB in {time.perf_counter() - t:.0f} s")
+            write_engines_dir(plan, staging, engines, target, strongly, time.perf_counter() - t0)  # engines.json last
+            publish(staging, out)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
     return out
 
 

@@ -52,12 +52,13 @@ def leftovers(output: Path) -> list[Path]:
     return sorted(found)
 
 
-def clean_leftovers(output: Path, report: Callable[[str], None]) -> None:
+def clean_leftovers(output: Path, report: Callable[[str], None], complete_marker: str = MANIFEST_NAME) -> None:
     """Remove what killed runs left for `output`. If `output` itself is gone, first put back the
-    export a run was publishing (complete: it has refusion.json) or the old one it moved aside."""
+    directory a run was publishing (complete: it holds `complete_marker`, the file written last)
+    or the old one it moved aside."""
     left = leftovers(output)
     if not output.exists():
-        complete = [p for p in left if (p / MANIFEST_NAME).is_file()]
+        complete = [p for p in left if (p / complete_marker).is_file()]
         # a finished new export first, then an old one moved aside
         complete.sort(key=lambda p: ".old-" in p.name)
         if complete:
