@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+import math
+from dataclasses import asdict, dataclass, fields
+from numbers import Integral, Real
+from typing import Any, Literal
 
+from refusion.runtime.core.defaults import DecodeDefaults
 from refusion.runtime.core.errors import RefusionError
 
 Mode = Literal["refusion", "ar"]
@@ -24,18 +27,46 @@ class DecodeParams:
     def __post_init__(self) -> None:
         for name in ("gen_length", "slot_size", "serial_num_blocks"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
+            if not _is_int(value) or value <= 0:
                 raise RefusionError(f"{name}={value!r} must be a positive integer.")
+            object.__setattr__(self, name, int(value))  # numpy scalars become plain, JSON-safe numbers
         for name in ("slot_threshold", "token_threshold"):
             value = getattr(self, name)
+            if not _is_number(value):
+                raise RefusionError(
+                    f"{name}={value!r} must be a number in [0, 1]; it is compared against a probability.")
             if not 0.0 <= value <= 1.0:
                 raise RefusionError(f"{name}={value!r} is outside [0, 1]; it is compared against a probability.")
-        if self.temperature < 0:
-            raise RefusionError(f"temperature={self.temperature!r} must be >= 0 (0 is greedy).")
+            object.__setattr__(self, name, float(value))
+        if not _is_number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
+            raise RefusionError(
+                f"temperature={self.temperature!r} must be >= 0 and finite (0 is greedy; e.g. 0.7 samples).")
+        object.__setattr__(self, "temperature", float(self.temperature))
+        if self.seed is not None and (not _is_int(self.seed) or self.seed < 0):
+            raise RefusionError(
+                f"seed={self.seed!r} must be None or a non-negative integer (it seeds the sampling noise).")
         if self.mode not in ("refusion", "ar"):
             raise RefusionError(f"mode={self.mode!r} is not one of 'refusion', 'ar'.")
         if self.mode == "refusion":
             _ = self.block_length  # validates the layout
+
+    @staticmethod
+    def with_defaults(defaults: DecodeDefaults, **settings: Any) -> DecodeParams:
+        """`settings` over an export's recorded `defaults`: a decode setting left out, or None, takes the
+        export's value; temperature, seed and mode keep the bare defaults."""
+        names = [f.name for f in fields(DecodeParams)]
+        unknown = [name for name in settings if name not in names]
+        if unknown:
+            raise RefusionError(f"unknown decode setting {unknown[0]}={settings[unknown[0]]!r}; "
+                                f"the settings are {', '.join(names)}.")
+        recorded = asdict(defaults)
+        given = {name: value for name, value in settings.items() if value is not None or name not in recorded}
+        return DecodeParams(**{**recorded, **given})
+
+    @property
+    def positions(self) -> int:
+        """Positions the generation takes after the prompt: gen_length in AR mode, whole slots in ReFusion mode."""
+        return self.gen_length if self.mode == "ar" else self.padded_gen_length
 
     @property
     def padded_gen_length(self) -> int:
@@ -54,3 +85,12 @@ class DecodeParams:
                 f"gen_length as a multiple of slot_size x serial_num_blocks = {k * blocks}."
             )
         return gen // blocks
+
+
+def _is_int(value: object) -> bool:
+    """An integer, numpy's included, but not a bool."""
+    return isinstance(value, Integral) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, Real) and not isinstance(value, bool)

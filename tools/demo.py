@@ -97,15 +97,15 @@ def _colour(step: int, steps: int) -> tuple[int, int, int]:
 
 
 def _pieces(row: DemoRow, gen: Generator) -> list[tuple[str, int]]:
-    """(text, commit step) per generated token through the first EOS, in position order."""
+    """(text, commit step) per generated token before the first EOS, in position order, special tokens not shown."""
     res, tok = row.refusion, gen.tokenizer
     assert tok is not None
     eos = gen.manifest.eos_token_id
     out = []
     for token, step in zip(res.token_ids, res.steps):
-        out.append((tok.decode([token], skip_special_tokens=False), step))
         if token == eos:
             break
+        out.append((tok.decode([token]), step))
     return out
 
 

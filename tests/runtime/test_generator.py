@@ -10,8 +10,12 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
+from refusion.export.exporter import export_onnx
+from refusion.models import EMBEDDED_MODEL
 from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.generator import Generator
+from refusion.runtime.params import DecodeParams
+from refusion.runtime.tokenizer import Tokenizer
 from refusion.tools.run_cli import cli
 from tests.runtime.conftest import export_peaky
 
@@ -29,6 +33,39 @@ def gen(export_dir):
         yield g
 
 
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    """The embedded model's export: 256 positions, recorded defaults gen_length 64, slot_size 4."""
+    return export_onnx(EMBEDDED_MODEL, tmp_path_factory.mktemp("tiny") / "onnx", validate=False)
+
+
+def test_no_decode_settings_take_the_exports_recorded_defaults(tiny_dir):
+    with Generator.from_dir(tiny_dir, backend="ort-cpu", threads=1) as tiny:
+        assert tiny.params() == DecodeParams(gen_length=64, slot_size=4, serial_num_blocks=4, slot_threshold=0.5,
+                                             token_threshold=0.1)  # the paper's bare 512 exceed the 256 positions
+        assert tiny.params(gen_length=None, slot_size=8, mode="ar") == DecodeParams(64, 8, 4, 0.5, 0.1, mode="ar")
+        res = tiny.generate("sort: 3 1 2", chat=True)
+        assert res.text and tiny.manifest.eos_token_id in res.token_ids
+        assert "".join(tiny.stream("sort: 3 1 2", chat=True)) == res.text
+
+
+def test_text_stops_before_the_eos_even_when_the_tokenizer_would_show_it(tiny_dir, tmp_path):
+    """A tokenizer that flags no token special (as some checkpoints ship) still never shows the EOS."""
+    raw = json.loads((tiny_dir / "tokenizer.json").read_text())
+    for token in raw["added_tokens"]:
+        token["special"] = False
+    (tmp_path / "tokenizer.json").write_text(json.dumps(raw))
+    for name in ("tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(tiny_dir / name, tmp_path)
+    with Generator.from_dir(tiny_dir, backend="ort-cpu", threads=1) as tiny:
+        tiny.tokenizer = Tokenizer.from_dir(tmp_path)
+        eos = tiny.manifest.eos_token_id
+        assert tiny.tokenizer.decode([eos]) == "<|im_end|>"
+        res = tiny.generate("sort: 3 1 2", chat=True)
+        assert eos in res.token_ids and res.text and "<|im_end|>" not in res.text
+        assert "".join(tiny.stream("sort: 3 1 2", chat=True)) == res.text
+
+
 def test_generate_reports_truthful_stats(gen):
     res = gen.generate(prompt_ids=[5, 17, 42], **SMALL)
     s = res.stats
@@ -39,6 +76,13 @@ def test_generate_reports_truthful_stats(gen):
     assert 0 < s.engine_seconds < s.wall_seconds
     ar = gen.generate(prompt_ids=[5, 17, 42], gen_length=32, mode="ar")
     assert ar.stats.forwards == {"prefill": 1, "decode": len(ar.token_ids) - 1}
+
+
+def test_ar_mode_checks_its_own_length_without_slot_padding(gen):
+    ar = dict(gen_length=30, slot_size=32, serial_num_blocks=3, mode="ar")  # slot layout irrelevant to AR
+    assert len(gen.generate(prompt_ids=[5] * 482, **ar).token_ids) == 30  # 482 + 30 = 512 positions
+    with pytest.raises(RefusionError, match="prompt of 483 tokens \\+ gen_length 30 exceeds the model's 512 positions"):
+        gen.generate(prompt_ids=[5] * 483, **ar)
 
 
 def test_stream_yields_settled_text_in_order(gen):
@@ -95,11 +139,49 @@ def test_kv_memory_is_prefix_plus_slots_never_a_copy_per_slot(gen):
     (lambda g: g.generate(prompt_ids=[1, 2], **{**SMALL, "token_threshold": 2.0}), "outside [0, 1]"),
     (lambda g: g.generate(prompt_ids=[1, 99999], **SMALL), "outside the vocabulary"),
     (lambda g: g.generate(prompt_ids=[1, 2], **{**SMALL, "temperature": 0.7}), "re-export with"),
+    (lambda g: g.generate(prompt_ids=[1, 2], chat=True, **SMALL),
+     "chat=True does not combine with prompt_ids: token ids are fed exactly as given, without the chat template"),
+    (lambda g: g.generate(prompt_ids=[1, 3.7], **SMALL), "prompt_ids[1]=3.7 is not an integer token id"),
+    (lambda g: g.generate(prompt_ids=[1, 2.5], **SMALL), "prompt_ids[1]=2.5 is not an integer token id"),
+    (lambda g: g.generate(prompt_ids=[True], **SMALL), "prompt_ids[0]=True is not an integer token id"),
+    (lambda g: g.generate(prompt_ids="1,2", **SMALL), "prompt_ids='1,2' is not a list of integer token ids"),
+    (lambda g: g.generate(prompt=123, **SMALL), "prompt=123 is not a string"),
+    (lambda g: g.generate(messages="hi", **SMALL),
+     "messages='hi' is not a list of {'role': ..., 'content': ...} dicts"),
+    (lambda g: g.generate(messages=[{"role": "user"}], **SMALL), "is not a list of {'role'"),
+    (lambda g: g.generate(prompt_ids=[1, 2], unknown_setting=1, **SMALL),
+     "unknown decode setting unknown_setting=1; the settings are gen_length, slot_size"),
+    (lambda g: g.generate(prompt_ids=[1, 2], **{**SMALL, "gen_length": "64"}), "gen_length='64' must be a positive"),
+    (lambda g: g.generate(prompt_ids=[1, 2], **{**SMALL, "temperature": float("nan")}), "temperature=nan must be"),
+    (lambda g: next(g.stream(prompt_ids=[1, 2], chat=True, **SMALL)), "chat=True does not combine with prompt_ids"),
 ])
 def test_bad_requests_fail_clearly_and_leave_the_generator_usable(gen, call, fragment):
-    with pytest.raises(RefusionError, match=fragment.replace("[", r"\[").replace("]", r"\]")):
+    with pytest.raises(RefusionError) as err:
         call(gen)
+    assert fragment in str(err.value)
     assert len(gen.generate(prompt_ids=[5, 17, 42], **SMALL).token_ids) == 32
+
+
+def test_numpy_prompt_ids_are_fine(gen):
+    ids = np.array([5, 17, 42], dtype=np.int64)
+    assert gen.generate(prompt_ids=ids, **SMALL).prompt_ids == [5, 17, 42]
+
+
+@pytest.mark.parametrize("threads", [0, -1])
+def test_threads_must_be_positive(export_dir, threads):
+    with pytest.raises(RefusionError, match=f"threads={threads} \\(--threads\\) is not a positive number of "
+                                            "onnxruntime threads; give 1 or more, or leave it out to use every core."):
+        Generator.from_dir(export_dir, backend="ort-cpu", threads=threads)
+
+
+def test_low_memory_turns_off_prepacking_on_onnxruntime_only(export_dir):
+    with Generator.from_dir(export_dir, backend="ort-cpu", threads=1, low_memory=True) as g:
+        options = g.runner.sessions["planner"].get_session_options()
+        assert options.get_session_config_entry("session.disable_prepacking") == "1"
+        assert len(g.generate(prompt_ids=[5, 17, 42], **SMALL).token_ids) == 32
+    with pytest.raises(RefusionError, match="low_memory=True \\(--low-memory\\) is an onnxruntime option .* "
+                                            "does not apply to the trt backend; drop it, or choose --backend"):
+        Generator.from_dir(export_dir, backend="trt", low_memory=True)
 
 
 def test_unknown_and_unavailable_backends_name_the_fix(export_dir):

@@ -22,5 +22,6 @@ def test_demo_runs_and_draws_the_decode(tmp_path):
     assert "ReFusion / AR:" in out and "tokens/forward" in out
     page = (tmp_path / "decode.html").read_text()
     assert page.count("<h3>") == 4 and "iteration" in page
+    assert "im_end" not in out and "im_end" not in page  # answers end before the EOS, special tokens not shown
     for step in ("[1/4]", "[2/4]", "[3/4]", "[4/4]"):
         assert step in result.stderr

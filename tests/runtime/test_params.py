@@ -1,0 +1,65 @@
+"""DecodeParams: every bad value is one RefusionError naming it; an export's defaults fill what is left out."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from refusion.runtime.core.defaults import DecodeDefaults
+from refusion.runtime.core.errors import RefusionError
+from refusion.runtime.params import DecodeParams
+
+TINY = DecodeDefaults(gen_length=64, slot_size=4, serial_num_blocks=4, slot_threshold=0.5, token_threshold=0.1)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(gen_length="64"), "gen_length='64' must be a positive integer."),
+    (dict(slot_size=4.0), "slot_size=4.0 must be a positive integer."),
+    (dict(serial_num_blocks=True), "serial_num_blocks=True must be a positive integer."),
+    (dict(slot_threshold="x"), "slot_threshold='x' must be a number in [0, 1]; it is compared against a probability."),
+    (dict(token_threshold=None), "token_threshold=None must be a number in [0, 1]"),
+    (dict(slot_threshold=float("nan")), "slot_threshold=nan is outside [0, 1]"),
+    (dict(temperature=None), "temperature=None must be >= 0 and finite (0 is greedy; e.g. 0.7 samples)."),
+    (dict(temperature=float("nan")), "temperature=nan must be >= 0 and finite"),
+    (dict(temperature=float("inf")), "temperature=inf must be >= 0 and finite"),
+    (dict(temperature="0.7"), "temperature='0.7' must be >= 0 and finite"),
+    (dict(seed="a"), "seed='a' must be None or a non-negative integer (it seeds the sampling noise)."),
+    (dict(seed=-1), "seed=-1 must be None or a non-negative integer"),
+    (dict(mode=3), "mode=3 is not one of 'refusion', 'ar'."),
+])
+def test_wrong_types_and_non_finite_values_are_refused_by_name(kwargs, message):
+    with pytest.raises(RefusionError) as err:
+        DecodeParams(**kwargs)
+    assert message in str(err.value)
+
+
+def test_numpy_scalars_are_accepted_as_plain_numbers():
+    p = DecodeParams(gen_length=np.int64(64), slot_size=np.int32(4), serial_num_blocks=np.int64(2),
+                     slot_threshold=np.float32(0.5), token_threshold=np.float64(0.25), temperature=np.float32(0))
+    json.dumps({"gen_length": p.gen_length, "slot_threshold": p.slot_threshold, "temperature": p.temperature})
+    assert (p.gen_length, p.slot_threshold, p.token_threshold) == (64, 0.5, 0.25)
+
+
+def test_ar_mode_takes_gen_length_unpadded_and_no_block_layout():
+    ar = DecodeParams(gen_length=30, slot_size=7, serial_num_blocks=3, mode="ar")
+    assert ar.positions == 30
+    assert DecodeParams(gen_length=30, slot_size=4, serial_num_blocks=2).positions == 32  # ReFusion: whole slots
+    with pytest.raises(RefusionError, match="serial_num_blocks may be one of"):
+        DecodeParams(gen_length=30, slot_size=7, serial_num_blocks=3)
+
+
+def test_settings_left_out_or_none_take_the_exports_defaults():
+    assert DecodeParams.with_defaults(TINY) == DecodeParams(64, 4, 4, 0.5, 0.1)
+    p = DecodeParams.with_defaults(TINY, gen_length=32, slot_size=None, temperature=0.5, seed=3, mode="ar")
+    assert p == DecodeParams(32, 4, 4, 0.5, 0.1, temperature=0.5, seed=3, mode="ar")
+    with pytest.raises(RefusionError, match="temperature=None must be >= 0"):  # None is a default only where one is recorded
+        DecodeParams.with_defaults(TINY, temperature=None)
+
+
+def test_an_unknown_setting_lists_the_valid_ones():
+    with pytest.raises(RefusionError) as err:
+        DecodeParams.with_defaults(TINY, unknown_setting=1)
+    assert str(err.value) == ("unknown decode setting unknown_setting=1; the settings are gen_length, slot_size, "
+                              "serial_num_blocks, slot_threshold, token_threshold, temperature, seed, mode.")

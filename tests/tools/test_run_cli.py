@@ -1,0 +1,92 @@
+"""`refusion-run generate` on the embedded model's export: defaults from the export, refused flags, load options."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from click.testing import CliRunner
+
+from refusion.export.exporter import export_onnx
+from refusion.models import EMBEDDED_MODEL
+from refusion.runtime import generator
+from refusion.tools.run_cli import cli
+
+PROMPT = "sort: 3 1 2"
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    """The embedded model's export: 256 positions, recorded defaults gen_length 64, slot_size 4."""
+    return export_onnx(EMBEDDED_MODEL, tmp_path_factory.mktemp("tiny") / "onnx", validate=False)
+
+
+def run(*args: str):
+    return CliRunner().invoke(cli, ["generate", *map(str, args)])
+
+
+def test_generate_needs_no_decode_flags(tiny_dir):
+    out = run(tiny_dir, PROMPT, "--chat")
+    assert out.exit_code == 0, out.output
+    assert out.stdout.strip() and "<|im_end|>" not in out.stdout
+    data = json.loads(run(tiny_dir, PROMPT, "--chat", "--json", "--backend", "ort-cpu").stdout)
+    assert data["text"] == out.stdout.strip() and len(data["token_ids"]) <= 64
+
+
+def test_help_says_decode_settings_come_from_the_export():
+    text = " ".join(CliRunner().invoke(cli, ["generate", "--help"]).stdout.split())
+    for flag in ("--gen-length", "--slot-size", "--serial-blocks", "--slot-threshold", "--token-threshold"):
+        assert text.split(flag, 1)[1].split("--", 1)[0].count("default: the export's recorded value") == 1, flag
+    assert "--low-memory onnxruntime only: turn off weight prepacking, about half the peak memory" in text
+    assert "--verify Check every file's sha256 before loading" in text
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--temperature", "nan"], "error: temperature=nan must be >= 0 and finite (0 is greedy; e.g. 0.7 samples)."),
+    (["--temperature", "inf"], "error: temperature=inf must be >= 0 and finite"),
+    (["--prompt-ids", "1,2"], "error: --chat does not combine with --prompt-ids: token ids are fed exactly as given, "
+                              "without the chat template; drop --chat, or give the PROMPT text instead."),
+    (["--threads", "0"], "error: threads=0 (--threads) is not a positive number of onnxruntime threads; "
+                         "give 1 or more, or leave it out to use every core."),
+    (["--backend", "trt", "--low-memory"],
+     "error: low_memory=True (--low-memory) is an onnxruntime option (it turns off weight prepacking) and does not "
+     "apply to the trt backend; drop it, or choose --backend ort-cpu or ort-cuda."),
+])
+def test_refused_flags_name_the_flag_and_value(tiny_dir, args, message):
+    prompt = [] if "--prompt-ids" in args else [PROMPT]
+    out = run(tiny_dir, *prompt, "--chat", *args)
+    assert out.exit_code == 1 and message in out.stderr, out.output
+
+
+def test_float_prompt_ids_are_refused(tiny_dir):
+    out = run(tiny_dir, "--prompt-ids", "1,2.5")
+    assert out.exit_code == 1
+    assert "error: --prompt-ids '1,2.5' is not a comma-separated list of integers, e.g. 1,2,3." in out.stderr
+
+
+def test_ar_mode_is_not_padded_to_slots(tiny_dir):
+    ids = ",".join(["5"] * 226)  # 226 + 30 = 256 positions; padded to 32-token slots it would not fit
+    out = run(tiny_dir, "--prompt-ids", ids, "--mode", "ar", "--gen-length", "30", "--slot-size", "32", "--json")
+    assert out.exit_code == 0, out.output
+    assert json.loads(out.stdout)["stats"]["mode"] == "ar"
+
+
+def test_low_memory_reaches_the_onnxruntime_runner(tiny_dir, monkeypatch):
+    runners = []
+    make_runner = generator.make_runner
+    monkeypatch.setattr(generator, "make_runner", lambda *args: runners.append(make_runner(*args)) or runners[-1])
+    out = run(tiny_dir, PROMPT, "--chat", "--backend", "ort-cpu", "--low-memory")
+    assert out.exit_code == 0, out.output
+    assert [r.low_memory for r in runners] == [True]
+
+
+def test_verify_reads_every_files_sha256(tiny_dir, tmp_path):
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_dir, broken)
+    size = (broken / "tokenizer.json").stat().st_size  # same size, other bytes: only the sha256 tells
+    (broken / "tokenizer.json").write_bytes(b" " * size)
+    out = run(broken, PROMPT, "--chat", "--backend", "ort-cpu", "--verify")
+    assert out.exit_code == 1 and "tokenizer.json has sha256" in out.stderr, out.output
+    unverified = run(broken, PROMPT, "--chat", "--backend", "ort-cpu")  # found only when the tokenizer parses it
+    assert unverified.exit_code == 1 and "tokenizer.json' is corrupt" in unverified.stderr, unverified.output
