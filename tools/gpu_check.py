@@ -2,10 +2,11 @@
 
     python tools/gpu_check.py [--workdir DIR] [--strongly-typed]
 
-Makes a tiny fixture checkpoint, exports it in fp16, builds fp16 engines, compares them with
-onnxruntime (Polygraphy's comparator), checks that generation on the TensorRT Runner is
-token-identical to the onnxruntime Runner, and prints per-forward latency of the planner
-and the infiller. One PASS/FAIL line per check; exit 0 only if all pass. Under 8 minutes:
+Makes a tiny fixture checkpoint, exports it in fp16 (validated against torch), builds fp16
+engines, compares them with onnxruntime on the shared cases of refusion.runtime.compare (as
+`refusion-export check` does: the batch-1 cases inside the profiles; the report lists the
+rest), checks that generation on the TensorRT Runner is token-identical to the onnxruntime
+Runner, and prints per-forward latency of the planner and the infiller. One PASS/FAIL line per check; exit 0 only if all pass. Under 8 minutes:
 the two engine builds dominate, and a timing cache in the work directory speeds reruns.
 The fixture's KV is 256 bytes per token and layer (kv_heads 2 x head_dim 64 x fp16), so
 present KV is written straight into the cache, as for real models.

@@ -15,13 +15,18 @@ IO binding keeps past and present on the device.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from itertools import zip_longest
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from refusion.runtime.compare import CaseRunner, Feed, Outputs
 from refusion.runtime.core.contract import (
     GRAPH_NAMES,
     GraphName,
+    GraphSpec,
     past_key_name,
     past_value_name,
     present_key_name,
@@ -29,7 +34,7 @@ from refusion.runtime.core.contract import (
 )
 from refusion.runtime.core.dtypes import dtype
 from refusion.runtime.core.errors import RefusionError
-from refusion.runtime.core.export_manifest import ExportManifest
+from refusion.runtime.core.export_manifest import REEXPORT, ExportManifest
 from refusion.runtime.runners.base import Runner
 
 # onnxruntime's CPU provider has no bfloat16 MatMul.
@@ -45,6 +50,68 @@ def import_onnxruntime() -> Any:
             "(or '[ort-gpu]' for CUDA)."
         ) from e
     return onnxruntime
+
+
+def open_session(manifest: ExportManifest, graph: GraphName, providers: Sequence[str], threads: int | None = None,
+                 low_memory: bool = False) -> Any:
+    """The one place an onnxruntime session is made for an export graph: options, onnxruntime's own
+    exceptions as a RefusionError, and the graph's inputs and outputs checked against refusion.json."""
+    ort = import_onnxruntime()
+    opts = ort.SessionOptions()
+    if threads:
+        opts.intra_op_num_threads = threads
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    if low_memory:
+        opts.add_session_config_entry("session.disable_prepacking", "1")
+    path = manifest.graph_path(graph)
+    try:
+        session = ort.InferenceSession(str(path), opts, providers=list(providers))
+    except Exception as e:  # onnxruntime raises its own exception types
+        raise RefusionError(f"{path} could not be loaded by onnxruntime ({e}); {REEXPORT}.") from e
+    _check_io(session, manifest.graphs[graph], path)
+    return session
+
+
+_ORT_TYPES = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor(bfloat16)": "bfloat16",
+              "tensor(int64)": "int64", "tensor(int32)": "int32", "tensor(bool)": "bool"}
+
+
+def _check_io(session: Any, spec: GraphSpec, path: Path) -> None:
+    """The session's inputs and outputs must be the contract's, in order: names (and so the layer
+    count), element types and axes (fixed sizes such as kv_heads and head_dim, symbolic ones by name)."""
+    for kind, args, tensors in (("input", session.get_inputs(), spec.inputs),
+                                ("output", session.get_outputs(), spec.outputs)):
+        found = [f"{a.name} {_ORT_TYPES.get(a.type, a.type)} {list(a.shape)}" for a in args]
+        wanted = [f"{t.name} {t.dtype} {list(t.axes)}" for t in tensors]
+        for i, (got, want) in enumerate(zip_longest(found, wanted, fillvalue="nothing")):
+            if got != want:
+                raise RefusionError(
+                    f"{path} does not match refusion.json beside it: its {kind} {i} is {got}, the contract says "
+                    f"{want}; the graph and refusion.json come from different exports: {REEXPORT}."
+                )
+
+
+class OrtSessions(CaseRunner):
+    """The export's graphs as plain sessions over explicit feeds (any batch, past as given): the
+    comparator's onnxruntime runner. One graph's session at a time (the comparator goes graph by graph)."""
+
+    name = "onnxruntime"
+
+    def __init__(self, manifest: ExportManifest, providers: Sequence[str] = ("CPUExecutionProvider",)):
+        self.manifest = manifest
+        self.providers = providers
+        self._graph: GraphName | None = None
+        self._session: Any = None
+
+    def __call__(self, graph: GraphName, feed: Feed) -> Outputs:
+        if graph != self._graph:
+            self.close()  # before the next session loads
+            self._session, self._graph = open_session(self.manifest, graph, self.providers), graph
+        names = [o.name for o in self._session.get_outputs()]
+        return dict(zip(names, self._session.run(names, feed)))
+
+    def close(self) -> None:
+        self._session, self._graph = None, None
 
 
 class OrtRunner(Runner):
@@ -70,16 +137,6 @@ class OrtRunner(Runner):
         self.keys: list[np.ndarray] = []
         self.values: list[np.ndarray] = []
 
-    def _session_options(self) -> Any:
-        ort = import_onnxruntime()
-        opts = ort.SessionOptions()
-        if self.threads:
-            opts.intra_op_num_threads = self.threads
-        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        if self.low_memory:
-            opts.add_session_config_entry("session.disable_prepacking", "1")
-        return opts
-
     def _activate(self) -> None:
         ort = import_onnxruntime()
         if self.provider not in ort.get_available_providers():
@@ -88,11 +145,7 @@ class OrtRunner(Runner):
                 "pip install 'refusion-trt[ort-gpu]' on a CUDA machine, or use --backend ort-cpu."
             )
         for graph in GRAPH_NAMES:
-            path = self.manifest.graph_path(graph)
-            try:
-                session = ort.InferenceSession(str(path), self._session_options(), providers=[self.provider])
-            except Exception as e:  # onnxruntime raises its own exception types
-                raise RefusionError(f"{path} could not be loaded by onnxruntime ({e}); re-run `refusion-export onnx`.") from e
+            session = open_session(self.manifest, graph, [self.provider], self.threads, self.low_memory)
             self.sessions[graph] = session
             self._outputs[graph] = [o.name for o in session.get_outputs() if not o.name.startswith("present.")]
         self._presents = [name(i) for i in range(self.manifest.num_layers) for name in (present_key_name, present_value_name)]

@@ -198,6 +198,23 @@ class TensorRTRunner(Runner):
             out[f"present.{i}.value"] = self._values[i].copy_to_host(shape, host, start * t)
         return out
 
+    def kv_from_host(self, start: int, past: dict[str, np.ndarray]) -> None:
+        """Write a feed's past KV (`past_key_values.{i}.key|value`, [1, length, kv_heads, head_dim])
+        into the cache at token `start`, all checked before any is written (for checks, not the loop)."""
+        self._require_active()
+        m = self.manifest
+        host = dtype(m.dtype).numpy
+        caches = {past_key_name(i): self._keys[i] for i in range(m.num_layers)}
+        caches |= {past_value_name(i): self._values[i] for i in range(m.num_layers)}
+        for name in caches:
+            array = past[name]
+            if array.dtype != host or array.shape[0] != 1 or array.shape[2:] != (m.kv_heads, m.head_dim):
+                raise RefusionError(f"{name} must be {host} [1, length, {m.kv_heads}, {m.head_dim}]; "
+                                    f"got {array.dtype} {list(array.shape)}.")
+            self._check_range("KV upload", start, array.shape[1])
+        for name, cache in caches.items():
+            cache.copy_from_host(past[name], start * self._token_bytes)
+
     # -- forwards ----------------------------------------------------------------------------
     def _run(self, graph: GraphName, input_ids: np.ndarray, position_ids: np.ndarray,
              attention_mask: np.ndarray, past_length: int, write_at: int | None) -> dict[str, np.ndarray]:

@@ -1,23 +1,46 @@
 """`refusion-export check ENGINES_DIR` end to end on the CPU fakes: it passes on engines of the
-export and fails on engines of another model."""
+export, fails on engines of another model, runs the shared cases it can, and runs the very cases
+export validation runs."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from refusion.engines import check
+from refusion.runtime import compare
 from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.core.export_manifest import ExportManifest
+from refusion.runtime.core.profiles import DecodeLimits
 from tests.engines.conftest import fake_engines
+
+LOOP = {"prefill+plan", "plan", "verify", "ar step", "slot rows"}
 
 
 def test_check_passes_on_engines_of_the_export(peaky_export, fakes, tmp_path):
     lines: list[str] = []
     engines = fake_engines(peaky_export, tmp_path / "engines")
     assert check.check_engines(engines, report=lines.append)
-    assert lines[-1].startswith("PASS")
-    assert any(line.startswith("slot rows") for line in lines)
-    assert any("within abs/rel 0.001 in all 5 cases" in line for line in lines)
+    assert lines[-1].startswith("PASS") and "  result: PASS" in lines
+    assert "12 forwards of 10 cases" in lines[0]  # 16 forwards, less the batch-2 ones
+    assert any(line.startswith("  infiller present.*") and line.endswith("ok") for line in lines)
+    left_out = [line for line in lines if line.startswith("  left out:")]
+    assert left_out == [
+        "  left out: batch 2 past 0 seq 3 (planner, infiller): batch 2; the TensorRT runner takes batch 1",
+        "  left out: batch 2 past 6 seq 1 (planner, infiller): batch 2; the TensorRT runner takes batch 1",
+    ]
+
+
+def test_check_runs_only_the_cases_inside_the_profiles(peaky_export, fakes, tmp_path):
+    limits = DecodeLimits(max_prompt=4, gen_length=8, slot_size=2, serial_blocks=2)  # blocks of 4 tokens
+    lines: list[str] = []
+    assert check.check_engines(fake_engines(peaky_export, tmp_path / "engines", limits), report=lines.append)
+    left_out = [line.removeprefix("  left out: ") for line in lines if line.startswith("  left out:")]
+    # the planner takes at most a block; the infiller's prefill profile takes past 0 up to prompt + block
+    assert "batch 1 past 0 seq 5 (planner): seq 5 over past 0 lies outside the engine's profiles" in left_out
+    assert "batch 1 past 5 seq 6 in 3 rows (planner, infiller): seq 6 over past 5 lies outside the engine's profiles" \
+        in left_out
+    assert not LOOP & {line.split(" (")[0] for line in left_out}  # the loop's forwards are sized to the limits
 
 
 def test_check_fails_on_engines_of_another_model(peaky_export, exports, fakes, tmp_path, monkeypatch):
@@ -25,7 +48,29 @@ def test_check_fails_on_engines_of_another_model(peaky_export, exports, fakes, t
     monkeypatch.setattr(check, "source_export", lambda m: ExportManifest.load(exports["fp32"]))
     lines: list[str] = []
     assert not check.check_engines(engines, report=lines.append)
-    assert lines[-1].startswith("FAIL") and any("FAIL" in line for line in lines[:-1])
+    assert lines[-1].startswith("FAIL") and any("FAIL (over tolerance" in line for line in lines[:-1])
+
+
+def test_validation_and_the_engines_check_run_the_same_cases(peaky_export, fakes, tmp_path, monkeypatch):
+    from refusion.export import validate
+
+    seen: dict[str, list[compare.Case]] = {}
+
+    def spy(who: str):
+        def run(test, reference, cases, *args):
+            seen[who] = list(cases)
+            return compare.compare_runners(test, reference, cases, *args)
+        return run
+
+    monkeypatch.setattr(validate, "compare_runners", spy("validation"))
+    monkeypatch.setattr(check, "compare_runners", spy("engines"))
+    assert validate.validate_export(peaky_export).ok
+    assert check.check_engines(fake_engines(peaky_export, tmp_path / "engines"), report=lambda line: None)
+    ours, theirs = seen["validation"], seen["engines"]
+    assert [c.name for c in ours] == [c.name for c in theirs] and LOOP <= {c.name for c in ours}
+    for a, b in zip(ours, theirs):  # limits 16 / 32 / 4 size the loop's cases as validation's defaults do
+        assert a.graphs == b.graphs and a.feed.keys() == b.feed.keys()
+        assert all(np.array_equal(a.feed[k], b.feed[k]) for k in a.feed), a.name
 
 
 def test_check_refuses_a_changed_export_and_bf16(peaky_export, exports, fakes, tmp_path):

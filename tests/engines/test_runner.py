@@ -86,6 +86,25 @@ def test_present_lands_in_the_cache_at_write_at(peaky_export, fakes, tmp_path):
             np.testing.assert_array_equal(after[name], before[name][:, 3:12])
 
 
+
+def test_past_uploaded_from_the_host_reads_back(peaky_export, fakes, tmp_path):
+    """kv_from_host writes a feed's past into the cache where kv_to_host reads it; wrong shapes are refused."""
+    engines = fake_engines(peaky_export, tmp_path / "engines")
+    with TensorRTRunner.from_dir(engines) as trt:
+        m = trt.manifest
+        trt.allocate_kv(20)
+        rng = np.random.default_rng(0)
+        past = {f"past_key_values.{i}.{kind}": rng.standard_normal((1, 7, m.kv_heads, m.head_dim)).astype(np.float32)
+                for i in range(m.num_layers) for kind in ("key", "value")}
+        trt.kv_from_host(3, past)  # 3: an unaligned token offset (128-byte tokens)
+        back = trt.kv_to_host(3, 7)
+        for name, array in past.items():
+            np.testing.assert_array_equal(back[name.replace("past_key_values", "present")], array)
+        with pytest.raises(RefusionError, match=r"past_key_values.0.key must be float32 \[1, length, 2, 16\]"):
+            trt.kv_from_host(0, {**past, "past_key_values.0.key": past["past_key_values.0.key"][0]})
+        with pytest.raises(RefusionError, match=r"KV upload \[15, 22\) lies outside the KV cache of 20 tokens"):
+            trt.kv_from_host(15, past)
+
 def test_outside_the_profiles_is_refused_before_device_work(peaky_export, fakes, tmp_path):
     _, cudart = fakes
     engines = fake_engines(peaky_export, tmp_path / "engines")  # max_prompt 16, block 32

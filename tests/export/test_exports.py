@@ -66,3 +66,43 @@ def test_export_directory_is_readable_by_others(store):
     umask = os.umask(0o22)
     os.umask(umask)
     assert store.export("gqa2").path.stat().st_mode & 0o777 == 0o777 & ~umask
+
+
+def test_nan_weights_fail_validation_and_show_as_nan(store, tmp_path):
+    """NaN in one layer's weights: every output downstream is NaN and the report says so, never `0.00e+00 ok`."""
+    import shutil
+
+    import numpy as np
+
+    from refusion.export.validate import validate_export
+
+    broken = shutil.copytree(store.export("gqa2", "fp32").path, tmp_path / "nan")
+    entry = ExportManifest.load(broken).weights["model.layers.1.self_attn.k_norm.weight"]
+    with open(broken / "weights.bin", "r+b") as f:  # same size: the manifest's size checks still pass
+        f.seek(entry.offset)
+        f.write(np.full(entry.nbytes // 4, np.nan, np.float32).tobytes())
+    report = validate_export(broken)
+    text = report.text()
+    assert not report.ok and "result: FAIL" in text
+    assert "0.00e+00" not in text
+    lines = {line.split()[1]: line for line in text.splitlines()[1:] if line.startswith("  infiller")}
+    for output in ("argmax_probs", "input_probs", "present.*"):  # present.0.* is fine, present.1.key is not
+        assert "max|diff| nan" in lines[output] and "FAIL (non-finite output" in lines[output], lines[output]
+    assert "present.1.key" in lines["present.*"]
+    assert "mismatches nan" in lines["argmax_ids"] and "non-finite reference logits" in lines["argmax_ids"]
+
+
+
+def test_validation_runs_torch_once_per_case(store, monkeypatch):
+    """One torch forward serves both graphs of a case (the comparator runs onnxruntime first, then torch)."""
+    from refusion.export import validate
+    from refusion.runtime.compare import cases
+
+    forwards = []
+    forward = validate.TorchRunner._forward
+    monkeypatch.setattr(validate.TorchRunner, "_forward", lambda self, feed: forwards.append(1) or forward(self, feed))
+    path = store.export("gqa2", "fp32").path
+    report = validate.validate_export(path)
+    assert report.ok
+    shared = cases(ExportManifest.load(path))
+    assert len(forwards) == len(shared) < report.forwards == sum(len(c.graphs) for c in shared)

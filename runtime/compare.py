@@ -1,0 +1,241 @@
+"""One comparator: runners over shared cases, one report (Polygraphy's Comparator pattern).
+
+A *case* is one forward as explicit feeds (input_ids, position_ids, attention_mask and every
+layer's past KV), built with runtime/masks.py. A *runner* maps (graph, feed) to that graph's
+outputs: onnxruntime (`OrtSessions`), the torch definition (export/validate.py) and TensorRT
+(engines/check.py). `compare_runners` runs the cases on one runner, closes it, runs them on the
+other, and reports per graph and output the largest difference, NaN and inf as such.
+Export validation (onnxruntime vs torch), `refusion-export check` and tools/gpu_check.py
+(TensorRT vs onnxruntime) all go through here; a runner that cannot take a case (batch 2,
+a shape outside its profiles) says why, and the report lists what it left out.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from types import TracebackType
+
+import numpy as np
+
+from refusion.runtime.core.contract import GRAPH_NAMES, GraphName, past_key_name, past_value_name
+from refusion.runtime.core.dtypes import dtype
+from refusion.runtime.core.errors import RefusionError
+from refusion.runtime.core.export_manifest import ExportManifest
+from refusion.runtime.masks import causal_after, rows_over_prefix
+
+Feed = dict[str, np.ndarray]
+Outputs = dict[str, np.ndarray]
+Row = tuple[str, str, float, float]  # graph, output, difference, limit: one per forward
+TIE_MARGIN = 1e-3  # top-2 logits closer than this may break either way between kernels
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    graphs: tuple[GraphName, ...]  # the graphs this forward runs on
+    feed: Feed
+
+
+def feed_shape(feed: Feed) -> tuple[int, int, int]:
+    """(batch, seq, past) of a feed."""
+    batch, seq, total = feed["attention_mask"].shape
+    return batch, seq, total - seq
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    abs: float
+    rel: float = 0.0  # of the reference output's largest magnitude
+    argmax: float = 0.0  # fraction of positions whose decided argmax may differ
+
+    def __str__(self) -> str:
+        rel = f" + rel {self.rel:.0e}" if self.rel else ""
+        return f"abs {self.abs:.0e}{rel}, argmax mismatches <= {self.argmax:.0%} (ties aside)"
+
+
+class CaseRunner(ABC):
+    """A backend as the comparator sees it: (graph, feed) -> outputs, loaded on first use,
+    released by close() (or leaving a `with` block)."""
+
+    name = "runner"
+
+    @abstractmethod
+    def __call__(self, graph: GraphName, feed: Feed) -> Outputs: ...
+
+    def unsupported(self, graph: GraphName, feed: Feed) -> str:
+        """Why this runner cannot run `feed` on `graph`; empty when it can."""
+        return ""
+
+    def close(self) -> None:
+        """Release sessions, engines or models; the next call loads them again."""
+
+    def __enter__(self) -> CaseRunner:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()
+
+
+@dataclass
+class ComparisonReport:
+    dtype: str
+    rows: list[Row] = field(default_factory=list)
+    skipped: str = ""  # why nothing was compared
+    title: str = "validation"  # `compare_runners` names the two runners
+    tolerance: str = ""
+    cases: int = 0
+    forwards: int = 0
+    notes: dict[tuple[str, str], str] = field(default_factory=dict)  # first failure per text line: why, where
+    left_out: list[str] = field(default_factory=list)  # forwards a runner could not take, with its reason
+
+    @property
+    def ok(self) -> bool:
+        # NaN compares false, so a non-finite difference never passes.
+        return bool(self.skipped or self.rows) and all(diff <= limit for *_, diff, limit in self.rows)
+
+    def add(self, case: str, graph: GraphName, got: Outputs, want: Outputs, tol: Tolerance) -> None:
+        """One row per output of the runner under test, against the reference's."""
+        for name, value in got.items():
+            diff, limit, problem = _difference(name, value, want, tol)
+            self.rows.append((graph, name, diff, limit))
+            if not diff <= limit:
+                where = f"{name}, case {case!r}" if _line(name) != name else f"case {case!r}"
+                self.notes.setdefault((graph, _line(name)), f"{problem or 'over tolerance'}; first in {where}")
+
+    def text(self) -> str:
+        if self.skipped:
+            return f"{self.title} skipped: {self.skipped}"
+        worst: dict[tuple[str, str], float] = {}
+        failed: set[tuple[str, str]] = set()
+        for graph, output, diff, limit in self.rows:
+            key = (graph, _line(output))
+            worst[key] = _worse(worst.get(key, 0.0), diff)
+            if not diff <= limit:
+                failed.add(key)
+        lines = [f"{self.title} ({self.dtype}, {self.forwards} forwards of {self.cases} cases; "
+                 f"tolerance {self.tolerance}):"]
+        for key, diff in worst.items():
+            graph, output = key
+            value = f"mismatches {diff:.0f}" if output == "argmax_ids" else f"max|diff| {diff:.2e}"
+            flag = "ok" if key not in failed else "FAIL" + (f" ({self.notes[key]})" if key in self.notes else "")
+            lines.append(f"  {graph:8s} {output:22s} {value:20s} {flag}")
+        lines += [f"  left out: {line}" for line in self.left_out]
+        lines.append("  result: " + ("PASS" if self.ok else "FAIL"))
+        return "\n".join(lines)
+
+
+def compare_runners(test: CaseRunner, reference: CaseRunner, cases: Sequence[Case], tol: Tolerance,
+                    dtype: str) -> ComparisonReport:
+    """Every forward of `cases` that both runners take, on `test` and then on `reference` (one runner
+    loaded at a time, graph by graph, so a runner may hold one graph at a time), compared output by output."""
+    report = ComparisonReport(dtype, title=f"{test.name} vs {reference.name}", tolerance=str(tol), cases=len(cases))
+    todo: list[tuple[Case, GraphName]] = []
+    left_out: dict[tuple[str, str], list[str]] = {}  # (case, why) -> graphs
+    for graph in GRAPH_NAMES:
+        for case in (c for c in cases if graph in c.graphs):
+            why = test.unsupported(graph, case.feed) or reference.unsupported(graph, case.feed)
+            if why:
+                left_out.setdefault((case.name, why), []).append(graph)
+            else:
+                todo.append((case, graph))
+    report.left_out = [f"{name} ({', '.join(graphs)}): {why}" for (name, why), graphs in left_out.items()]
+    report.forwards = len(todo)
+    got = _run(test, todo)
+    want = _run(reference, todo)
+    for (case, graph), g, w in zip(todo, got, want):
+        report.add(case.name, graph, g, w, tol)
+    return report
+
+
+def _run(runner: CaseRunner, todo: list[tuple[Case, GraphName]]) -> list[Outputs]:
+    with runner:
+        return [runner(graph, case.feed) for case, graph in todo]
+
+
+def _difference(name: str, got: np.ndarray, want: Outputs, tol: Tolerance) -> tuple[float, float, str]:
+    """(difference, limit, problem): max |got - want| (NaN or inf when either holds them) against
+    abs + rel x max |want|; for argmax ids the count of mismatches the reference's logits decide."""
+    if name not in want:
+        return math.inf, 0.0, "missing from the reference"
+    expect = want[name]
+    if got.shape != expect.shape:
+        return math.inf, 0.0, f"shape {list(got.shape)}, reference {list(expect.shape)}"
+    if name == "argmax_ids":
+        decided = np.ones(got.shape, dtype=bool)
+        logits = want.get("logits")
+        if logits is not None:
+            if not np.isfinite(logits).all():
+                return math.nan, 0.0, "non-finite reference logits"
+            top2 = np.sort(logits, axis=-1)[..., -2:]
+            decided = (top2[..., 1] - top2[..., 0]) > TIE_MARGIN
+        return float(np.sum((got != expect) & decided)), float(math.floor(tol.argmax * got.size)), ""
+    if not got.size:
+        return 0.0, tol.abs, ""
+    g, w = got.astype(np.float32), expect.astype(np.float32)
+    with np.errstate(invalid="ignore"):  # inf - inf: NaN, as it should be
+        diff = float(np.max(np.abs(g - w)))  # NaN and inf propagate: never hidden as 0
+    return diff, tol.abs + tol.rel * float(np.max(np.abs(w))), "" if math.isfinite(diff) else "non-finite output"
+
+
+def _line(output: str) -> str:
+    return "present.*" if output.startswith("present.") else output  # one line for all layers
+
+
+def _worse(a: float, b: float) -> float:
+    return b if math.isnan(b) or b > a else a
+
+
+def cases(manifest: ExportManifest, seed: int = 0, prefix: int = 12, block: int = 8, slot: int = 4) -> list[Case]:
+    """The shared cases, random tokens and past KV from `seed`.
+
+    Shapes unlike the export's: batch 1 and 2, past 0 and > 0, several lengths, shuffled
+    position ids, slot rows over a shared past (both graphs each). Then the decode loop's
+    forwards at small sizes: a `prefix`-token prompt, a block of `block` masks, slots of `slot`:
+    prefill + plan, plan, verify, slot rows with private scratch (the infill passes), an AR step.
+    """
+    if manifest.dtype not in ("float32", "float16"):
+        raise RefusionError(f"{manifest.path}: numpy holds no {manifest.dtype} KV to feed; "
+                            "compare an fp32 or fp16 export of the same checkpoint.")
+    rng = np.random.default_rng(seed)
+    kv_dtype = dtype(manifest.dtype).numpy
+    vocab = manifest.vocab_size
+
+    def case(name: str, graphs: tuple[GraphName, ...], ids: np.ndarray, positions: np.ndarray, mask: np.ndarray,
+             batch: int = 1) -> Case:
+        seq, past = mask.shape[1], mask.shape[2] - mask.shape[1]
+        feed = {
+            "input_ids": np.broadcast_to(np.asarray(ids, np.int64), (batch, seq)).copy(),
+            "position_ids": np.broadcast_to(np.asarray(positions, np.int64), (batch, seq)).copy(),
+            "attention_mask": np.broadcast_to(mask, (batch, seq, past + seq)).copy(),  # writable: torch wants it
+        }
+        for i in range(manifest.num_layers):
+            for kv in (past_key_name(i), past_value_name(i)):
+                feed[kv] = rng.standard_normal((batch, past, manifest.kv_heads, manifest.head_dim)).astype(kv_dtype)
+        return Case(name, graphs, feed)
+
+    out = []
+    for batch, past, seq, rows in ((1, 0, 5, 1), (2, 0, 3, 1), (1, 7, 4, 1), (2, 6, 1, 1), (1, 5, 6, 3)):
+        name = f"batch {batch} past {past} seq {seq}" + (f" in {rows} rows" if rows > 1 else "")
+        ids = rng.integers(0, vocab, (batch, seq))
+        positions = rng.permutation(past + seq + 8)[:seq]
+        out.append(case(name, GRAPH_NAMES, ids, positions, rows_over_prefix(past, 0, 0, 0, rows, seq // rows), batch))
+    w = min(slot, block // 2)  # two slot rows of w tokens fit in one block
+    accepted = w // 2  # each row's private tokens in scratch
+    verify = min(slot, block)
+    mask_ids = np.full(block, manifest.mask_token_id)
+    after = np.arange(prefix, prefix + max(block, verify, 2 * w))
+    out += [
+        case("prefill+plan", ("infiller",), np.concatenate([rng.integers(0, vocab, prefix), mask_ids]),
+             np.arange(prefix + block), causal_after(0, prefix + block)),
+        case("plan", ("planner",), mask_ids, after[:block], causal_after(prefix, block)),
+        case("verify", ("infiller",), rng.integers(0, vocab, verify), after[:verify], causal_after(prefix, verify)),
+        case("ar step", ("infiller",), rng.integers(0, vocab, 1), after[:1], causal_after(prefix, 1)),
+    ]
+    if w:
+        out.append(case("slot rows", GRAPH_NAMES, rng.integers(0, vocab, 2 * (w - accepted)),
+                        np.concatenate([after[accepted:w], after[w + accepted:2 * w]]),
+                        rows_over_prefix(prefix, 2, w, accepted, 2, w - accepted)))
+    return out

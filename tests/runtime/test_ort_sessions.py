@@ -1,0 +1,78 @@
+"""The one onnxruntime session path: every session comes from `open_session`, which refuses a
+graph file whose inputs or outputs differ from refusion.json's contract before any forward."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from refusion.runtime.core.contract import graph_specs
+from refusion.runtime.core.errors import RefusionError
+from refusion.runtime.core.export_manifest import ExportManifest
+
+pytest.importorskip("onnxruntime")
+pytest.importorskip("transformers")
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def manifest(tmp_path_factory) -> ExportManifest:
+    from tests.runtime.conftest import export_peaky
+
+    return ExportManifest.load(export_peaky(tmp_path_factory.mktemp("sessions"), seed=0)[1])
+
+
+def _with_contract(m: ExportManifest, **change) -> ExportManifest:
+    """`m` whose contract is the one of other dims (the graph files stay those of `m`)."""
+    dims = dict(num_layers=m.num_layers, kv_heads=m.kv_heads, head_dim=m.head_dim, vocab_size=m.vocab_size,
+                kv_dtype=m.dtype, logits=m.has_logits) | change
+    return dataclasses.replace(m, graphs=graph_specs(**dims))
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(kv_heads=4), r"planner.onnx does not match refusion.json beside it: its input 3 is past_key_values.0.key "
+                       r"float32 \['batch', 'past_seq', 2, 16\], the contract says past_key_values.0.key float32 "
+                       r"\['batch', 'past_seq', 4, 16\]; the graph and refusion.json come from different exports"),
+    (dict(num_layers=3), r"its input 7 is nothing, the contract says past_key_values.2.key"),
+    (dict(kv_dtype="float16"), r"its input 3 is past_key_values.0.key float32 .* the contract says "
+                               r"past_key_values.0.key float16"),
+    (dict(logits=True), r"its output 2 is nothing, the contract says logits float32 \['batch', 'seq', 384\]"),
+])
+def test_runner_refuses_a_graph_that_differs_from_the_contract(manifest, change, message):
+    from refusion.runtime.runners.onnxruntime import OrtRunner
+
+    runner = OrtRunner(_with_contract(manifest, **change))
+    with pytest.raises(RefusionError, match=message + r".*re-export"):
+        runner.activate()
+    assert not runner.is_active
+
+
+def test_matching_contract_loads_and_the_comparator_path_checks_too(manifest):
+    from refusion.runtime.compare import cases
+    from refusion.runtime.runners.onnxruntime import OrtRunner, OrtSessions
+
+    with OrtRunner(manifest):
+        pass
+    feed = cases(manifest)[0].feed
+    with OrtSessions(manifest) as sessions:
+        assert sessions("planner", feed)["argmax_ids"].shape == feed["input_ids"].shape
+    with pytest.raises(RefusionError, match="planner.onnx does not match refusion.json"):
+        OrtSessions(_with_contract(manifest, kv_heads=1))("planner", feed)
+
+
+def test_only_open_session_makes_onnxruntime_sessions():
+    """validation, the engines check and the runners share one session path (tests may make their own)."""
+    makers = []
+    for package in ("export", "runtime", "engines", "tools"):
+        for file in sorted((REPO / package).rglob("*.py")):
+            tree = ast.parse(file.read_text())
+            for function in [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]:
+                for call in [n for n in ast.walk(function) if isinstance(n, ast.Call)]:
+                    name = getattr(call.func, "attr", getattr(call.func, "id", None))
+                    if name == "InferenceSession":
+                        makers.append(f"{file.relative_to(REPO)}:{function.name}")
+            assert "InferenceSession" not in file.read_text() or file == REPO / "runtime/runners/onnxruntime.py", file
+    assert makers == ["runtime/runners/onnxruntime.py:open_session"]
