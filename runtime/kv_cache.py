@@ -5,19 +5,20 @@ Layout (tokens along the buffer):
 The committed prefix is always contiguous and starts at 0, so feeding it as past is a
 view. Slots commit out of order in position, but in order in the buffer, each token with
 its true position id: this is ReFusion's "reorder", and why every forward is causal.
-The device work (writes, moves) is the runner's; this class only decides where.
+The device work (writes, moves) is the runner's; this class only decides where, and hands
+out the moves it needs as `KVMove` steps (runtime/steps.py), in request-local coordinates.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from refusion.runtime.core.errors import RefusionError
-from refusion.runtime.runners.base import Runner
+from refusion.runtime.steps import KVMove
 
 
 class KVCache:
-    def __init__(self, runner: Runner, capacity: int):
-        runner.allocate_kv(capacity)
-        self.runner = runner
+    def __init__(self, capacity: int):
         self.capacity = capacity
         self.length = 0  # committed tokens, [0, length)
 
@@ -35,8 +36,8 @@ class KVCache:
         """Where a pass over rows writes its new KV before it is moved into each row."""
         return self.length + rows * stride
 
-    def place_windows(self, scratch_rows: int, rows: int, stride: int, offset: int, window: int) -> None:
+    def place_windows(self, scratch_rows: int, rows: int, stride: int, offset: int, window: int) -> Iterator[KVMove]:
         """Move each of `rows` rows' `window` new tokens from staging into the row at `offset`."""
         stage = self.staging(scratch_rows, stride)
         for r in range(rows):
-            self.runner.move_kv(stage + r * window, self.row_start(r, stride) + offset, window)
+            yield KVMove(stage + r * window, self.row_start(r, stride) + offset, window)

@@ -1,15 +1,18 @@
 """The Runner interface: one backend running the planner and infiller graphs of one export.
 
-A Runner owns the device: the sessions or engines, and the KV cache buffer, a
-preallocated `[1, capacity, kv_heads, head_dim]` tensor per layer for keys and values.
-The decode loop only ever says *where* in that buffer a forward reads its past and
-writes its present; it never sees device memory, nor which backend it runs on.
+A Runner owns the device: the sessions or engines, and a pool of KV slots, one per request
+in flight, each a preallocated `[1, capacity, kv_heads, head_dim]` tensor per layer for keys
+and values. A decode strategy only ever says *where* in its request's slot a forward reads
+its past and writes its present; it never sees device memory, nor which backend it runs on.
+`run_batch` packs forwards of several requests (each over its own slot) into one call, on
+backends that can (`max_batch` > 1); the others run them one by one.
 """
 
 from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from types import TracebackType
 
 import numpy as np
@@ -25,10 +28,12 @@ class Runner(ABC):
     """activate / run / deactivate, usable as a context manager (as Polygraphy's runners are)."""
 
     name: str = "runner"
+    max_slots: int = 1  # requests whose KV the runner holds at once
+    max_batch: int = 1  # forwards `run_batch` packs into one call
 
     def __init__(self, manifest: ExportManifest):
         self.manifest = manifest
-        self.kv_capacity = 0
+        self.kv_capacities = [0] * self.max_slots
         self.engine_seconds = 0.0  # wall time spent inside `run` and `move_kv`, for stats
         self.is_active = False
 
@@ -42,7 +47,7 @@ class Runner(ABC):
         if self.is_active:
             self._deactivate()
             self.is_active = False
-            self.kv_capacity = 0
+            self.kv_capacities = [0] * self.max_slots
 
     def __enter__(self) -> Runner:
         self.activate()
@@ -56,13 +61,19 @@ class Runner(ABC):
         onnxruntime takes any shape; TensorRT checks its engines' profiles."""
 
     # -- KV cache ----------------------------------------------------------------------
-    def allocate_kv(self, capacity: int) -> None:
-        """Make room for `capacity` tokens of KV (kept if already that large). Called at the
-        start of a request: growing the buffer does not preserve its contents."""
+    @property
+    def kv_capacity(self) -> int:
+        """Tokens of KV slot 0 (the only slot of a one-request runner)."""
+        return self.kv_capacities[0]
+
+    def allocate_kv(self, capacity: int, slot: int = 0) -> None:
+        """Make room for `capacity` tokens of KV in `slot` (kept if already that large). Called at
+        the start of a request: growing the buffer does not preserve its contents."""
         self._require_active()
-        if capacity > self.kv_capacity:
-            self._allocate_kv(capacity)
-            self.kv_capacity = capacity
+        self._check_slot(slot)
+        if capacity > self.kv_capacities[slot]:
+            self._allocate_kv(capacity, slot)
+            self.kv_capacities[slot] = capacity
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -71,17 +82,17 @@ class Runner(ABC):
 
     @property
     def kv_bytes(self) -> int:
-        """Bytes the KV buffer holds now: capacity x per-token size, nothing per slot."""
-        return self.kv_capacity * self.kv_bytes_per_token
+        """Bytes the KV slots hold now: capacity x per-token size, nothing per infill row."""
+        return sum(self.kv_capacities) * self.kv_bytes_per_token
 
-    def move_kv(self, src: int, dst: int, length: int) -> None:
-        """Copy KV of tokens [src, src+length) to [dst, dst+length); overlapping ranges are fine."""
+    def move_kv(self, src: int, dst: int, length: int, slot: int = 0) -> None:
+        """Copy KV of tokens [src, src+length) to [dst, dst+length) in `slot`; overlapping ranges are fine."""
         if length <= 0 or src == dst:
             return
-        self._check_range("move source", src, length)
-        self._check_range("move destination", dst, length)
+        self._check_range("move source", src, length, slot)
+        self._check_range("move destination", dst, length, slot)
         t0 = time.perf_counter()
-        self._move_kv(src, dst, length)
+        self._move_kv(src, dst, length, slot)
         self.engine_seconds += time.perf_counter() - t0
 
     # -- forwards ----------------------------------------------------------------------
@@ -93,26 +104,45 @@ class Runner(ABC):
         attention_mask: np.ndarray,
         past_length: int,
         write_at: int | None = None,
+        slot: int = 0,
     ) -> dict[str, np.ndarray]:
-        """One forward of `graph` over KV tokens [0, past_length) of the cache.
+        """One forward of `graph` over KV tokens [0, past_length) of `slot`.
 
         The infiller writes its new tokens' KV to [write_at, write_at + seq); the planner
         keeps none. Returns the graph's other outputs on the host.
         """
+        return self.run_batch(graph, [RowFeed(input_ids, position_ids, attention_mask, past_length, write_at, slot)])[0]
+
+    def run_batch(self, graph: GraphName, rows: list[RowFeed]) -> list[dict[str, np.ndarray]]:
+        """Forwards of `graph` for several requests, each over its own slot; packed into one call
+        where the backend can (max_batch), else one by one. Outputs per row, as `run` gives them."""
         self._require_active()
-        seq = self._check_feed(graph, input_ids, position_ids, attention_mask, past_length)
-        if (graph == "infiller") != (write_at is not None):
-            raise RefusionError(f"write_at={write_at!r}: the infiller needs a KV write offset and the planner takes none.")
-        if write_at is not None:
-            if write_at < past_length:
-                raise RefusionError(f"write_at={write_at} < past_length={past_length}: a forward may not overwrite the past it reads.")
-            self._check_range("KV write", write_at, seq)
+        for row in rows:
+            self._check_row(graph, row)
         t0 = time.perf_counter()
-        out = self._run(graph, input_ids, position_ids, attention_mask, past_length, write_at)
+        if len(rows) == 1:
+            r = rows[0]
+            out = [self._run(graph, r.input_ids, r.position_ids, r.attention_mask, r.past, r.write_at, r.slot)]
+        elif len(rows) <= self.max_batch:
+            out = self._run_batch(graph, rows)
+        else:
+            raise RefusionError(f"{len(rows)} rows exceed this runner's max_batch {self.max_batch}.")
         self.engine_seconds += time.perf_counter() - t0
         return out
 
-    def _check_feed(self, graph: GraphName, ids: np.ndarray, pos: np.ndarray, mask: np.ndarray, past: int) -> int:
+    def _check_row(self, graph: GraphName, row: RowFeed) -> None:
+        self._check_slot(row.slot)
+        seq = self._check_feed(graph, row.input_ids, row.position_ids, row.attention_mask, row.past, row.slot)
+        write_at = row.write_at
+        if (graph == "infiller") != (write_at is not None):
+            raise RefusionError(f"write_at={write_at!r}: the infiller needs a KV write offset and the planner takes none.")
+        if write_at is not None:
+            if write_at < row.past:
+                raise RefusionError(f"write_at={write_at} < past_length={row.past}: a forward may not overwrite the past it reads.")
+            self._check_range("KV write", write_at, seq, row.slot)
+
+    def _check_feed(self, graph: GraphName, ids: np.ndarray, pos: np.ndarray, mask: np.ndarray, past: int,
+                    slot: int) -> int:
         if ids.ndim != 2 or ids.shape[0] != 1 or ids.dtype != np.int64:
             raise RefusionError(f"input_ids must be int64 [1, seq]; got {ids.dtype} {list(ids.shape)}.")
         seq = ids.shape[1]
@@ -123,7 +153,7 @@ class Runner(ABC):
                 f"attention_mask must be bool [1, {seq}, {past + seq}] (past {past} + seq {seq}); "
                 f"got {mask.dtype} {list(mask.shape)}."
             )
-        self._check_range("past", 0, past)
+        self._check_range("past", 0, past, slot)
         if int(pos.max(initial=0)) >= self.manifest.max_positions:
             raise RefusionError(
                 f"position id {int(pos.max())} exceeds the model's max_position_embeddings "
@@ -131,12 +161,17 @@ class Runner(ABC):
             )
         return seq
 
-    def _check_range(self, what: str, start: int, length: int) -> None:
-        if start < 0 or start + length > self.kv_capacity:
+    def _check_range(self, what: str, start: int, length: int, slot: int = 0) -> None:
+        if start < 0 or start + length > self.kv_capacities[slot]:
             raise RefusionError(
-                f"{what} [{start}, {start + length}) lies outside the KV cache of {self.kv_capacity} tokens; "
+                f"{what} [{start}, {start + length}) lies outside the KV cache of {self.kv_capacities[slot]} tokens "
+                f"(slot {slot}); "
                 "allocate_kv() with the request's limit first."
             )
+
+    def _check_slot(self, slot: int) -> None:
+        if not 0 <= slot < self.max_slots:
+            raise RefusionError(f"KV slot {slot} does not exist; this {self.name} runner holds {self.max_slots}.")
 
     def _require_active(self) -> None:
         if not self.is_active:
@@ -150,14 +185,31 @@ class Runner(ABC):
     def _deactivate(self) -> None: ...
 
     @abstractmethod
-    def _allocate_kv(self, capacity: int) -> None: ...
+    def _allocate_kv(self, capacity: int, slot: int) -> None: ...
 
     @abstractmethod
-    def _move_kv(self, src: int, dst: int, length: int) -> None: ...
+    def _move_kv(self, src: int, dst: int, length: int, slot: int) -> None: ...
 
     @abstractmethod
     def _run(
         self, graph: GraphName, input_ids: np.ndarray, position_ids: np.ndarray,
-        attention_mask: np.ndarray, past_length: int, write_at: int | None,
+        attention_mask: np.ndarray, past_length: int, write_at: int | None, slot: int,
     ) -> dict[str, np.ndarray]: ...
+
+    def _run_batch(self, graph: GraphName, rows: list[RowFeed]) -> list[dict[str, np.ndarray]]:
+        """Several rows in one call; only backends with max_batch > 1 implement it."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class RowFeed:
+    """One request's forward in a batch: its feed ([1, seq] ids and positions, [1, seq, past + seq]
+    mask) over KV [0, past) of its slot, writing present at write_at (infiller)."""
+
+    input_ids: np.ndarray
+    position_ids: np.ndarray
+    attention_mask: np.ndarray
+    past: int
+    write_at: int | None
+    slot: int
 

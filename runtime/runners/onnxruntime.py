@@ -115,13 +115,19 @@ class OrtSessions(CaseRunner):
 
 
 class OrtRunner(Runner):
-    """onnxruntime on the CPU; `OrtCudaRunner` overrides only where device memory differs."""
+    """onnxruntime on the CPU; `OrtCudaRunner` overrides only where device memory differs.
+
+    Holds `max_slots` KV slots (host arrays, grown on demand) and packs up to `max_batch`
+    requests' forwards into one call as batch rows: each row's past is copied from its slot
+    into a [batch, longest past] tensor and padded, its mask keeps it to its own past and
+    tokens. One row alone runs on views of its slot, copying nothing."""
 
     name = "ort-cpu"
     provider = "CPUExecutionProvider"
 
     def __init__(self, manifest: ExportManifest, threads: int | None = None, low_memory: bool = False,
-                 verify: bool = False):
+                 verify: bool = False, max_slots: int = 1, max_batch: int = 1):
+        self.max_slots, self.max_batch = max_slots, max_batch
         super().__init__(manifest)
         if manifest.dtype not in ORT_DTYPES:
             raise RefusionError(
@@ -134,8 +140,8 @@ class OrtRunner(Runner):
         self.dtype = dtype(manifest.dtype).numpy.type
         self.sessions: dict[GraphName, Any] = {}
         self._outputs: dict[GraphName, list[str]] = {}
-        self.keys: list[np.ndarray] = []
-        self.values: list[np.ndarray] = []
+        self.keys: list[list[np.ndarray]] = [[] for _ in range(max_slots)]  # [slot][layer]
+        self.values: list[list[np.ndarray]] = [[] for _ in range(max_slots)]
 
     def _activate(self) -> None:
         ort = import_onnxruntime()
@@ -152,32 +158,67 @@ class OrtRunner(Runner):
 
     def _deactivate(self) -> None:
         self.sessions.clear()
-        self.keys, self.values = [], []
+        self.keys = [[] for _ in range(self.max_slots)]
+        self.values = [[] for _ in range(self.max_slots)]
 
-    def _allocate_kv(self, capacity: int) -> None:
+    def _allocate_kv(self, capacity: int, slot: int) -> None:
         m = self.manifest
         shape = (1, capacity, m.kv_heads, m.head_dim)
-        self.keys = [np.zeros(shape, self.dtype) for _ in range(m.num_layers)]
-        self.values = [np.zeros(shape, self.dtype) for _ in range(m.num_layers)]
+        self.keys[slot] = [np.zeros(shape, self.dtype) for _ in range(m.num_layers)]
+        self.values[slot] = [np.zeros(shape, self.dtype) for _ in range(m.num_layers)]
 
-    def _move_kv(self, src: int, dst: int, length: int) -> None:
-        for buf in self.keys + self.values:
+    def _move_kv(self, src: int, dst: int, length: int, slot: int) -> None:
+        for buf in self.keys[slot] + self.values[slot]:
             buf[:, dst : dst + length] = buf[:, src : src + length]  # numpy handles overlap
 
-    def _run(self, graph, input_ids, position_ids, attention_mask, past_length, write_at):
+    def _run(self, graph, input_ids, position_ids, attention_mask, past_length, write_at, slot):
         feed = {"input_ids": input_ids, "position_ids": position_ids, "attention_mask": attention_mask}
+        keys, values = self.keys[slot], self.values[slot]
         for i in range(self.manifest.num_layers):  # contiguous views of the cache: no copy
-            feed[past_key_name(i)] = self.keys[i][:, :past_length]
-            feed[past_value_name(i)] = self.values[i][:, :past_length]
-        wanted = self._outputs[graph]
-        names = wanted + (self._presents if write_at is not None else [])
-        outputs = dict(zip(names, self.sessions[graph].run(names, feed)))
+            feed[past_key_name(i)] = keys[i][:, :past_length]
+            feed[past_value_name(i)] = values[i][:, :past_length]
+        outputs = self._session_run(graph, feed, write_at is not None)
         if write_at is not None:  # only the new tokens' KV is copied into its slot
-            end = write_at + input_ids.shape[1]
-            for i in range(self.manifest.num_layers):
-                self.keys[i][:, write_at:end] = outputs[present_key_name(i)]
-                self.values[i][:, write_at:end] = outputs[present_value_name(i)]
-        return {name: outputs[name] for name in wanted}
+            self._keep_present(outputs, 0, input_ids.shape[1], slot, write_at)
+        return {name: outputs[name] for name in self._outputs[graph]}
+
+    def _run_batch(self, graph, rows):
+        m, batch = self.manifest, len(rows)
+        seq, past = max(r.input_ids.shape[1] for r in rows), max(r.past for r in rows)
+        ids = np.zeros((batch, seq), np.int64)
+        pos = np.zeros((batch, seq), np.int64)
+        mask = np.zeros((batch, seq, past + seq), bool)  # padding attends to nothing and is never read
+        for b, r in enumerate(rows):
+            s, p = r.input_ids.shape[1], r.past
+            ids[b, :s], pos[b, :s] = r.input_ids[0], r.position_ids[0]
+            mask[b, :s, :p] = r.attention_mask[0, :, :p]
+            mask[b, :s, past : past + s] = r.attention_mask[0, :, p:]
+        feed = {"input_ids": ids, "position_ids": pos, "attention_mask": mask}
+        shape = (batch, past, m.kv_heads, m.head_dim)
+        for i in range(m.num_layers):
+            key, value = np.zeros(shape, self.dtype), np.zeros(shape, self.dtype)
+            for b, r in enumerate(rows):
+                key[b, : r.past] = self.keys[r.slot][i][0, : r.past]
+                value[b, : r.past] = self.values[r.slot][i][0, : r.past]
+            feed[past_key_name(i)], feed[past_value_name(i)] = key, value
+        outputs = self._session_run(graph, feed, graph == "infiller")
+        results = []
+        for b, r in enumerate(rows):
+            s = r.input_ids.shape[1]
+            if r.write_at is not None:
+                self._keep_present(outputs, b, s, r.slot, r.write_at)
+            results.append({name: outputs[name][b : b + 1, :s] for name in self._outputs[graph]})
+        return results
+
+    def _session_run(self, graph: GraphName, feed: dict[str, np.ndarray], presents: bool) -> dict[str, np.ndarray]:
+        names = self._outputs[graph] + (self._presents if presents else [])
+        return dict(zip(names, self.sessions[graph].run(names, feed)))
+
+    def _keep_present(self, outputs: dict[str, np.ndarray], row: int, seq: int, slot: int, write_at: int) -> None:
+        """Row `row`'s first `seq` new tokens' KV into `slot` at write_at."""
+        for i in range(self.manifest.num_layers):
+            self.keys[slot][i][0, write_at : write_at + seq] = outputs[present_key_name(i)][row, :seq]
+            self.values[slot][i][0, write_at : write_at + seq] = outputs[present_value_name(i)][row, :seq]
 
 
 class OrtCudaRunner(OrtRunner):
@@ -205,7 +246,7 @@ class OrtCudaRunner(OrtRunner):
     def _token_bytes(self) -> int:
         return self.manifest.kv_heads * self.manifest.head_dim * np.dtype(self.dtype).itemsize
 
-    def _allocate_kv(self, capacity: int) -> None:
+    def _allocate_kv(self, capacity: int, slot: int) -> None:  # one slot (max_slots 1)
         from refusion.runtime.runners.cuda import DeviceBuffer
 
         for buf in self.device_keys + self.device_values:
@@ -214,12 +255,12 @@ class OrtCudaRunner(OrtRunner):
         self.device_keys = [DeviceBuffer(capacity * self._token_bytes) for _ in range(n)]
         self.device_values = [DeviceBuffer(capacity * self._token_bytes) for _ in range(n)]
 
-    def _move_kv(self, src: int, dst: int, length: int) -> None:
+    def _move_kv(self, src: int, dst: int, length: int, slot: int) -> None:
         t = self._token_bytes
         for buf in self.device_keys + self.device_values:
             buf.copy_within(src * t, dst * t, length * t)
 
-    def _run(self, graph, input_ids, position_ids, attention_mask, past_length, write_at):
+    def _run(self, graph, input_ids, position_ids, attention_mask, past_length, write_at, slot):
         session = self.sessions[graph]
         binding = session.io_binding()
         binding.bind_cpu_input("input_ids", input_ids)

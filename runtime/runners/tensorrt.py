@@ -172,14 +172,14 @@ class TensorRTRunner(Runner):
         """Bytes of one token's K (or V) in one layer."""
         return self.kv_bytes_per_token // (2 * self.manifest.num_layers)
 
-    def _allocate_kv(self, capacity: int) -> None:
+    def _allocate_kv(self, capacity: int, slot: int) -> None:  # one slot (max_slots 1)
         for buf in self._keys + self._values:
             buf.free()
         n, size = self.manifest.num_layers, capacity * self._token_bytes
         self._keys = [DeviceBuffer(size, self._stream) for _ in range(n)]
         self._values = [DeviceBuffer(size, self._stream) for _ in range(n)]
 
-    def _move_kv(self, src: int, dst: int, length: int) -> None:
+    def _move_kv(self, src: int, dst: int, length: int, slot: int) -> None:
         t = self._token_bytes
         for buf in self._keys + self._values:
             buf.copy_within(src * t, dst * t, length * t)
@@ -217,7 +217,7 @@ class TensorRTRunner(Runner):
 
     # -- forwards ----------------------------------------------------------------------------
     def _run(self, graph: GraphName, input_ids: np.ndarray, position_ids: np.ndarray,
-             attention_mask: np.ndarray, past_length: int, write_at: int | None) -> dict[str, np.ndarray]:
+             attention_mask: np.ndarray, past_length: int, write_at: int | None, slot: int) -> dict[str, np.ndarray]:
         seq = input_ids.shape[1]
         index = select_profile(list(self.engines.engines[graph].profiles), seq, past_length)
         if index is None:  # before any device work

@@ -62,9 +62,9 @@ def _spy(runner):
     calls = []
     inner = runner._run
 
-    def run(graph, ids, pos, mask, past, write_at):
+    def run(graph, ids, pos, mask, past, write_at, slot):
         calls.append((graph, ids.shape[1], past, write_at, pos[0].tolist(), ids[0].tolist()))
-        return inner(graph, ids, pos, mask, past, write_at)
+        return inner(graph, ids, pos, mask, past, write_at, slot)
 
     runner._run = run
     return calls
@@ -103,8 +103,8 @@ def test_diffusion_commits_the_most_confident_masks_in_block_order(gen):
     feeds, probs = [], []
     inner = gen.runner._run
 
-    def run(graph, ids, pos, mask, past, write_at):
-        out = inner(graph, ids, pos, mask, past, write_at)
+    def run(graph, ids, pos, mask, past, write_at, slot):
+        out = inner(graph, ids, pos, mask, past, write_at, slot)
         feeds.append(ids[0, len(prompt):].copy())
         probs.append(out["argmax_probs"][0, len(prompt):].copy())
         return out

@@ -1,0 +1,55 @@
+"""What a decode strategy hands out, one step at a time: forwards to run, KV to move, commits.
+
+The strategies (runtime/decode.py) are step machines: generators that yield a `Forward` and
+receive its outputs back through `send`, yield a `KVMove` for the runner to do, or yield a
+`Commit` when tokens become final. All coordinates are request-local (KV token 0 is the
+request's first prompt token), so whoever drives them decides where the request's KV lives
+and may gather forwards from many requests into one call (runtime/engine.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from dataclasses import dataclass
+
+import numpy as np
+
+from refusion.runtime.core.contract import GraphName
+
+
+@dataclass(frozen=True)
+class Forward:
+    """One forward of `graph`: tokens at their positions over KV [0, past) of the request; the
+    infiller writes its new tokens' KV at [write_at, write_at + seq)."""
+
+    kind: str  # what the loop uses it for: prefill_plan, plan, verify, infill_draft, ...
+    graph: GraphName
+    input_ids: np.ndarray  # int64 [1, seq]
+    position_ids: np.ndarray  # int64 [1, seq]
+    attention_mask: np.ndarray  # bool [1, seq, past + seq]
+    past: int
+    write_at: int | None
+
+
+@dataclass(frozen=True)
+class KVMove:
+    """Copy the KV of tokens [src, src + length) to [dst, dst + length); ranges may overlap."""
+
+    src: int
+    dst: int
+    length: int
+
+
+@dataclass(frozen=True)
+class Commit:
+    """Tokens that became final in one loop iteration, with their true positions."""
+
+    step: int
+    token_ids: tuple[int, ...]
+    positions: tuple[int, ...]
+    how: str  # "verification" (whole slots from the verify pass), "infill", or "ar"
+
+
+Step = Forward | KVMove | Commit
+Outputs = dict[str, np.ndarray]
+StepMachine = Generator[Step, Outputs | None, None]
