@@ -9,7 +9,7 @@ takes the output's name:
   RENAME_EXCHANGE), so `NAME` is the old export or the new one at every instant; the old
   one, now at the staging name, is deleted last. Where the filesystem cannot exchange, the
   old export is first renamed to `.NAME.old-PID-XXXX`, which is where it is if a crash hits
-  between the two renames.
+  between the two renames (an error or a caught signal there puts it back).
 SIGTERM and SIGHUP clean up like Ctrl-C. A SIGKILL cannot be caught: the next export to the
 same output removes what a dead run left, and restores its output first if a crash took it.
 """
@@ -43,7 +43,8 @@ def make_staging(output: Path) -> Path:
 
 def leftovers(output: Path) -> list[Path]:
     """Staging and moved-aside directories of `output` whose process is gone."""
-    pattern = re.compile(rf"^\.{re.escape(output.name)}\.(partial|old)-(\d+)-")
+    # the whole name: a staging directory of another output named like `NAME.partial-PID-x` is not one of these
+    pattern = re.compile(rf"^\.{re.escape(output.name)}\.(partial|old)-(\d+)-[a-z0-9_]+$")
     found = []
     for entry in output.parent.iterdir() if output.parent.is_dir() else ():
         match = pattern.match(entry.name)
@@ -78,9 +79,15 @@ def publish(staging: Path, output: Path) -> None:
     if _exchange(staging, output):
         shutil.rmtree(staging)  # now the old export
         return
-    old = staging.with_name(staging.name.replace(".partial-", ".old-"))
-    output.rename(old)
-    staging.rename(output)
+    # the staging name with only its own ".partial-" replaced: `output.name` may contain one too
+    old = staging.with_name(f".{output.name}.old-" + staging.name.removeprefix(f".{output.name}.partial-"))
+    try:
+        output.rename(old)
+        staging.rename(output)
+    except BaseException:  # an error, Ctrl-C or SIGTERM between the renames: put the old export back
+        if old.exists() and not output.exists():
+            old.rename(output)
+        raise
     shutil.rmtree(old)
 
 
