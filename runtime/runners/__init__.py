@@ -10,6 +10,8 @@ from refusion.runtime.core.export_manifest import ExportManifest
 from refusion.runtime.runners.base import Runner
 
 BACKENDS = ("auto", "trt", "ort-cuda", "ort-cpu")
+CPU_MAX_REQUESTS = 16  # KV slots of the CPU runner: requests in flight at once (each slot grows on demand)
+CPU_MAX_BATCH = 16  # of which one forward packs at most this many
 
 
 def available_backend(path: Path) -> str:
@@ -33,16 +35,33 @@ def available_backend(path: Path) -> str:
 
 
 def make_runner(manifest: ExportManifest, backend: str = "auto", threads: int | None = None,
-                verify: bool = False, low_memory: bool = False) -> Runner:
+                verify: bool = False, low_memory: bool = False, max_requests: int | None = None,
+                max_batch: int | None = None) -> Runner:
     """The backend's Runner over `manifest`, its files checked (sizes; sha256 too with `verify`).
-    `low_memory` (onnxruntime only) turns off weight prepacking: about half the peak memory, ~30% slower forwards."""
+    `low_memory` (onnxruntime only) turns off weight prepacking: about half the peak memory, ~30% slower forwards.
+    `max_requests`: requests in flight at once (a KV slot each); `max_batch`: their forwards packed per call.
+    Both go beyond 1 on onnxruntime's CPU provider only (default: CPU_MAX_REQUESTS, CPU_MAX_BATCH); the GPU
+    runners hold one request at a time, and further requests queue."""
     if backend not in BACKENDS:
         raise RefusionError(f"backend {backend!r} is unknown; choose one of {', '.join(BACKENDS)}.")
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads <= 0):
         raise RefusionError(f"threads={threads!r} (--threads) is not a positive number of onnxruntime threads; "
                             "give 1 or more, or leave it out to use every core.")
+    for name, value in (("max_requests", max_requests), ("max_batch", max_batch)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+            raise RefusionError(f"{name}={value!r} must be a positive integer.")
     if backend == "auto":
         backend = available_backend(manifest.path)
+    cpu = backend == "ort-cpu"
+    max_requests = max_requests or (CPU_MAX_REQUESTS if cpu else 1)
+    max_batch = max_batch or (min(CPU_MAX_BATCH, max_requests) if cpu else 1)
+    if max_batch > max_requests:
+        raise RefusionError(f"max_batch={max_batch} exceeds max_requests={max_requests}: a forward packs requests "
+                            "in flight; raise max_requests or lower max_batch.")
+    if not cpu and (max_requests, max_batch) != (1, 1):
+        raise RefusionError(f"max_requests={max_requests}, max_batch={max_batch}: the {backend} runner holds one "
+                            "request at a time (more queue up); concurrent KV slots and batched forwards run on "
+                            "--backend ort-cpu.")
     if backend == "trt" and low_memory:
         raise RefusionError("low_memory=True (--low-memory) is an onnxruntime option (it turns off weight prepacking) "
                             "and does not apply to the trt backend; drop it, or choose --backend ort-cpu or ort-cuda.")
@@ -54,5 +73,7 @@ def make_runner(manifest: ExportManifest, backend: str = "auto", threads: int | 
         return TensorRTRunner(manifest, EngineManifest.load(manifest.path))
     from refusion.runtime.runners.onnxruntime import OrtCudaRunner, OrtRunner
 
-    runner = OrtCudaRunner if backend == "ort-cuda" else OrtRunner
-    return runner(manifest, threads=threads, low_memory=low_memory, verify=verify)
+    if backend == "ort-cuda":
+        return OrtCudaRunner(manifest, threads=threads, low_memory=low_memory, verify=verify)
+    return OrtRunner(manifest, threads=threads, low_memory=low_memory, verify=verify, max_slots=max_requests,
+                     max_batch=max_batch)

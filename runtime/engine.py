@@ -1,0 +1,149 @@
+"""The engine: one thread that owns the Runner and advances every request in flight.
+
+Any thread may `submit` a Request; the engine thread alone touches the runner, so a Generator
+can be shared by any number of threads. Each round it admits waiting requests into free KV
+slots, advances every active request to its next forward (doing its KV moves and recording
+its commits on the way), then runs the pending forwards graph by graph, packing up to the
+runner's `max_batch` of them into one call, and hands each request its outputs.
+A cancelled or expired request is finished before its next forward and its slot freed at
+once; a request that fails (its own RefusionError) fails alone.
+(nano-vllm's engine/: scheduler, sequence, block manager, model runner, in one small loop.)
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+
+from refusion.runtime.core.errors import RefusionError
+from refusion.runtime.request import FinishReason, Request
+from refusion.runtime.runners.base import RowFeed, Runner
+from refusion.runtime.steps import Forward, KVMove
+
+
+class Engine:
+    def __init__(self, runner: Runner):
+        self.runner = runner
+        self._lock = threading.Condition()
+        self._waiting: deque[Request] = deque()
+        self._active: list[Request] = []
+        self._free_slots = list(range(runner.max_slots))[::-1]
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def submit(self, request: Request) -> Request:
+        with self._lock:
+            if self._closed:
+                raise RefusionError("this Generator is closed; load it again with Generator.from_dir(...).")
+            self._waiting.append(request)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="refusion-engine", daemon=True)
+                self._thread.start()
+            self._lock.notify_all()
+        return request
+
+    def wake(self) -> None:
+        """Look at the requests again now (a cancel while the engine sleeps on an empty queue)."""
+        with self._lock:
+            self._lock.notify_all()
+
+    def close(self) -> None:
+        """Cancel what is waiting or running, and stop the engine thread."""
+        with self._lock:
+            self._closed = True
+            self._lock.notify_all()
+            thread = self._thread
+        if thread is not None:
+            thread.join()
+
+    @property
+    def in_flight(self) -> int:
+        with self._lock:
+            return len(self._waiting) + len(self._active)
+
+    # -- the engine thread ------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                self._lock.wait_for(lambda: self._closed or self._waiting or self._active)
+                if self._closed:
+                    break
+                self._admit()
+            self._round()
+        for request in [*self._active, *self._waiting]:
+            self._finish(request, "cancelled")
+
+    def _admit(self) -> None:
+        """Waiting requests into free KV slots, in arrival order (under the lock)."""
+        while self._waiting and self._free_slots:
+            request = self._waiting.popleft()
+            request.slot = self._free_slots.pop()
+            request.started = time.perf_counter()
+            self._active.append(request)
+            try:
+                self.runner.allocate_kv(request.capacity, request.slot)
+            except Exception as e:  # noqa: BLE001 - the request fails alone, with its own error
+                self._finish(request, None, e)
+
+    def _round(self) -> None:
+        # Forwards of one graph and similar length go together: rows are padded to the longest,
+        # so a 30-token prefill beside 1-token AR steps would cost 30 tokens a row.
+        ready: dict[tuple[str, int], list[tuple[Request, Forward]]] = {}
+        for request in list(self._active):
+            try:
+                forward = self._advance(request)
+            except Exception as e:  # noqa: BLE001 - its own error, raised to its caller
+                self._finish(request, None, e)
+                continue
+            if forward is not None:
+                key = (forward.graph, forward.input_ids.shape[1].bit_length())
+                ready.setdefault(key, []).append((request, forward))
+        for (graph, _), group in sorted(ready.items()):
+            for start in range(0, len(group), self.runner.max_batch):
+                self._run(graph, group[start : start + self.runner.max_batch])
+
+    def _advance(self, request: Request) -> Forward | None:
+        """Run the request's steps up to its next forward (None when it has ended)."""
+        if request.cancelled or (request.deadline is not None and time.monotonic() > request.deadline):
+            self._finish(request, "cancelled" if request.cancelled else "timeout")
+            return None
+        while True:
+            step = request.send(request.inbox)
+            request.inbox = None
+            if step is None:
+                self._finish(request, None)
+                return None
+            if isinstance(step, Forward):
+                return step
+            if isinstance(step, KVMove):
+                t0 = time.perf_counter()
+                self.runner.move_kv(step.src, step.dst, step.length, request.kv_slot)
+                request.engine_seconds += time.perf_counter() - t0
+            else:
+                request.add_commit(step)
+
+    def _run(self, graph: str, batch: list[tuple[Request, Forward]]) -> None:
+        rows = [RowFeed(f.input_ids, f.position_ids, f.attention_mask, f.past, f.write_at, r.kv_slot) for r, f in batch]
+        t0 = time.perf_counter()
+        try:
+            outputs = self.runner.run_batch(graph, rows)  # type: ignore[arg-type]
+        except Exception as e:  # noqa: BLE001 - the requests of a failed forward fail with its error
+            for request, _ in batch:
+                self._finish(request, None, e)
+            return
+        seconds = time.perf_counter() - t0
+        for (request, _), out in zip(batch, outputs):
+            request.engine_seconds += seconds
+            request.inbox = out
+
+    def _finish(self, request: Request, reason: FinishReason | None, error: BaseException | None = None) -> None:
+        with self._lock:
+            if request in self._active:
+                self._active.remove(request)
+            if request in self._waiting:
+                self._waiting.remove(request)
+            if request.slot is not None:
+                self._free_slots.append(request.slot)
+                request.slot = None
+        request.finish(reason, error)

@@ -1,0 +1,224 @@
+"""A `Request`: one generation in flight, and the thread-safe handle its caller holds.
+
+It owns its state: prompt, decode params, step machine, commits, trace, KV slot (while it
+runs), deadline and cancel flag. The engine thread advances it and finishes it; any other
+thread may wait for its result, iterate its settled text, or cancel it.
+
+    req = gen.submit("sort: 3 1 2", chat=True, timeout_s=5)
+    for piece in req: print(piece, end="")      # settled text as it commits
+    req.result().finish_reason                   # "eos" | "length" | "timeout" | "cancelled"
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+from refusion.runtime.core.errors import RefusionError
+from refusion.runtime.decode import DecodeTrace
+from refusion.runtime.params import DecodeParams
+from refusion.runtime.steps import Commit, Outputs, Step, StepMachine
+
+FinishReason = Literal["eos", "length", "timeout", "cancelled"]
+Detokenize = Callable[[list[int]], str]
+_ids = itertools.count(1)
+
+
+@dataclass
+class GenerationStats:
+    mode: str
+    backend: str
+    prompt_tokens: int
+    tokens: int  # generated tokens up to and including the first EOS
+    forwards: dict[str, int]
+    forward_count: int
+    tokens_per_forward: float  # tokens / forwards
+    tpf: float  # upstream's per-iteration TPF
+    wall_seconds: float  # from the request's start on the engine to its end
+    engine_seconds: float  # inside the runner (graphs and KV moves; a batched forward counts whole)
+    loop_seconds: float  # everything else: policy, masks, bookkeeping, other requests' turns
+    tokens_per_second: float
+    branches: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def loop_share(self) -> float:
+        return self.loop_seconds / self.wall_seconds if self.wall_seconds else 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "loop_share": round(self.loop_share, 4)}
+
+
+@dataclass
+class GenerationResult:
+    text: str  # the answer: settled text before the first EOS
+    token_ids: list[int]  # generated ids in position order, prompt excluded (settled ones only when stopped early)
+    prompt_ids: list[int]
+    stats: GenerationStats
+    commits: list[Commit]  # what became final at each loop iteration, in order
+    finish_reason: FinishReason = "length"
+
+    @property
+    def steps(self) -> list[int]:
+        """For each token (position order), the loop iteration that committed it."""
+        step = {p: c.step for c in self.commits for p in c.positions}
+        return [step[p] for p in sorted(step)]
+
+
+class Request:
+    def __init__(self, prompt_ids: list[int], params: DecodeParams, steps: StepMachine, trace: DecodeTrace,
+                 capacity: int, eos_id: int, detokenize: Detokenize | None, backend: str,
+                 timeout_s: float | None = None):
+        self.id = next(_ids)
+        self.prompt_ids, self.params, self.trace = prompt_ids, params, trace
+        self.capacity, self.eos_id, self.backend = capacity, eos_id, backend
+        self.deadline = time.monotonic() + timeout_s if timeout_s is not None else None
+        self.commits: list[Commit] = []
+        self._steps, self._detokenize = steps, detokenize
+        self._cancelled = threading.Event()
+        self._changed = threading.Condition()
+        self._result: GenerationResult | None = None
+        self._error: BaseException | None = None
+        # engine-side: only the engine thread touches these
+        self.slot: int | None = None  # its KV slot on the runner while it runs
+        self.inbox: Outputs | None = None  # its last forward's outputs, for the next step
+        self.started = 0.0
+        self.engine_seconds = 0.0
+
+    # -- the caller's side -------------------------------------------------------------------
+    def cancel(self) -> None:
+        """Stop the request: it ends within one forward, its KV slot is freed, and its result
+        carries what had settled, with finish_reason "cancelled". Idempotent; no-op once done."""
+        self._cancelled.set()
+        with self._changed:
+            self._changed.notify_all()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    @property
+    def done(self) -> bool:
+        return self._result is not None or self._error is not None
+
+    def result(self, timeout: float | None = None) -> GenerationResult:
+        """Wait for the end (at most `timeout` seconds); the request's own RefusionError if it failed."""
+        with self._changed:
+            if not self._changed.wait_for(lambda: self.done, timeout):
+                raise RefusionError(f"request {self.id} has no result after {timeout} s; it goes on "
+                                    "(cancel() stops it, or pass timeout_s when submitting).")
+        if self._error is not None:
+            raise self._error
+        assert self._result is not None
+        return self._result
+
+    def events(self) -> Iterator[Commit]:
+        """Each commit as it happens, from the first; ends when the request does."""
+        seen = 0
+        while True:
+            with self._changed:
+                self._changed.wait_for(lambda: len(self.commits) > seen or self.done)
+                fresh, finished = self.commits[seen:], self.done
+            seen += len(fresh)
+            yield from fresh
+            if finished and seen == len(self.commits):
+                return
+
+    def __iter__(self) -> Iterator[str]:
+        """Settled text as it grows: every earlier position committed, up to the first EOS (not
+        shown); never half a UTF-8 character. Raises the request's error, if it fails."""
+        if self._detokenize is None:
+            raise RefusionError("this export carries no tokenizer, so there is no text to stream; use result().token_ids.")
+        text = SettledText(len(self.prompt_ids), self.eos_id, self._detokenize)
+        for commit in self.events():
+            piece = text.add(commit)
+            if piece:
+                yield piece
+        if self._error is not None:
+            raise self._error
+
+    # -- the engine's side --------------------------------------------------------------------
+    @property
+    def kv_slot(self) -> int:
+        if self.slot is None:
+            raise RefusionError(f"request {self.id} holds no KV slot (it is not running).")
+        return self.slot
+
+    def send(self, outputs: Outputs | None) -> Step | None:
+        """Advance the step machine to its next step (None when it is over)."""
+        try:
+            return self._steps.send(outputs)
+        except StopIteration:
+            return None
+
+    def add_commit(self, commit: Commit) -> None:
+        with self._changed:
+            self.commits.append(commit)
+            self._changed.notify_all()
+
+    def finish(self, reason: FinishReason | None, error: BaseException | None = None) -> None:
+        """Settle the result (reason None: ran to its end, "eos" or "length") and wake every waiter."""
+        self._steps.close()
+        with self._changed:
+            if error is not None:
+                self._error = error
+            else:
+                self._result = self._build_result(reason)
+            self._changed.notify_all()
+
+    def _build_result(self, reason: FinishReason | None) -> GenerationResult:
+        committed = {p: t for c in self.commits for p, t in zip(c.positions, c.token_ids)}
+        start = len(self.prompt_ids)
+        if reason is None:
+            token_ids = [committed[p] for p in sorted(committed)]
+        else:  # stopped early: only what settled, the contiguous run from the prompt's end
+            token_ids = list(itertools.takewhile(lambda t: t is not None,
+                                                 (committed.get(p) for p in itertools.count(start))))
+        answer = token_ids[: token_ids.index(self.eos_id)] if self.eos_id in token_ids else token_ids
+        upto_eos = token_ids[: len(answer) + 1] if self.eos_id in token_ids else token_ids
+        if reason is None:
+            reason = "eos" if self.eos_id in token_ids else "length"
+        wall = time.perf_counter() - self.started if self.started else 0.0
+        forwards = sum(self.trace.forwards.values())
+        stats = GenerationStats(
+            mode=self.params.mode, backend=self.backend, prompt_tokens=start, tokens=len(upto_eos),
+            forwards=dict(self.trace.forwards), forward_count=forwards,
+            tokens_per_forward=len(upto_eos) / forwards if forwards else 0.0, tpf=self.trace.tpf,
+            wall_seconds=wall, engine_seconds=self.engine_seconds, loop_seconds=wall - self.engine_seconds,
+            tokens_per_second=len(upto_eos) / wall if wall else 0.0, branches=dict(self.trace.branches),
+        )
+        text = self._detokenize(answer) if self._detokenize else ""
+        return GenerationResult(text, token_ids, self.prompt_ids, stats, list(self.commits), reason)
+
+
+class SettledText:
+    """The text of the settled prefix: slots commit out of order; text is shown only once every
+    earlier position is committed, up to the first EOS, and never ends in half a character."""
+
+    def __init__(self, prompt_length: int, eos_id: int, detokenize: Detokenize):
+        self.next, self.eos_id, self.detokenize = prompt_length, eos_id, detokenize
+        self.settled: list[int] = []
+        self.pending: dict[int, int] = {}
+        self.shown = ""
+        self.ended = False
+
+    def add(self, commit: Commit) -> str:
+        """The new piece of text this commit settles ("" if none)."""
+        if self.ended:
+            return ""
+        self.pending.update(zip(commit.positions, commit.token_ids))
+        while not self.ended and self.next in self.pending:
+            token = self.pending.pop(self.next)
+            self.next += 1
+            self.ended = token == self.eos_id
+            if not self.ended:
+                self.settled.append(token)
+        text = self.detokenize(self.settled)
+        if text.endswith("\ufffd") and not self.ended:  # an incomplete UTF-8 sequence: wait for the rest
+            return ""
+        piece = text[len(self.shown):] if len(text) > len(self.shown) else ""
+        self.shown = text if piece else self.shown
+        return piece
