@@ -37,8 +37,9 @@ import numpy as np
 
 from refusion.runtime import masks
 from refusion.runtime.core.errors import RefusionError
-from refusion.runtime.decode import DecodeTrace
+from refusion.runtime.decode import DecodeTrace, run_on
 from refusion.runtime.runners.base import Runner
+from refusion.runtime.steps import Commit, Forward, StepMachine
 
 Order = Literal["position", "clean_first"]
 FORWARD_KIND = "diffusion_step"
@@ -110,26 +111,17 @@ def num_transfer_tokens(masked: int, steps: int) -> list[int]:
     return [base + (1 if i < rest else 0) for i in range(steps)]
 
 
-def diffusion_decode(runner: Runner, prompt: list[int], mask_id: int, eos_id: int, params: DiffusionParams,
-                     trace: DecodeTrace | None = None) -> DiffusionResult:
-    """LLaDA-style decoding of one prompt on `runner` (see the module docstring)."""
-    if not prompt:
-        raise RefusionError("the prompt is empty; give at least one token of prompt.")
-    trace = trace if trace is not None else DecodeTrace()
+def diffusion_steps(prompt: list[int], mask_id: int, params: DiffusionParams, trace: DecodeTrace,
+                    eos_id: int) -> StepMachine:
+    """LLaDA-style decoding of one prompt as a step machine (see the module docstring): each step
+    hands out one planner Forward over prompt + span and commits the tokens it fills."""
     p0, gen = len(prompt), params.gen_length
-    if p0 + gen > runner.manifest.max_positions:
-        raise RefusionError(
-            f"prompt of {p0} tokens + gen_length {gen} exceeds the model's {runner.manifest.max_positions} positions."
-        )
-    runner.allocate_kv(1)  # the runner binds an (empty) past view of its buffer; nothing is cached
     span = np.full(gen, mask_id, dtype=np.int64)
     is_masked = np.ones(gen, dtype=bool)
     prompt_arr = np.asarray(prompt, dtype=np.int64)
     positions = np.arange(p0 + gen, dtype=np.int64)
-    seq = p0 + gen
-    mask = masks.causal_after(0, seq)  # same shape every step: prompt + whole span, past 0
-    engine0, t0 = runner.engine_seconds, time.perf_counter()
-    done = False
+    mask = masks.causal_after(0, p0 + gen)  # same shape every step: prompt + whole span, past 0
+    done, step = False, 0
     for block in range(params.num_blocks):
         if done:
             break
@@ -144,7 +136,8 @@ def diffusion_decode(runner: Runner, prompt: list[int], mask_id: int, eos_id: in
             ids = np.concatenate([prompt_arr, span[order]])
             pos = np.concatenate([positions[:p0], positions[p0:][order]])
             trace.forwards[FORWARD_KIND] += 1
-            out = runner.run("planner", ids[None], pos[None], mask, 0)
+            out = yield Forward(FORWARD_KIND, "planner", ids[None], pos[None], mask, 0, None)
+            assert out is not None  # every Forward gets its outputs back
             draft = np.empty(gen, dtype=np.int64)
             conf = np.empty(gen, dtype=np.float32)
             draft[order] = out["argmax_ids"][0, p0:]
@@ -156,8 +149,31 @@ def diffusion_decode(runner: Runner, prompt: list[int], mask_id: int, eos_id: in
                 is_masked[best] = False
                 trace.tpf_sum += len(best)
                 trace.iterations += 1
+                step += 1
+                yield Commit(step, tuple(int(t) for t in draft[best]), tuple(int(p0 + b) for b in best), "diffusion")
             done = params.early_exit and _settled_through_eos(span, is_masked, eos_id)
+
+
+def diffusion_decode(runner: Runner, prompt: list[int], mask_id: int, eos_id: int, params: DiffusionParams,
+                     trace: DecodeTrace | None = None) -> DiffusionResult:
+    """LLaDA-style decoding of one prompt on `runner`, alone."""
+    if not prompt:
+        raise RefusionError("the prompt is empty; give at least one token of prompt.")
+    trace = trace if trace is not None else DecodeTrace()
+    p0, gen = len(prompt), params.gen_length
+    if p0 + gen > runner.manifest.max_positions:
+        raise RefusionError(
+            f"prompt of {p0} tokens + gen_length {gen} exceeds the model's {runner.manifest.max_positions} positions."
+        )
+    engine0, t0 = runner.engine_seconds, time.perf_counter()
+    # a KV slot of one token: the runner binds an (empty) past view of it; nothing is cached
+    commits = list(run_on(runner, diffusion_steps(prompt, mask_id, params, trace, eos_id), capacity=1))
     wall = time.perf_counter() - t0
+    span = np.full(gen, mask_id, dtype=np.int64)
+    for c in commits:
+        span[np.asarray(c.positions) - p0] = c.token_ids
+    is_masked = np.ones(gen, dtype=bool)
+    is_masked[[p - p0 for c in commits for p in c.positions]] = False
     ids_list = [int(t) for t in span]
     return DiffusionResult(
         token_ids=ids_list,
