@@ -47,12 +47,14 @@ from typing import Any
 import click
 import numpy as np
 
+from refusion.export.progress import Progress, line, tick
 from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.core.export_manifest import MANIFEST_NAME
 from refusion.runtime.generator import GenerationResult, Generator
 from refusion.runtime.params import DecodeParams
 from refusion.tools import tasks as T
 from refusion.tools.cli_common import progress as echo_progress
+from refusion.tools.cli_common import quiet_option
 from refusion.tools.diffusion_baseline import DiffusionParams, diffusion_decode
 
 # slot_size, serial_num_blocks, slot_threshold, token_threshold
@@ -68,8 +70,6 @@ TARGET_SPEEDUP_VS_AR = 2.33
 TARGET_ACCURACY_POINTS = 1.0
 TARGET_SPEEDUP_VS_REFERENCE = 3.0
 PAPER_SPEEDUP_VS_DIFFUSION = 18.0
-
-Progress = Callable[[str], None]
 _REPO = Path(__file__).resolve().parent.parent
 
 
@@ -326,8 +326,8 @@ def resolve_model(model: Path, work: Path, progress: Progress) -> tuple[Path, Pa
         from refusion.export.exporter import export_onnx
 
         out = work / "onnx"
-        progress(f"exporting {model} -> {out}")
-        return export_onnx(model, out, force=True, validate=False), model
+        line(progress, f"exporting {model} -> {out}")
+        return export_onnx(model, out, force=True, validate=False, progress=progress), model
     raise RefusionError(f"{model} is neither an export ({MANIFEST_NAME}) nor a checkpoint (config.json).")
 
 
@@ -358,12 +358,14 @@ def run_bench(cfg: BenchConfig, progress: Progress = echo_progress) -> dict[str,
             reference = TorchReference(ckpt, cfg.threads)
         with Generator.from_dir(export_dir, backend="ort-cpu", threads=cfg.threads) as gen:
             methods = build_methods(gen, settings, diffusion, cfg.gen_length, reference, cfg.reference_settings)
-            progress(f"{len(methods)} methods x {cfg.n} prompts, {cfg.threads} thread(s), gen_length {cfg.gen_length}; "
-                     f"warm-up on {len(warm)} other prompt(s)")
+            line(progress, f"{len(methods)} methods x {cfg.n} prompts, {cfg.threads} thread(s), gen_length "
+                           f"{cfg.gen_length}; warm-up on {len(warm)} other prompt(s)")
             prompts = [gen.prompt_ids(ex.prompt, chat=True) for ex in examples]
-            for ids in prompts[cfg.n:]:
-                for m in methods:
+            runs = len(warm) * len(methods)
+            for i, ids in enumerate(prompts[cfg.n:]):
+                for j, m in enumerate(methods, 1):
                     m.run(ids)
+                    tick(progress, "warm-up", i * len(methods) + j, runs, "run")
             eos = gen.manifest.eos_token_id
 
             def score(ex: T.Example, s: Sample) -> None:
@@ -386,15 +388,18 @@ def run_interleaved(methods: list[Method], examples: list[T.Example], prompts: l
     rotation), so no method always runs first or right after the same neighbour."""
     samples: dict[str, list[Sample]] = {m.id: [] for m in methods}
     t_start = time.perf_counter()
+    runs = len(prompts) * len(methods)  # the bar's unit: one method on one prompt
     for i, (ex, ids) in enumerate(zip(examples, prompts)):
         r = i % len(methods)
-        for m in methods[r:] + methods[:r]:
+        for j, m in enumerate(methods[r:] + methods[:r], 1):
             s = m.run(ids)
             score(ex, s)
             samples[m.id].append(s)
-        progress(f"[{i + 1}/{len(prompts)}] accuracy " + " | ".join(
-            f"{m.short} {100 * np.mean([s.correct for s in samples[m.id]]):.0f}%" for m in methods)
-            + f"  ({time.perf_counter() - t_start:.0f}s)")
+            if j < len(methods):
+                tick(progress, "bench", i * len(methods) + j, runs, "run")
+        line(progress, f"[{i + 1}/{len(prompts)}] accuracy " + " | ".join(
+             f"{m.short} {100 * np.mean([s.correct for s in samples[m.id]]):.0f}%" for m in methods)
+             + f"  ({time.perf_counter() - t_start:.0f}s)", "bench", (i + 1) * len(methods), runs, "run")
     return samples
 
 
@@ -742,8 +747,8 @@ def write_outputs(report: dict[str, Any], out: Path, plot: bool = True, progress
             render_plot(report, out / "bench.png")
             written.append("bench.png")
         except ImportError:
-            progress("warning: matplotlib is not installed; bench.png not written (pip install matplotlib)")
-    progress(f"wrote {', '.join(str(out / w) for w in written)}")
+            line(progress, "warning: matplotlib is not installed; bench.png not written (pip install matplotlib)")
+    line(progress, f"wrote {', '.join(str(out / w) for w in written)}")
 
 
 # ----------------------------------------------------------------------------- profile
@@ -796,6 +801,7 @@ def profile_refusion(gen: Generator, prompts: list[list[int]], params: DecodePar
 @click.option("--out", type=click.Path(path_type=Path), default=Path("results/bench"), show_default=True)
 @click.option("--no-plot", is_flag=True, help="Skip bench.png.")
 @click.option("--profile", is_flag=True, help="Also cProfile ReFusion (first setting) on the prompts: OUT/profile.txt.")
+@quiet_option
 def bench(model: Path, n: int, seed: int, threads: int, gen_length: int, settings: str, diffusion: str, reference: bool,
           reference_settings: str, warmup: int, out: Path, no_plot: bool, profile: bool) -> None:
     """Accuracy and tokens/s of AR, ReFusion, LLaDA-style diffusion and the PyTorch reference on MODEL

@@ -1,12 +1,20 @@
-"""What both CLIs share: RefusionError -> one `error: ...` line on stderr and exit code 1."""
+"""What both CLIs share: RefusionError -> one `error: ...` line on stderr and exit code 1; progress
+on stderr (bars on a terminal, plain lines elsewhere, nothing with --quiet); --version; the decode
+and load options of `refusion-run generate` and `chat`."""
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import click
+from tqdm import tqdm
 
+from refusion.export.progress import ProgressEvent
 from refusion.runtime.core.errors import RefusionError
+from refusion.runtime.runners import BACKENDS
+
+_QUIET = "refusion.quiet"  # ctx.meta key, shared by a command and its group
 
 
 class ErrorReportingGroup(click.Group):
@@ -15,11 +23,128 @@ class ErrorReportingGroup(click.Group):
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
-            return super().invoke(ctx)
+            try:
+                return super().invoke(ctx)
+            finally:
+                progress.close()
         except RefusionError as e:
             click.echo(f"error: {e}", err=True)
             ctx.exit(1)
 
 
-def progress(message: str) -> None:
-    click.echo(message, err=True)
+class Reporter:
+    """The CLIs' progress callback (events of export/progress.py; plain text works too). On a terminal:
+    a bar per stage with its rate and ETA, and every line no bar stands for. Elsewhere (CI logs, pipes):
+    the lines as plain text, ticks ignored. Under --quiet: nothing."""
+
+    def __init__(self) -> None:
+        self._bars: dict[str, tqdm] = {}
+
+    @property
+    def ticks(self) -> bool:
+        """Bars are drawn, so ticks are wanted."""
+        return not _quiet() and sys.stderr.isatty()
+
+    def __call__(self, event: str) -> None:
+        if _quiet():
+            return
+        if not sys.stderr.isatty():
+            if event:
+                click.echo(event, err=True)
+            return
+        if isinstance(event, ProgressEvent) and event.stage and event.total is not None:
+            bar = self._bars.get(event.stage)
+            if bar is None and not event.finished:
+                bar = self._bars[event.stage] = _bar(event.stage, event.total, event.unit)
+            if bar is not None:
+                bar.update(event.done - bar.n)
+                if not event.finished:
+                    return  # the bar shows this line
+                bar.close()
+                del self._bars[event.stage]
+        if event:
+            tqdm.write(str(event), file=sys.stderr)
+
+    def close(self) -> None:
+        """Take down the bars still drawn (a command failed or was interrupted)."""
+        for bar in self._bars.values():
+            bar.close()
+        self._bars.clear()
+
+
+def _bar(stage: str, total: float, unit: str) -> tqdm:
+    in_bytes = unit == "B"
+    return tqdm(total=total, desc=stage, unit=unit or "it", unit_scale=in_bytes,
+                unit_divisor=1024 if in_bytes else 1000, leave=False, dynamic_ncols=True, file=sys.stderr)
+
+
+def _quiet() -> bool:
+    ctx = click.get_current_context(silent=True)
+    return bool(ctx and ctx.meta.get(_QUIET))
+
+
+def _set_quiet(ctx: click.Context, param: click.Parameter, value: bool) -> None:
+    if value:
+        ctx.meta[_QUIET] = True
+
+
+progress = Reporter()
+
+# Decorators (they also apply to an existing click.Command: quiet_option(command)).
+quiet_option = click.option("--quiet", "-q", is_flag=True, expose_value=False, callback=_set_quiet,
+                            help="No progress on stderr (results and errors still print).")
+
+
+def version_option(f: Any) -> Any:
+    """--version, from the package metadata (a fresh option each time: click's caches the program name)."""
+    return click.version_option(package_name="refusion-trt", message="%(prog)s %(version)s")(f)
+
+
+# The decode settings and load options of `refusion-run generate` and `refusion-run chat`.
+_RECORDED = "default: the export's recorded value"
+_DECODE_OPTIONS = (
+    click.option("--mode", type=click.Choice(["refusion", "ar"]), default="refusion", show_default=True),
+    click.option("--gen-length", type=int, help=f"Tokens to generate ({_RECORDED})."),
+    click.option("--slot-size", type=int, help=f"Tokens per slot ({_RECORDED})."),
+    click.option("--serial-blocks", type=int,
+                 help=f"Equal blocks the generation is cut into, decoded in turn ({_RECORDED})."),
+    click.option("--slot-threshold", type=float,
+                 help=f"A slot is chosen when its first token's draft probability exceeds it ({_RECORDED})."),
+    click.option("--token-threshold", type=float,
+                 help=f"A drafted token is accepted when its AR probability exceeds it ({_RECORDED})."),
+    click.option("--temperature", type=float, default=0.0, show_default=True),
+    click.option("--seed", type=int, default=None, help="Seed of the Gumbel noise when --temperature > 0."),
+)
+_LOAD_OPTIONS = (
+    click.option("--backend", type=click.Choice(BACKENDS), default="auto", show_default=True,
+                 help="auto: trt if engines are there, else ort-cuda if available, else ort-cpu."),
+    click.option("--threads", type=int, default=None, help="onnxruntime intra-op threads (default: all cores)."),
+    click.option("--low-memory", is_flag=True,
+                 help="onnxruntime only: turn off weight prepacking, about half the peak memory for ~30% slower "
+                      "forwards."),
+    click.option("--verify", is_flag=True,
+                 help="Check every file's sha256 before loading (a full read of the export)."),
+)
+
+
+def decode_options(f: Any) -> Any:
+    """--mode --gen-length --slot-size --serial-blocks --slot-threshold --token-threshold --temperature --seed."""
+    for option in reversed(_DECODE_OPTIONS):
+        f = option(f)
+    return f
+
+
+def load_options(f: Any) -> Any:
+    """--backend --threads --low-memory --verify (Generator.from_dir's options)."""
+    for option in reversed(_LOAD_OPTIONS):
+        f = option(f)
+    return f
+
+
+def decode_settings(mode: str, gen_length: int | None, slot_size: int | None, serial_blocks: int | None,
+                    slot_threshold: float | None, token_threshold: float | None, temperature: float,
+                    seed: int | None) -> dict[str, Any]:
+    """The decode options as Generator settings (None: the export's recorded value)."""
+    return dict(gen_length=gen_length, slot_size=slot_size, serial_num_blocks=serial_blocks,
+                slot_threshold=slot_threshold, token_threshold=token_threshold, temperature=temperature, seed=seed,
+                mode=mode)

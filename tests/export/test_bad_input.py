@@ -173,7 +173,7 @@ def test_interrupted_export_leaves_nothing(store, tmp_path):
 def test_failed_validation_publishes_nothing(store, tmp_path, monkeypatch):
     from refusion.export import validate
 
-    def failing(path, seed=0, pending=False):
+    def failing(path, seed=0, pending=False, progress=None):
         report = validate.ValidationReport("float32")
         report.rows.append(("planner", "argmax_probs", 1.0, 1e-4))
         return report

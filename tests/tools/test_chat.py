@@ -1,0 +1,194 @@
+"""`refusion-run chat` on the embedded model's export: piped turns, /commands, Ctrl-C, and a session
+typed on a pseudo-terminal."""
+
+from __future__ import annotations
+
+import io
+import os
+import pty
+import select
+import signal
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from click.testing import CliRunner
+
+from refusion.export.exporter import export_onnx
+from refusion.models import EMBEDDED_MODEL
+from refusion.runtime.core.errors import RefusionError
+from refusion.runtime.generator import Generator
+from refusion.tools.chat import ChatSession
+from refusion.tools.run_cli import cli
+
+REPO = Path(__file__).resolve().parents[2]
+SORT, REVERSE = "sort: 3 1 2", "reverse: a b c"
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> Path:
+    return export_onnx(EMBEDDED_MODEL, tmp_path_factory.mktemp("chat") / "onnx", validate=False)
+
+
+@pytest.fixture(scope="module")
+def gen(tiny_dir):
+    with Generator.from_dir(tiny_dir, backend="ort-cpu", threads=1) as g:
+        yield g
+
+
+def answer(gen: Generator, *turns: str, system: str | None = None, **settings) -> str:
+    """What the chat shows after `turns` (earlier answers as the chat shows them): the settled text."""
+    messages = [{"role": "system", "content": system}] if system else []
+    for turn in turns:
+        messages.append({"role": "user", "content": turn})
+        shown = "".join(gen.stream(messages=messages, **settings))
+        messages.append({"role": "assistant", "content": shown})
+    return shown
+
+
+def chat(tiny_dir: Path, lines: str, *args: str):
+    return CliRunner().invoke(cli, ["chat", str(tiny_dir), "--backend", "ort-cpu", *args], input=lines)
+
+
+def test_piped_turns_print_only_the_answers(tiny_dir, gen):
+    out = chat(tiny_dir, f"{SORT}\n\n{REVERSE}\n")
+    assert out.exit_code == 0, out.output
+    assert out.stdout == f"{answer(gen, SORT)}\n{answer(gen, SORT, REVERSE)}\n"  # the whole conversation each time
+    stats = out.stderr.splitlines()
+    assert len(stats) == 2 and all("tokens/s" in s and "tokens/forward, refusion]" in s for s in stats)
+
+
+def test_settings_and_stats_commands(tiny_dir, gen):
+    out = chat(tiny_dir, "\n".join(["/settings slot_size=2 mode=ar", SORT, "/settings k=abc", "/settings depth=3",
+                                    "/settings k=5 mode=refusion", "/stats", SORT, "/settings blocks=2 k=8",
+                                    "/bogus", "/quit", REVERSE]) + "\n")
+    assert out.exit_code == 0, out.output
+    ar = dict(slot_size=2, mode="ar")
+    assert out.stdout == f"{answer(gen, SORT, **ar)}\n{answer(gen, SORT, SORT, **ar)}\n"  # nothing after /quit
+    err = out.stderr.splitlines()
+    settings = [e for e in err if e.startswith("gen_length=")]
+    assert settings[0] == ("gen_length=64 slot_size=2 serial_num_blocks=4 slot_threshold=0.5 token_threshold=0.1 "
+                           "temperature=0.0 seed=None mode=ar")
+    assert settings[1] == settings[2] == settings[3] == settings[0]  # refused changes change nothing
+    assert "slot_size=8 serial_num_blocks=2" in settings[4] and "mode=ar" in settings[4]
+    assert "error: /settings k=abc: 'abc' is not an integer (e.g. slot_size=4)." in err
+    assert any(e.startswith("error: /settings 'depth=3' is not key=value with a key among k, blocks,") for e in err)
+    assert any(e.startswith("error: gen_length 65 (padded to slot_size 5) cannot be cut") for e in err)
+    assert "error: '/bogus' is not a command; /help lists them." in err
+    assert sum("tokens/s" in e for e in err) == 1 and "(stats off)" in err  # /stats switched it off
+
+
+def test_no_stats_reset_and_system(tiny_dir, gen):
+    out = chat(tiny_dir, f"{SORT}\n/reset\n{SORT}\n", "--no-stats", "--system", "be brief")
+    assert out.exit_code == 0, out.output
+    first = answer(gen, SORT, system="be brief")
+    assert out.stdout == f"{first}\n{first}\n"  # after /reset the conversation starts again from the system message
+    assert "tokens/s" not in out.stderr and "(new conversation)" in out.stderr
+
+
+def test_a_failed_turn_is_reported_and_the_exit_code_says_so(tiny_dir):
+    out = chat(tiny_dir, f"{SORT}\n{SORT}\n", "--gen-length", "250", "--mode", "ar")
+    assert out.exit_code == 1
+    errors = [e for e in out.stderr.splitlines() if e.startswith("error: ")]
+    assert len(errors) == 2 and "exceeds the model's 256 positions" in errors[0]
+    bad = chat(tiny_dir, f"{SORT}\n", "--slot-threshold", "2")
+    assert bad.exit_code == 1 and "error: slot_threshold=2.0 is outside [0, 1]" in bad.stderr and not bad.stdout
+
+
+def test_ctrl_c_cancels_the_answer_and_keeps_the_session(gen, monkeypatch):
+    expected = answer(gen, REVERSE)
+    session = ChatSession(gen, {})
+    requests = []
+    submit = gen.submit
+    monkeypatch.setattr(gen, "submit", lambda *args, **kw: requests.append(submit(*args, **kw)) or requests[-1])
+
+    class Terminal(io.StringIO):
+        interrupt = True
+
+        def write(self, text: str) -> int:
+            if self.interrupt and text.strip():  # Ctrl-C lands while the first piece is shown
+                self.interrupt = False
+                raise KeyboardInterrupt
+            return super().write(text)
+
+    screen, log = Terminal(), io.StringIO()
+    monkeypatch.setattr(sys, "stdout", screen)
+    monkeypatch.setattr(sys, "stderr", log)
+    session.run([SORT, REVERSE])
+    assert requests[0].cancelled and not requests[1].cancelled
+    assert "(answer cancelled; the question is not kept)" in log.getvalue()
+    assert [m["content"] for m in session.history] == [REVERSE, expected]
+    assert screen.getvalue() == f"\n{expected}\n"
+
+
+def test_chat_needs_a_tokenizer():
+    bare = SimpleNamespace(tokenizer=None, manifest=SimpleNamespace(path=Path("out/ids-only")))
+    with pytest.raises(RefusionError, match=r"^out/ids-only carries no tokenizer files, and chat needs"):
+        ChatSession(bare, {})  # type: ignore[arg-type]
+
+
+class Pty:
+    """`refusion-run chat` on a pseudo-terminal, as a user types into it."""
+
+    def __init__(self, *args: str):
+        self.pid, self.fd = pty.fork()
+        if self.pid == 0:  # the child: its controlling terminal is the pty, so Ctrl-C is a SIGINT
+            os.environ["TERM"] = "dumb"
+            os.execv(sys.executable, [sys.executable, "-m", "refusion.tools.run_cli", "chat", *args])
+        self.screen = self.transcript = ""
+
+    def expect(self, text: str, timeout: float = 60) -> str:
+        """Read until `text` shows; returns what came before it."""
+        deadline = time.monotonic() + timeout
+        while text not in self.screen:
+            assert time.monotonic() < deadline, f"no {text!r} after {self.screen!r}; all: {self.transcript!r}"
+            if select.select([self.fd], [], [], 0.2)[0]:
+                chunk = os.read(self.fd, 4096).decode(errors="replace").replace("\r\n", "\n")
+                self.screen += chunk
+                self.transcript += chunk
+        before, _, self.screen = self.screen.partition(text)
+        return before
+
+    def type(self, text: str) -> None:
+        os.write(self.fd, text.encode())
+
+    def exit_code(self, timeout: float = 30) -> int:
+        """The child's exit code once it ends; killed (and -9) if it has not after `timeout` s."""
+        deadline = time.monotonic() + timeout
+        while not (ended := os.waitpid(self.pid, os.WNOHANG))[0] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if not ended[0]:
+            os.kill(self.pid, signal.SIGKILL)
+            ended = os.waitpid(self.pid, 0)
+        os.close(self.fd)
+        return os.waitstatus_to_exitcode(ended[1])
+
+
+def test_a_typed_session(tiny_dir, gen):
+    term = Pty(str(tiny_dir), "--backend", "ort-cpu")
+    try:
+        term.expect("/help lists the commands, Ctrl-C cancels an answer, Ctrl-D or /quit leaves.")
+        term.expect("> ")
+        term.type(f"{SORT}\r")
+        term.expect(f"{answer(gen, SORT)}\n")
+        term.expect("tokens/forward, refusion]")
+        term.expect("> ")
+        term.type("/settings mode=ar\r")
+        assert "mode=ar" in term.expect("> ")
+        time.sleep(0.5)  # as a person would: readline misses a SIGINT sent in the instant it prints the prompt
+        term.type("half a line, then Ctrl-C\x03")  # at the prompt: a fresh line, the session goes on
+        term.expect("> ")
+        term.type("/help\r")
+        assert "/settings k=v ..." in term.expect("> ")
+        term.type("/stats\r")
+        term.expect("(stats off)")
+        term.expect("> ")
+        term.type(f"{SORT}\r")
+        shown = term.expect("> ")
+        assert shown.endswith(f"{SORT}\n{answer(gen, SORT, SORT, mode='ar')}\n") and "tokens/s" not in shown
+        term.type("\x04")  # Ctrl-D leaves
+    finally:
+        code = term.exit_code()
+    assert code == 0

@@ -1,0 +1,189 @@
+"""`refusion-run chat`: a multi-turn conversation with an export or engines.
+
+    refusion-run chat out/refusion-onnx [--slot-size 4 --mode ar ...] [--system TEXT] [--no-stats]
+
+Each answer is decoded over the chat template of the whole conversation and printed as its text
+settles; a stats line (tokens/s, tokens/forward) follows on stderr. On a terminal it reads what
+you type (Ctrl-C cancels an answer and keeps the conversation; Ctrl-D or /quit leaves); with
+piped stdin every line is one user turn and only the answers are printed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import click
+
+from refusion.runtime.core.errors import RefusionError
+from refusion.runtime.generator import Generator
+from refusion.runtime.params import DecodeParams
+from refusion.tools.cli_common import decode_options, decode_settings, load_options
+
+# /settings keys: short names, and every DecodeParams field by its own name
+ALIASES = {"k": "slot_size", "blocks": "serial_num_blocks", "serial_blocks": "serial_num_blocks"}
+_TYPES = {"gen_length": int, "slot_size": int, "serial_num_blocks": int, "slot_threshold": float,
+          "token_threshold": float, "temperature": float, "seed": int, "mode": str}
+HELP = """commands:
+  /settings             show the decode settings
+  /settings k=v ...     change them: k (slot_size), blocks (serial_num_blocks), gen_length, slot_threshold,
+                        token_threshold, temperature, seed, mode (refusion | ar); e.g. /settings slot_size=4 mode=ar
+  /stats                switch the stats line after each answer on or off
+  /reset                start a new conversation
+  /quit                 leave (Ctrl-D too); Ctrl-C cancels the answer being written"""
+
+
+class ChatSession:
+    """The conversation and its settings; `turn` answers one user message, `command` runs a /command."""
+
+    def __init__(self, gen: Generator, settings: dict[str, Any], system: str | None = None,
+                 enable_thinking: bool = True, stats: bool = True):
+        if gen.tokenizer is None:
+            raise RefusionError(f"{gen.manifest.path} carries no tokenizer files, and chat needs the tokenizer and "
+                                "its chat template; export from a checkpoint that has tokenizer.json.")
+        self.gen = gen
+        self.settings = settings
+        self.system = system
+        self.enable_thinking = enable_thinking
+        self.stats = stats
+        self.history: list[dict[str, str]] = []
+        self.failed = False  # a turn ended in an error
+        self.params()  # refuse bad settings before the first turn
+        self.reset()
+
+    def params(self) -> DecodeParams:
+        return self.gen.params(**self.settings)
+
+    def reset(self) -> None:
+        self.history = [{"role": "system", "content": self.system}] if self.system else []
+
+    def turn(self, text: str) -> None:
+        """Answer `text`, streaming it to stdout; Ctrl-C cancels the answer and forgets the question."""
+        self.history.append({"role": "user", "content": text})
+        request = None
+        shown = []  # the settled text, which the conversation keeps (result.text may run past a gap)
+        try:
+            request = self.gen.submit(messages=self.history, chat=True, enable_thinking=self.enable_thinking,
+                                      **self.settings)
+            for piece in request:
+                shown.append(piece)
+                click.echo(piece, nl=False)
+                sys.stdout.flush()
+            result = request.result()
+        except KeyboardInterrupt:
+            if request is not None:
+                request.cancel()
+            self.history.pop()
+            click.echo()
+            click.echo("(answer cancelled; the question is not kept)", err=True)
+            return
+        except RefusionError as e:
+            self.history.pop()
+            self.failed = True
+            hint = " /reset starts a new conversation." if len(self.history) > 1 else ""
+            click.echo(f"error: {e}{hint}", err=True)
+            return
+        click.echo()
+        self.history.append({"role": "assistant", "content": "".join(shown)})
+        if self.stats:
+            s = result.stats
+            click.echo(f"[{s.tokens} tokens, {s.tokens_per_second:.1f} tokens/s, {s.tokens_per_forward:.2f} "
+                       f"tokens/forward, {s.mode}]", err=True)
+
+    def command(self, text: str) -> bool:
+        """Run a /command; False when it ends the session."""
+        name, *args = text.split()
+        if name == "/quit":
+            return False
+        if name == "/reset" and not args:
+            self.reset()
+            click.echo("(new conversation)", err=True)
+        elif name == "/stats" and not args:
+            self.stats = not self.stats
+            click.echo(f"(stats {'on' if self.stats else 'off'})", err=True)
+        elif name == "/settings":
+            try:
+                self.change(args)
+            except RefusionError as e:
+                click.echo(f"error: {e}", err=True)
+            click.echo(" ".join(f"{k}={v}" for k, v in asdict(self.params()).items()), err=True)
+        elif name == "/help":
+            click.echo(HELP, err=True)
+        else:
+            click.echo(f"error: {text!r} is not a command; /help lists them.", err=True)
+        return True
+
+    def change(self, assignments: list[str]) -> None:
+        """Apply `key=value` settings, all or none (each checked as the decode will check it)."""
+        changed = dict(self.settings)
+        for item in assignments:
+            key, sep, value = item.partition("=")
+            name = ALIASES.get(key, key)
+            if not sep or name not in _TYPES:
+                raise RefusionError(f"/settings {item!r} is not key=value with a key among k, blocks, "
+                                    f"{', '.join(_TYPES)}; e.g. /settings slot_size=4 mode=ar.")
+            try:
+                changed[name] = None if name == "seed" and value.lower() == "none" else _TYPES[name](value)
+            except ValueError as e:
+                kind, example = ("an integer", "4") if _TYPES[name] is int else ("a number", "0.5")
+                raise RefusionError(f"/settings {item}: {value!r} is not {kind} (e.g. {name}={example}).") from e
+        self.gen.params(**changed)
+        self.settings = changed
+
+    def run(self, lines: Iterable[str]) -> None:
+        """One turn or /command per line, until the lines end or /quit."""
+        for raw in lines:
+            text = raw.strip()
+            if not text:
+                continue
+            if text.startswith("/"):
+                if not self.command(text):
+                    return
+            else:
+                self.turn(text)
+
+
+def _typed(prompt: str) -> Iterator[str]:
+    """What the user types, line by line, until Ctrl-D; Ctrl-C at the prompt starts a fresh line."""
+    with contextlib.suppress(ImportError):
+        import readline  # noqa: F401  (line editing and history for input())
+    while True:
+        try:
+            yield input(prompt)
+        except KeyboardInterrupt:
+            click.echo()
+        except EOFError:
+            click.echo()
+            return
+
+
+@click.command("chat")
+@click.argument("model_dir", type=click.Path(path_type=Path))
+@click.option("--system", default=None, help="A system message that opens the conversation.")
+@click.option("--no-thinking", is_flag=True, help="Render the chat template with enable_thinking=False.")
+@click.option("--no-stats", is_flag=True, help="No stats line after each answer (/stats switches it).")
+@decode_options
+@load_options
+@click.pass_context
+def chat(ctx: click.Context, model_dir: Path, system: str | None, no_thinking: bool, no_stats: bool, mode: str,
+         gen_length: int | None, slot_size: int | None, serial_blocks: int | None, slot_threshold: float | None,
+         token_threshold: float | None, temperature: float, seed: int | None, backend: str, threads: int | None,
+         low_memory: bool, verify: bool) -> None:
+    """Chat with the export or engines in MODEL_DIR. On a terminal, type a message and Enter; /help lists the
+    commands (/settings, /stats, /reset, /quit). With piped stdin each line is one user turn and only the
+    answers are printed; the exit code is 1 if a turn failed. Decode settings left out take the values the
+    export recorded for its model."""
+    settings = decode_settings(mode, gen_length, slot_size, serial_blocks, slot_threshold, token_threshold,
+                               temperature, seed)
+    with Generator.from_dir(model_dir, backend=backend, threads=threads, verify=verify, low_memory=low_memory) as gen:
+        session = ChatSession(gen, settings, system, enable_thinking=not no_thinking, stats=not no_stats)
+        if not sys.stdin.isatty():
+            session.run(sys.stdin)
+            ctx.exit(1 if session.failed else 0)
+        click.echo(f"chat with {gen.manifest.path} on {gen.runner.name}; /help lists the commands, Ctrl-C cancels "
+                   "an answer, Ctrl-D or /quit leaves.", err=True)
+        session.run(_typed("> "))
