@@ -7,25 +7,26 @@ interrupted export never leaves a directory that loads (export/publish.py says h
 
 from __future__ import annotations
 
+import math
 import shutil
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import onnx
 
 from refusion.export.checkpoint import Checkpoint
-from refusion.export.onnx_graph import OPSET, build_graph
+from refusion.export.onnx_graph import build_graph, graph_opset
+from refusion.export.progress import Progress, line, silent, tick
 from refusion.export.publish import clean_leftovers, cleanup_on_signals, make_staging, publish
+from refusion.export.quantize import QuantizeOptions, QuantPlan, float_tensors, plan_quantization, write_weight
 from refusion.export.weights_file import WeightsWriter
 from refusion.runtime.core.contract import GRAPH_NAMES, graph_specs
-from refusion.runtime.core.dtypes import from_flag
-from refusion.runtime.core.dims import expected_weights, is_linear_weight
+from refusion.runtime.core.dtypes import dtype as dtype_row, from_flag
+from refusion.runtime.core.dims import expected_weights
 from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.core.export_manifest import MANIFEST_NAME, PENDING_NAME, ExportManifest, WeightEntry, with_files
+from refusion.runtime.core.quantization import weight_index
 from refusion.runtime.tokenizer import TOKENIZER_FILES
-
-Progress = Callable[[str], None]
 
 
 def export_onnx(
@@ -37,8 +38,12 @@ def export_onnx(
     mask_token_id: int | None = None,
     force: bool = False,
     validate: bool = True,
-    progress: Progress = lambda msg: None,
+    quantize: QuantizeOptions | None = None,
+    progress: Progress = silent,
 ) -> Path:
+    """Export `checkpoint` (a local Hugging Face directory) to `output`. `progress` receives
+    ProgressEvents (export/progress.py): the weights by bytes, the graphs, validation by forwards.
+    `quantize` makes the decoder layers' linear weights int4 (export/quantize.py)."""
     output = Path(output)
     export_dtype = from_flag(dtype).name
     if output.exists() and not force:
@@ -51,29 +56,31 @@ def export_onnx(
     ckpt = Checkpoint.open(checkpoint, mask_token_id)
     eos_id = ckpt.eos_token_id()
     d = ckpt.dims
-    progress(f"checkpoint {ckpt.path}: {d.num_layers} layers, hidden {d.hidden_size}, heads {d.num_heads}/{d.kv_heads} "
-             f"kv, head_dim {d.head_dim}, vocab {d.vocab_size}, {ckpt.source_dtype} weights, {len(ckpt.files)} tensors")
+    line(progress, f"checkpoint {ckpt.path}: {d.num_layers} layers, hidden {d.hidden_size}, heads "
+                   f"{d.num_heads}/{d.kv_heads} kv, head_dim {d.head_dim}, vocab {d.vocab_size}, {ckpt.source_dtype} "
+                   f"weights, {len(ckpt.files)} tensors")
+    quant_plan = plan_quantization(quantize, ckpt, export_dtype, progress) if quantize else None
     with cleanup_on_signals():
         try:
             output.parent.mkdir(parents=True, exist_ok=True)
-            clean_leftovers(output, progress)
+            clean_leftovers(output, lambda text: line(progress, text))
             staging = make_staging(output)
         except OSError as e:
             why = "a file is in the way" if isinstance(e, (FileExistsError, NotADirectoryError)) else e.strerror
             raise RefusionError(f"cannot write to {output.parent} ({why}); choose a writable --output.") from e
         try:
-            _write_export(ckpt, staging, export_dtype, logits, eos_id, progress)
+            _write_export(ckpt, staging, export_dtype, logits, eos_id, quant_plan, progress)
             if validate:
                 from refusion.export.validate import validate_export
 
-                progress("validating graphs against the torch definition on onnxruntime CPU")
-                report = validate_export(staging, pending=True)
-                progress(report.text())
+                line(progress, "validating graphs against the torch definition on onnxruntime CPU")
+                report = validate_export(staging, pending=True, progress=progress)
+                line(progress, report.text())
                 if not report.ok:
                     raise RefusionError(f"export validation failed (report above); nothing was written to {output}.")
             (staging / PENDING_NAME).rename(staging / MANIFEST_NAME)  # complete: the very last write
             publish(staging, output)
-            progress(f"{MANIFEST_NAME} written: the export is complete")
+            line(progress, f"{MANIFEST_NAME} written: the export is complete")
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
@@ -86,25 +93,35 @@ def _replaceable(output: Path) -> bool:
         (output / MANIFEST_NAME).is_file() or not any(output.iterdir()))
 
 
-def _write_export(ckpt: Checkpoint, out: Path, dtype: str, logits: bool, eos_id: int, progress: Progress) -> None:
+def _write_export(ckpt: Checkpoint, out: Path, dtype: str, logits: bool, eos_id: int,
+                  quant_plan: QuantPlan | None, progress: Progress) -> None:
     dims = ckpt.dims
     t0 = time.perf_counter()
     writer = WeightsWriter(out / ExportManifest.weights_file, dtype)
+    quantization = quant_plan.quantization if quant_plan else None
+    layout = weight_index(dims, dtype, quantization)
     names = list(expected_weights(dims))
+    total = sum(dtype_row(d).nbytes(math.prod(shape)) for d, shape in layout.values())
     index = {}
-    for n, (name, tensor) in enumerate(ckpt.tensors(names), 1):
-        init = writer.add(name, tensor.T if is_linear_weight(name) else tensor)
-        ext = {e.key: e.value for e in init.external_data}
-        index[name] = WeightEntry(dtype, tuple(init.dims), int(ext["offset"]), int(ext["length"]))
+    done = 0
+    for n, (name, tensor) in enumerate(float_tensors(ckpt, quant_plan, progress), 1):
+        for init in write_weight(writer, name, tensor, quantization):
+            ext = {e.key: e.value for e in init.external_data}
+            index[init.name] = WeightEntry(layout[init.name][0], tuple(init.dims), int(ext["offset"]),
+                                           int(ext["length"]))
+            done += int(ext["length"])
         if n % max(1, len(names) // 10) == 0 or n == len(names):
-            progress(f"weights {n}/{len(names)} written ({writer.bytes_written / 2**20:.0f} MiB)")
+            line(progress, f"weights {n}/{len(names)} written ({writer.bytes_written / 2**20:.0f} MiB)",
+                 "weights", done, total, "B")
+        else:
+            tick(progress, "weights", done, total, "B")
     writer.close()
 
     specs = graph_specs(dims.num_layers, dims.kv_heads, dims.head_dim, dims.vocab_size, dtype, logits)
     for name in GRAPH_NAMES:
         model = build_graph(specs[name], dims, dtype, writer.initializers)
         onnx.save_model(model, out / ExportManifest.graph_files[name])
-        progress(f"{ExportManifest.graph_files[name]} written ({len(model.graph.node)} nodes)")
+        line(progress, f"{ExportManifest.graph_files[name]} written ({len(model.graph.node)} nodes)")
 
     tokenizer_files = tuple(f for f in TOKENIZER_FILES if (ckpt.path / f).is_file())
     for f in tokenizer_files:
@@ -113,11 +130,11 @@ def _write_export(ckpt: Checkpoint, out: Path, dtype: str, logits: bool, eos_id:
     defaults = ckpt.decode_defaults().clamped(dims.max_position_embeddings)
     manifest = ExportManifest(
         path=out, dims=dims, dtype=dtype, mask_token_id=ckpt.mask_token_id, eos_token_id=eos_id,
-        defaults=defaults, graphs=specs, opset=OPSET, has_logits=logits, weights=index,
-        tokenizer_files=tokenizer_files, files={},
+        defaults=defaults, graphs=specs, opset=graph_opset(writer.initializers), has_logits=logits, weights=index,
+        tokenizer_files=tokenizer_files, files={}, quantization=quantization,
         source={"checkpoint": str(ckpt.path.resolve()), "dtype": ckpt.source_dtype,
                 "export_seconds": round(time.perf_counter() - t0, 2)},
     )
     with_files(manifest).write(pending=True)
-    progress(f"tokenizer ({', '.join(tokenizer_files) or 'none'}) and {PENDING_NAME} written; "
-             f"default decode settings {defaults.to_json()}")
+    line(progress, f"tokenizer ({', '.join(tokenizer_files) or 'none'}) and {PENDING_NAME} written; "
+                   f"default decode settings {defaults.to_json()}")

@@ -14,7 +14,9 @@ import torch
 from torch import nn
 
 from refusion.export.checkpoint import Checkpoint
+from refusion.export.quantize import dequantize
 from refusion.runtime.core.dims import ModelDims, is_linear_weight
+from refusion.runtime.core.quantization import SCALE_SUFFIX, scale_name
 
 
 class RMSNorm(nn.Module):
@@ -113,12 +115,20 @@ class Qwen3(nn.Module):
 
     @staticmethod
     def from_export(dims: ModelDims, weights: dict[str, np.ndarray], dtype: str) -> Qwen3:
-        """Built on an export's memory-mapped weight file: the same bytes the graphs run on."""
+        """Built on an export's memory-mapped weight file: the same bytes the graphs run on. An int4
+        weight (packed bytes beside its `_scale`) is dequantized as the graphs' DequantizeLinear does,
+        so torch runs the same math on the same values."""
         def tensor(name: str, array: np.ndarray) -> torch.Tensor:
-            t = torch.from_numpy(array)
-            t = t.view(torch.bfloat16) if dtype == "bfloat16" else t
+            if scale_name(name) in weights:
+                scale = weights[scale_name(name)]  # [K / block, N]
+                k, n = array.size * 2 // scale.shape[1], scale.shape[1]
+                t = torch.from_numpy(dequantize(array, scale, (k, n))).to(getattr(torch, dtype))
+            else:
+                t = torch.from_numpy(array)
+                t = t.view(torch.bfloat16) if dtype == "bfloat16" else t
             return t.T if is_linear_weight(name) else t  # stored [in, out]
-        return Qwen3.from_tensors(dims, ((n, tensor(n, a)) for n, a in weights.items()))
+        return Qwen3.from_tensors(dims, ((n, tensor(n, a)) for n, a in weights.items()
+                                         if not n.endswith(SCALE_SUFFIX)))
 
     @staticmethod
     def from_tensors(dims: ModelDims, tensors: Iterable[tuple[str, torch.Tensor]]) -> Qwen3:

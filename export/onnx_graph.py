@@ -5,6 +5,12 @@ traced: the structure is exactly what we declare, only standard ONNX ops appear,
 graphs keep RMSNorm variance and softmax in fp32, and no torch tracing memory is needed.
 Layout and math mirror `refusion.export.model`, the torch definition the export is
 validated against.
+
+Every projection goes through one hook, `_Builder.linear`, which dispatches on how the weight
+is stored: a float weight is a plain MatMul; an int4 weight (export/quantize.py) is read as
+DequantizeLinear(W, W_scale, axis 0, block_size) -> MatMul, the pattern onnxruntime fuses into
+MatMulNBits and TensorRT into its int4 weight-only GEMM. Such graphs are opset 21 (INT4 and
+blocked DequantizeLinear), IR version 10; float graphs stay opset 17.
 """
 
 from __future__ import annotations
@@ -16,16 +22,25 @@ from onnx import TensorProto, helper, numpy_helper
 from refusion.runtime.core.contract import GraphSpec
 from refusion.runtime.core.dims import ModelDims
 from refusion.runtime.core.dtypes import dtype as core_dtype
+from refusion.runtime.core.quantization import INT4_OPSET, scale_name
 
-OPSET = 17
+OPSET = 17  # float graphs; int4 ones INT4_OPSET
+IR_VERSION = {OPSET: 8, INT4_OPSET: 10}  # 8: readable by TensorRT 10's parser and onnxruntime >= 1.14; INT4 needs 10
+
+
+def graph_opset(initializers: dict[str, TensorProto]) -> int:
+    """The opset a graph over these weights needs: 21 when any is int4."""
+    return INT4_OPSET if any(i.data_type == TensorProto.INT4 for i in initializers.values()) else OPSET
 
 
 class _Builder:
     """Appends nodes with fresh output names; keeps the graph code short and readable."""
 
-    def __init__(self) -> None:
+    def __init__(self, initializers: dict[str, TensorProto]) -> None:
         self.nodes: list[onnx.NodeProto] = []
         self.constants: list[TensorProto] = []
+        self.initializers = initializers
+        self.opset = graph_opset(initializers)
         self._count = 0
 
     def op(self, op_type: str, *inputs: str, out: str | None = None, **attrs: object) -> str:
@@ -43,12 +58,27 @@ class _Builder:
     def ints(self, *values: int) -> str:
         return self.const(np.array(values, dtype=np.int64))
 
+    def linear(self, x: str, weight: str) -> str:
+        """x @ weight [in, out]: the one hook every projection goes through, float or int4."""
+        stored = self.initializers.get(weight)
+        if stored is not None and stored.data_type == TensorProto.INT4:
+            scale = self.initializers[scale_name(weight)]
+            block = stored.dims[0] // scale.dims[0]
+            weight = self.op("DequantizeLinear", weight, scale.name, axis=0, block_size=block)
+        return self.op("MatMul", x, weight)
+
+    def reduce(self, op_type: str, x: str, axis: int) -> str:
+        """ReduceMean / ReduceMax over one axis, keepdims: axes an attribute up to opset 17, an input from 18."""
+        if self.opset < 18:
+            return self.op(op_type, x, axes=[axis], keepdims=1)
+        return self.op(op_type, x, self.ints(axis), keepdims=1)
+
 
 def build_graph(
     spec: GraphSpec, dims: ModelDims, dtype: str, initializers: dict[str, TensorProto]
 ) -> onnx.ModelProto:
     """One graph of the contract: embed, decoder layers with explicit KV, fused heads."""
-    g = _Builder()
+    g = _Builder(initializers)
     onnx_dtype = core_dtype(dtype).onnx
     wants = {t.name for t in spec.outputs}
     n_rep = dims.num_heads // dims.kv_heads
@@ -68,9 +98,9 @@ def build_graph(
         # The infiller's new keys and values are its present outputs, named where they are made.
         infill = f"present.{i}.key" in wants
         present_k, present_v = (f"present.{i}.key", f"present.{i}.value") if infill else (None, None)
-        q = g.op("Reshape", g.op("MatMul", h, p + "self_attn.q_proj.weight"), g.ints(0, 0, dims.num_heads, d))
-        k = g.op("Reshape", g.op("MatMul", h, p + "self_attn.k_proj.weight"), g.ints(0, 0, dims.kv_heads, d))
-        v = g.op("Reshape", g.op("MatMul", h, p + "self_attn.v_proj.weight"), g.ints(0, 0, dims.kv_heads, d),
+        q = g.op("Reshape", g.linear(h, p + "self_attn.q_proj.weight"), g.ints(0, 0, dims.num_heads, d))
+        k = g.op("Reshape", g.linear(h, p + "self_attn.k_proj.weight"), g.ints(0, 0, dims.kv_heads, d))
+        v = g.op("Reshape", g.linear(h, p + "self_attn.v_proj.weight"), g.ints(0, 0, dims.kv_heads, d),
                  out=present_v)
         q = _rope(g, _rms_norm(g, q, p + "self_attn.q_norm.weight", dims.rms_norm_eps, onnx_dtype), cos, sin, d)
         k = _rope(g, _rms_norm(g, k, p + "self_attn.k_norm.weight", dims.rms_norm_eps, onnx_dtype), cos, sin, d,
@@ -85,17 +115,17 @@ def build_graph(
         probs = g.op("Softmax", g.op("Add", scores, bias), axis=-1)
         attn = g.op("MatMul", _cast(g, probs, onnx_dtype), v5)  # [b, kv, rep, s, d]
         attn = g.op("Reshape", g.op("Transpose", attn, perm=[0, 3, 1, 2, 4]), g.ints(0, 0, dims.q_size))
-        x = g.op("Add", x, g.op("MatMul", attn, p + "self_attn.o_proj.weight"))
+        x = g.op("Add", x, g.linear(attn, p + "self_attn.o_proj.weight"))
         h = _rms_norm(g, x, p + "post_attention_layernorm.weight", dims.rms_norm_eps, onnx_dtype)
-        gate = g.op("MatMul", h, p + "mlp.gate_proj.weight")
-        up = g.op("MatMul", h, p + "mlp.up_proj.weight")
+        gate = g.linear(h, p + "mlp.gate_proj.weight")
+        up = g.linear(h, p + "mlp.up_proj.weight")
         act = g.op("Mul", g.op("Mul", gate, g.op("Sigmoid", gate)), up)  # SiLU as Mul+Sigmoid: portable
-        x = g.op("Add", x, g.op("MatMul", act, p + "mlp.down_proj.weight"))
+        x = g.op("Add", x, g.linear(act, p + "mlp.down_proj.weight"))
 
     h = _rms_norm(g, x, "model.norm.weight", dims.rms_norm_eps, onnx_dtype)
     # Linear weights are stored [in, out]; a tied head reads the embedding through a Transpose.
     head = g.op("Transpose", "model.embed_tokens.weight", perm=[1, 0]) if dims.tie_word_embeddings else "lm_head.weight"
-    logits = _to_f32(g, g.op("MatMul", h, head), onnx_dtype)  # [b, s, vocab] fp32
+    logits = _to_f32(g, g.linear(h, head), onnx_dtype)  # [b, s, vocab] fp32
     if "logits" in wants:
         logits = g.op("Identity", logits, out="logits")
     _heads(g, logits, "input_probs" in wants)
@@ -107,15 +137,15 @@ def build_graph(
         [helper.make_tensor_value_info(t.name, core_dtype(t.dtype).onnx, list(t.axes)) for t in spec.outputs],
         initializer=[initializers[n] for n in _used_initializers(g, initializers)] + g.constants,
     )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)], producer_name="refusion-trt")
-    model.ir_version = 8  # readable by TensorRT 10's parser and onnxruntime >= 1.14
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", g.opset)], producer_name="refusion-trt")
+    model.ir_version = IR_VERSION[g.opset]
     return model
 
 
 def _heads(g: _Builder, logits: str, verify: bool) -> None:
     """argmax id and its probability; with `verify`, the probability of each given token."""
     g.op("ArgMax", logits, axis=-1, keepdims=0, out="argmax_ids")
-    top = g.op("ReduceMax", logits, axes=[-1], keepdims=1)  # [b, s, 1]
+    top = g.reduce("ReduceMax", logits, -1)  # [b, s, 1]
     denom = g.op("ReduceSum", g.op("Exp", g.op("Sub", logits, top)), g.ints(-1), keepdims=1)
     g.op("Squeeze", g.op("Reciprocal", denom), g.ints(-1), out="argmax_probs")
     if not verify:
@@ -156,7 +186,7 @@ def _rms_norm(g: _Builder, x: str, weight: str, eps: float, dtype: int) -> str:
     Written as Pow -> ReduceMean -> Add -> Sqrt -> Div, the pattern onnxruntime fuses into one
     SimplifiedLayerNormalization kernel (seven nodes per norm otherwise; ~1/3 of all nodes)."""
     xf = _to_f32(g, x, dtype)
-    var = g.op("ReduceMean", g.op("Pow", xf, g.const(np.array(2.0, np.float32))), axes=[-1], keepdims=1)
+    var = g.reduce("ReduceMean", g.op("Pow", xf, g.const(np.array(2.0, np.float32))), -1)
     std = g.op("Sqrt", g.op("Add", var, g.const(np.array(eps, np.float32))))
     return g.op("Mul", weight, _cast(g, g.op("Div", xf, std), dtype))
 

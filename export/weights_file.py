@@ -1,9 +1,9 @@
 """One weight file shared by both graphs, written one tensor at a time.
 
-Each tensor is converted to the export dtype, appended to `weights.bin` at a page-aligned
-offset (so backends can memory-map it), and described by an ONNX initializer that points
-at it as external data. Both graphs reference the same initializers, so the weights exist
-once on disk and the 2 GB protobuf limit never applies.
+Each tensor is converted to the export dtype (or arrives packed, as int4 weights do),
+appended to `weights.bin` at a page-aligned offset (so backends can memory-map it), and
+described by an ONNX initializer that points at it as external data. Both graphs reference
+the same initializers, so the weights exist once on disk and the 2 GB protobuf limit never applies.
 """
 
 from __future__ import annotations
@@ -29,22 +29,40 @@ class WeightsWriter:
         self._file = open(path, "wb")
         self._offset = 0
 
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        import torch
+
+        return getattr(torch, dtype(self.dtype).torch)
+
     def add(self, name: str, tensor: torch.Tensor) -> TensorProto:
         """Append `tensor` (converted to the export dtype) and return its initializer."""
         import torch
 
-        target = getattr(torch, dtype(self.dtype).torch)
-        t = tensor.to(target, memory_format=torch.contiguous_format).contiguous()  # one copy even when transposed
+        # one copy even when transposed
+        t = tensor.to(self.torch_dtype, memory_format=torch.contiguous_format).contiguous()
         # numpy has no bfloat16: write its raw bytes through a same-width integer view.
         raw = (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
+        return self._append(name, raw, self.dtype, tuple(t.shape))
+
+    def add_packed(self, name: str, data: np.ndarray, dtype_name: str, shape: tuple[int, ...]) -> TensorProto:
+        """Append bytes already in `dtype_name`'s storage (int4: two values a byte) for a tensor of `shape`."""
+        row = dtype(dtype_name)
+        count = 1
+        for d in shape:
+            count *= d
+        assert data.dtype == row.numpy and data.nbytes == row.nbytes(count), (name, data.dtype, data.nbytes, shape)
+        return self._append(name, data, dtype_name, shape)
+
+    def _append(self, name: str, raw: np.ndarray, dtype_name: str, shape: tuple[int, ...]) -> TensorProto:
         pad = -self._offset % ALIGNMENT
         self._file.write(b"\0" * pad)
         self._offset += pad
         self._file.write(np.ascontiguousarray(raw).data)
         init = TensorProto()
         init.name = name
-        init.data_type = dtype(self.dtype).onnx
-        init.dims.extend(t.shape)
+        init.data_type = dtype(dtype_name).onnx
+        init.dims.extend(shape)
         init.data_location = TensorProto.EXTERNAL
         for key, value in (("location", self.path.name), ("offset", str(self._offset)), ("length", str(raw.nbytes))):
             entry = init.external_data.add()

@@ -14,6 +14,7 @@ def map_weights(manifest: ExportManifest) -> dict[str, np.ndarray]:
     file = manifest.path / manifest.weights_file
     blob = np.memmap(file, dtype=np.uint8, mode="c")  # copy-on-write: writable views for torch, pages still shared
     views = {}
-    for name, e in manifest.weights.items():  # bf16 tensors come as their raw uint16 bits
-        views[name] = blob[e.offset : e.offset + e.nbytes].view(dtype(e.dtype).numpy).reshape(e.shape)
+    for name, e in manifest.weights.items():  # bf16 tensors come as their raw uint16 bits, int4 as packed bytes
+        row = dtype(e.dtype)
+        views[name] = blob[e.offset : e.offset + e.nbytes].view(row.numpy).reshape(row.storage_shape(e.shape))
     return views

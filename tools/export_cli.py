@@ -1,7 +1,8 @@
 """`refusion-export`: checkpoint -> ONNX export (`onnx`), re-validation (`check`), description (`inspect`).
 
-Progress goes to stderr, results to stdout. A RefusionError becomes one `error: ...` line
-on stderr and exit code 1; anything else is a bug and keeps its traceback.
+Progress goes to stderr (bars on a terminal, plain lines elsewhere, none with --quiet), results
+to stdout. A RefusionError becomes one `error: ...` line on stderr and exit code 1; anything
+else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -13,11 +14,12 @@ import click
 
 from refusion.runtime.core.errors import RefusionError
 from refusion.tools.build_command import build_command, check_engines
-from refusion.tools.cli_common import ErrorReportingGroup, progress
+from refusion.tools.cli_common import ErrorReportingGroup, progress, quiet_option, version_option
 from refusion.tools.demo import demo_command
 
 
 @click.group(cls=ErrorReportingGroup)
+@version_option
 def cli() -> None:
     """Export ReFusion checkpoints to ONNX graphs and check them."""
 
@@ -34,7 +36,9 @@ def _need_export_extra() -> None:
 
 
 @click.command("onnx")
-@click.argument("checkpoint", type=click.Path(path_type=Path))
+@click.argument("checkpoint")
+@click.option("--revision", default=None,
+              help="With a Hugging Face model id: the branch, tag or commit to export [default: main].")
 @click.option("--output", "-o", required=True, type=click.Path(path_type=Path), help="Export directory to create.")
 @click.option("--dtype", type=click.Choice(["fp32", "fp16", "bf16"]), default="fp32", show_default=True,
               help="Weight and KV dtype of the graphs.")
@@ -43,16 +47,37 @@ def _need_export_extra() -> None:
 @click.option("--mask-token-id", type=int, default=None, help="Mask token id, when config.json lacks mask_token_id.")
 @click.option("--validate/--no-validate", default=True, show_default=True,
               help="Check the graphs against the torch definition on onnxruntime CPU before publishing.")
-def onnx_command(checkpoint: Path, output: Path, dtype: str, force: bool, logits: bool,
-                 mask_token_id: int | None, validate: bool) -> None:
-    """Export CHECKPOINT (a Hugging Face Qwen3/ReFusion directory) to planner/infiller ONNX graphs."""
+@click.option("--quantize", default=None, metavar="int4-rtn|int4-awq",
+              help="int4 weights for the decoder layers' linears (docs/quantization.md).")
+@click.option("--block-size", type=int, default=None,
+              help="With --quantize: input rows per int4 scale, a power of two >= 16 dividing every linear's input "
+                   "[default: 128].")
+@click.option("--calibration", type=click.Path(path_type=Path), default=None,
+              help="With int4-awq: a text file, one prompt per line [default: the built-in set].")
+@click.option("--calibration-samples", type=int, default=None,
+              help="With int4-awq: use the first N calibration prompts [default: 64].")
+@quiet_option
+def onnx_command(checkpoint: str, revision: str | None, output: Path, dtype: str, force: bool, logits: bool,
+                 mask_token_id: int | None, validate: bool, quantize: str | None, block_size: int | None,
+                 calibration: Path | None, calibration_samples: int | None) -> None:
+    """Export CHECKPOINT to planner/infiller ONNX graphs. CHECKPOINT is a Qwen3/ReFusion directory in the
+    Hugging Face layout, or a model id ORG/NAME fetched from the hub into its cache (HF_HOME; offline with
+    HF_HUB_OFFLINE=1); a local directory of that name wins."""
     _need_export_extra()
     from refusion.export.exporter import export_onnx
+    from refusion.export.hub import resolve_checkpoint
+    from refusion.export.quantize import QuantizeOptions
 
     t0 = time.perf_counter()
-    progress(f"exporting {checkpoint} -> {output} ({dtype}{', with logits' if logits else ''})")
-    out = export_onnx(checkpoint, output, dtype=dtype, logits=logits, mask_token_id=mask_token_id,
-                      force=force, validate=validate, progress=progress)
+    if quantize is None and (block_size, calibration, calibration_samples) != (None, None, None):
+        raise RefusionError("--block-size, --calibration and --calibration-samples need --quantize int4-rtn|int4-awq.")
+    block = QuantizeOptions.block_size if block_size is None else block_size
+    options = QuantizeOptions(quantize, block, calibration, calibration_samples) if quantize else None
+    path = resolve_checkpoint(checkpoint, revision, progress)  # after the flags are checked: it may download
+    what = f"{dtype}{f', {quantize} block {options.block_size}' if options else ''}{', with logits' if logits else ''}"
+    progress(f"exporting {path} -> {output} ({what})")
+    out = export_onnx(path, output, dtype=dtype, logits=logits, mask_token_id=mask_token_id,
+                      force=force, validate=validate, quantize=options, progress=progress)
     size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
     progress(f"done in {time.perf_counter() - t0:.1f} s: {out} ({_size(size)})")
     click.echo(str(out))
@@ -60,6 +85,7 @@ def onnx_command(checkpoint: Path, output: Path, dtype: str, force: bool, logits
 
 @click.command("check")
 @click.argument("export_dir", type=click.Path(path_type=Path))
+@quiet_option
 def check_command(export_dir: Path) -> None:
     """Check an export (every file's size and sha256, the graphs against refusion.json, then
     onnxruntime CPU against torch) or engines (TensorRT against onnxruntime); exit 0 only when all pass."""
@@ -81,7 +107,7 @@ def check_command(export_dir: Path) -> None:
         raise RefusionError(f"{export_dir}: {len(problems)} problem(s), listed above; {REEXPORT}.")
     click.echo(f"files and graphs: match refusion.json ({len(manifest.files)} files, sha256 verified)")
     progress(f"validating {export_dir} on onnxruntime CPU against the torch definition")
-    report = validate_export(export_dir)
+    report = validate_export(export_dir, progress=progress)
     click.echo(report.text())
     if report.skipped:
         raise RefusionError(f"{export_dir} was not checked: {report.skipped}")
@@ -136,8 +162,8 @@ def _size(n: float) -> str:
     raise AssertionError
 
 
-# Commands, in help order.
-for _command in (demo_command, onnx_command, build_command, check_command, inspect_command):
+# Commands, in help order; the engine build takes --quiet too.
+for _command in (demo_command, onnx_command, quiet_option(build_command), check_command, inspect_command):
     cli.add_command(_command)
 
 

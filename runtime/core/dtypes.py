@@ -4,7 +4,8 @@ refusion.json and the graph contract name types as numpy does ("float16"); the C
 "fp16"; ONNX, TensorRT, torch and safetensors each have their own spelling. Everything
 converts through this table, so adding a type (int4 weights, say) is one row here.
 numpy has no bfloat16: its bytes live in a same-width unsigned integer (`storage`), and
-whoever hands them to torch or a device reinterprets them.
+whoever hands them to torch or a device reinterprets them. int4 (quantized linear weights)
+is packed two to a byte, so its sizes come from `nbytes` and `storage_shape`, not `itemsize`.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ class DType:
     torch: str  # torch attribute name
     safetensors: str | None  # dtype string in a safetensors header
     storage: str  # numpy dtype that holds the bytes on the host
+    per_item: int = 1  # elements per storage item: int4 packs two to a byte (ONNX order: first in the low nibble)
 
     @property
     def numpy(self) -> np.dtype:
@@ -32,7 +34,21 @@ class DType:
 
     @property
     def itemsize(self) -> int:
+        """Bytes of one storage item (for int4: of a byte holding two elements)."""
         return self.numpy.itemsize
+
+    def nbytes(self, count: int) -> int:
+        """Bytes that `count` elements take on disk (packed types round up to a whole item)."""
+        return -(-count // self.per_item) * self.itemsize
+
+    def storage_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The shape of the host array holding a tensor: the shape itself, or a flat run of packed items."""
+        if self.per_item == 1:
+            return shape
+        count = 1
+        for d in shape:
+            count *= d
+        return (-(-count // self.per_item),)
 
 
 _TABLE = (
@@ -42,6 +58,7 @@ _TABLE = (
     DType("int64", None, 7, "INT64", "int64", "I64", "int64"),
     DType("int32", None, 6, "INT32", "int32", "I32", "int32"),
     DType("bool", None, 9, "BOOL", "bool", "BOOL", "bool"),
+    DType("int4", None, 22, "INT4", "int4", None, "uint8", per_item=2),  # quantized weights (docs/quantization.md)
 )
 _BY_NAME = {d.name: d for d in _TABLE}
 

@@ -21,19 +21,20 @@ from typing import Any
 
 from refusion.runtime.core.contract import GRAPH_NAMES, GraphName, GraphSpec, TensorSpec, graph_specs
 from refusion.runtime.core.defaults import DecodeDefaults
-from refusion.runtime.core.dims import ModelDims, expected_weights, is_linear_weight
+from refusion.runtime.core.dims import ModelDims
 from refusion.runtime.core.dtypes import EXPORT_DTYPES, dtype
 from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.core.fields import Fields
 from refusion.runtime.core.files import FileRecord
+from refusion.runtime.core.quantization import INT4_OPSET, Quantization, weight_index
 
 MANIFEST_NAME = "refusion.json"
 PENDING_NAME = "refusion.pending.json"
 FORMAT = "refusion-onnx"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3  # 3: the quantization section
 REEXPORT = "re-export with `refusion-export onnx CHECKPOINT --output DIR --force`"
 WEIGHTS_LAYOUT = "linear weights [in, out]"
-_SECTIONS = ("model", "dtype", "tokens", "defaults", "graphs", "weights", "tokenizer", "files")
+_SECTIONS = ("model", "dtype", "quantization", "tokens", "defaults", "graphs", "weights", "tokenizer", "files")
 
 
 def check_format(fields: Fields, fmt: str, version: int, redo: str) -> None:
@@ -48,7 +49,7 @@ def check_format(fields: Fields, fmt: str, version: int, redo: str) -> None:
 
 @dataclass(frozen=True)
 class WeightEntry:
-    dtype: str
+    dtype: str  # the export dtype, or int4 for quantized linear weights
     shape: tuple[int, ...]
     offset: int
     nbytes: int
@@ -63,7 +64,7 @@ class ExportManifest:
 
     path: Path  # the export directory
     dims: ModelDims
-    dtype: str  # weights and KV: float32 | float16 | bfloat16
+    dtype: str  # weights and KV: float32 | float16 | bfloat16 (of an int4 export: scales, other weights, KV)
     mask_token_id: int
     eos_token_id: int
     defaults: DecodeDefaults
@@ -73,6 +74,7 @@ class ExportManifest:
     weights: dict[str, WeightEntry]
     tokenizer_files: tuple[str, ...]
     files: dict[str, FileRecord]  # every file above by name: graphs, weights.bin, tokenizer files
+    quantization: Quantization | None = None  # int4 linear weights: method, bits, block size, calibration
     source: dict[str, Any] = field(default_factory=dict)  # checkpoint path and dtype, export time: informative
 
     graph_files = {"planner": "planner.onnx", "infiller": "infiller.onnx"}
@@ -124,6 +126,7 @@ class ExportManifest:
         body: dict[str, Any] = {
             "model": {"architecture": "Qwen3ForCausalLM", **self.dims.to_json()},
             "dtype": self.dtype,
+            "quantization": self.quantization.to_json() if self.quantization else None,
             "tokens": {"mask_token_id": self.mask_token_id, "eos_token_id": self.eos_token_id},
             "defaults": self.defaults.to_json(),
             "graphs": {name: {"file": self.graph_files[name], "opset": self.opset, "logits": self.has_logits,
@@ -188,9 +191,13 @@ def _parse(path: Path, f: Fields) -> ExportManifest:
     f.str("model.architecture", ("Qwen3ForCausalLM",))
     dims = ModelDims.read(f, "model")
     export_dtype = f.str("dtype", tuple(d.name for d in EXPORT_DTYPES.values()))
+    quantization = Quantization.read(f, "quantization", dims, export_dtype)
     vocab = dims.vocab_size
     logits = f.bool("graphs.planner.logits")
     opset = f.positive_int("graphs.planner.opset")
+    if quantization and opset != INT4_OPSET:
+        raise f.fail("graphs.planner.opset", opset,
+                     f"{INT4_OPSET} for an int4 export (INT4 and blocked DequantizeLinear)")
     graphs: dict[GraphName, GraphSpec] = {}
     expected = graph_specs(dims.num_layers, dims.kv_heads, dims.head_dim, vocab, export_dtype, logits)
     for name in GRAPH_NAMES:
@@ -201,7 +208,7 @@ def _parse(path: Path, f: Fields) -> ExportManifest:
         graphs[name] = _read_spec(f, name, expected[name])
     f.str("weights.file", (ExportManifest.weights_file,))
     f.str("weights.layout", (WEIGHTS_LAYOUT,))
-    weights = _read_weights(f, dims, export_dtype)
+    weights = _read_weights(f, dims, export_dtype, quantization)
     tokenizer_files = tuple(_name(f, "tokenizer.files", x) for x in f.list("tokenizer.files"))
     listed = {*ExportManifest.graph_files.values(), ExportManifest.weights_file, *tokenizer_files}
     files_raw = f.object("files")
@@ -221,6 +228,7 @@ def _parse(path: Path, f: Fields) -> ExportManifest:
         weights=weights,
         tokenizer_files=tokenizer_files,
         files=files,
+        quantization=quantization,
         source=f.raw.get("source") if isinstance(f.raw.get("source"), dict) else {},
     )
     _check_weights_fit(f, manifest)
@@ -264,32 +272,36 @@ def _read_spec(f: Fields, name: GraphName, expected: GraphSpec) -> GraphSpec:
     return expected
 
 
-def _read_weights(f: Fields, dims: ModelDims, export_dtype: str) -> dict[str, WeightEntry]:
-    """The index must hold exactly the tensors the dims imply, in the export dtype, linear ones [in, out]."""
+def _read_weights(f: Fields, dims: ModelDims, export_dtype: str,
+                  quantization: Quantization | None) -> dict[str, WeightEntry]:
+    """The index must hold exactly the tensors the dims and the quantization imply: in the export dtype,
+    linear ones [in, out]; in an int4 export the decoder layers' linear weights int4, each with its
+    scales [K / block_size, N]."""
     tensors = f.object("weights.tensors")
-    shapes = expected_weights(dims)
-    missing = [n for n in shapes if n not in tensors]
-    extra = sorted(set(tensors) - set(shapes))
+    expected = weight_index(dims, export_dtype, quantization)
+    missing = [n for n in expected if n not in tensors]
+    extra = sorted(set(tensors) - set(expected))
     if missing or extra:
         what = f"lacks {missing[0]!r}" if missing else f"has unexpected {extra[0]!r}"
+        kind = f", {quantization.method} block {quantization.block_size}" if quantization else ""
         raise RefusionError(f"{f.file}: field weights.tensors {what} for a {dims.num_layers}-layer model "
-                            f"(tie_word_embeddings={dims.tie_word_embeddings}); {REEXPORT}.")
-    itemsize = dtype(export_dtype).itemsize
+                            f"(tie_word_embeddings={dims.tie_word_embeddings}{kind}); {REEXPORT}.")
+    block = f" and block_size {quantization.block_size}" if quantization else ""
     index = {}
-    for name, hf_shape in shapes.items():
+    for name, (tensor_dtype, shape) in expected.items():
         at = ("weights", "tensors", name)
-        shape = tuple(reversed(hf_shape)) if is_linear_weight(name) else hf_shape
-        f.str((*at, "dtype"), (export_dtype,))
+        f.str((*at, "dtype"), (tensor_dtype,))
         recorded = f.list((*at, "shape"))
         if recorded != list(shape):
-            raise f.fail((*at, "shape"), recorded, f"{list(shape)} (from the model dims)")
+            raise f.fail((*at, "shape"), recorded, f"{list(shape)} (from the model dims{block})")
         nbytes = f.int((*at, "nbytes"), 1)
         count = 1
         for d in shape:
             count *= d
-        if nbytes != count * itemsize:
-            raise f.fail((*at, "nbytes"), nbytes, f"{count * itemsize} ({list(shape)} x {itemsize} bytes)")
-        index[name] = WeightEntry(export_dtype, shape, f.int((*at, "offset")), nbytes)
+        want = dtype(tensor_dtype).nbytes(count)
+        if nbytes != want:
+            raise f.fail((*at, "nbytes"), nbytes, f"{want} ({list(shape)} {tensor_dtype})")
+        index[name] = WeightEntry(tensor_dtype, shape, f.int((*at, "offset")), nbytes)
     return index
 
 

@@ -1,0 +1,152 @@
+"""int4 weight-only quantization: a pass over the weights on their way into weights.bin.
+
+The layers (export/model.py) and the graph builder (export/onnx_graph.py) do not change with
+precision: the pass decides what the weight file holds, and the builder's one linear hook reads
+a quantized weight back through DequantizeLinear (as gpt-fast's quantize.py rewrites weights and
+onnxruntime-genai's make_matmul dispatches on them). Two methods:
+
+- int4-rtn: symmetric round-to-nearest per block of `block_size` input rows: scale = absmax / 7,
+  q = round(w / scale) in [-7, 7]. The block's absmax lands exactly on +-7; -8 is never produced
+  (|w / scale| <= 7), which keeps the grid symmetric, needs no zero point (TensorRT requires
+  none), and never clips a block's largest weight, as absmax / 8 with [-8, 7] would on one side.
+- int4-awq: activation-aware scaling first (export/awq.py: the float weights are rescaled and
+  clipped using calibration activations), then the same rounding.
+
+docs/quantization.md has the format, the choices and the measurements.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from refusion.export.progress import Progress, line
+from refusion.runtime.core.dims import expected_weights, is_linear_weight
+from refusion.runtime.core.dtypes import dtype
+from refusion.runtime.core.errors import RefusionError
+from refusion.runtime.core.quantization import (
+    CALIBRATED,
+    INT4_DTYPES,
+    METHODS,
+    Quantization,
+    block_problem,
+    is_quantized_weight,
+    scale_name,
+)
+
+if TYPE_CHECKING:
+    import torch
+    from onnx import TensorProto
+
+    from refusion.export.checkpoint import Checkpoint
+    from refusion.export.weights_file import WeightsWriter
+
+QMAX = 7  # symmetric: q in [-7, 7]
+TESTED_BLOCKS = (64, 128)  # the block sizes TensorRT documents for INT4 weight-only
+
+
+@dataclass(frozen=True)
+class QuantizeOptions:
+    """What `refusion-export onnx --quantize ...` asked for."""
+
+    method: str  # int4-rtn | int4-awq
+    block_size: int = 128
+    calibration: Path | None = None  # int4-awq: a text file, one prompt per line; None: the built-in set
+    calibration_samples: int | None = None  # the first N prompts; None: export/calibration.py's default
+
+
+@dataclass(frozen=True)
+class QuantPlan:
+    """A checked request: what refusion.json will record, and the calibration prompts as token ids."""
+
+    quantization: Quantization
+    prompts: list[list[int]]
+
+
+def plan_quantization(options: QuantizeOptions, ckpt: Checkpoint, export_dtype: str,
+                      progress: Progress) -> QuantPlan:
+    """Every check before anything is written: method, dtype, block size, calibration file and prompts."""
+    if options.method not in METHODS:
+        raise RefusionError(f"--quantize {options.method!r} is not supported; choose one of {', '.join(METHODS)}.")
+    if export_dtype not in INT4_DTYPES:
+        raise RefusionError(
+            f"--quantize {options.method} with --dtype {dtype(export_dtype).flag} is not supported: "
+            "onnxruntime's CPU provider runs no bfloat16 MatMul (so the export cannot be validated) and TensorRT "
+            "documents fp32 and fp16 scales only; use --dtype fp16 (TensorRT) or fp32.")
+    problem = block_problem(ckpt.dims, options.block_size)
+    if problem:
+        raise RefusionError(f"--block-size {options.block_size}: {problem}; pass another --block-size.")
+    if options.block_size not in TESTED_BLOCKS:
+        line(progress, f"note: --block-size {options.block_size}: TensorRT documents INT4 blocks of "
+                       f"{' and '.join(map(str, TESTED_BLOCKS))} only; onnxruntime runs any power of two >= 16")
+    if options.method not in CALIBRATED:
+        if options.calibration is not None or options.calibration_samples is not None:
+            raise RefusionError(f"--calibration and --calibration-samples apply to "
+                                f"{', '.join(CALIBRATED)} only, not {options.method}; drop them.")
+        return QuantPlan(Quantization(options.method, options.block_size), [])
+    from refusion.export.calibration import calibration_set
+
+    prompts, sha = calibration_set(ckpt, options.calibration, options.calibration_samples, progress)
+    return QuantPlan(Quantization(options.method, options.block_size, len(prompts), sha), prompts)
+
+
+def float_tensors(ckpt: Checkpoint, plan: QuantPlan | None, progress: Progress) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors (HF layout) in weight-file order, after AWQ's rescaling when it is asked for."""
+    if plan is None or plan.quantization.method not in CALIBRATED:
+        return ckpt.tensors(list(expected_weights(ckpt.dims)))
+    from refusion.export.awq import awq_tensors
+
+    return awq_tensors(ckpt, plan.prompts, plan.quantization.block_size, progress)
+
+
+def write_weight(writer: WeightsWriter, name: str, tensor: torch.Tensor,
+                 quantization: Quantization | None) -> list[TensorProto]:
+    """Write one checkpoint tensor (HF layout; linear weights become [in, out]); a quantized one as
+    int4 plus its scales. Returns the initializers written."""
+    t = tensor.T if is_linear_weight(name) else tensor
+    if quantization is None or not is_quantized_weight(name):
+        return [writer.add(name, t)]
+    q, scale = rtn(t, quantization.block_size, writer.torch_dtype)
+    return [writer.add_packed(name, pack_int4(q.numpy()), "int4", tuple(t.shape)),
+            writer.add(scale_name(name), scale)]
+
+
+def rtn(w: torch.Tensor, block: int, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric round-to-nearest of w [K, N] per block of `block` rows: (q int8 [K, N] in [-7, 7],
+    scale [K / block, N] in `scale_dtype`). q is rounded against the stored (dtype-rounded) scale."""
+    import torch
+
+    k, n = w.shape
+    blocks = w.float().reshape(k // block, block, n)
+    scale = (blocks.abs().amax(dim=1) / QMAX).to(scale_dtype)
+    scale = torch.where(scale.float() > 0, scale, torch.ones_like(scale))  # all-zero (or underflowing) blocks
+    q = torch.round(blocks / scale.float()[:, None, :]).clamp(-QMAX, QMAX).to(torch.int8)
+    return q.reshape(k, n), scale
+
+
+def pack_int4(q: np.ndarray) -> np.ndarray:
+    """int8 values in [-8, 7] -> bytes, two per byte, the first element in the low nibble (ONNX's order)."""
+    flat = q.reshape(-1).astype(np.uint8) & 0x0F
+    if flat.size % 2:
+        flat = np.append(flat, np.uint8(0))
+    return flat[0::2] | (flat[1::2] << 4)
+
+
+def unpack_int4(packed: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """pack_int4's inverse: int8 values of `shape`."""
+    nibbles = np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(-1).astype(np.int8)
+    count = int(np.prod(shape))
+    return ((nibbles[:count] ^ 8) - 8).reshape(shape)  # sign-extend 4 bits
+
+
+def dequantize(packed: np.ndarray, scale: np.ndarray, shape: tuple[int, int]) -> np.ndarray:
+    """What DequantizeLinear(axis 0, block_size K / scale rows) computes: q x scale, float32 [K, N]
+    (exact: a 4-bit integer times a float16 or float32 scale fits in float32)."""
+    k, _ = shape
+    block = k // scale.shape[0]
+    return unpack_int4(packed, shape).astype(np.float32) * np.repeat(scale.astype(np.float32), block, axis=0)
+
