@@ -1,15 +1,20 @@
-"""`refusion-export build`: an ONNX export -> planner.engine + infiller.engine + engines.json.
+"""`refusion-export build`: an ONNX export -> model.engine + engines.json.
 
 The build is planned first as plain values (`plan_build`: limits, profiles, precision,
 checks against the export), then expressed as Polygraphy loaders (`engine_loader`), which
 are lazy: both can be made and inspected without TensorRT. Only `build_engines` runs the
-builder. The two engines are parsed from the one weight file the export's graphs share.
+builder. One engine serves both roles, so the weights are resident once: it is parsed from
+the infiller graph, with the infiller's prefill and decode profiles and the planner's
+decode profile ("plan"); a planner forward runs on it and discards its present KV (the
+runner binds that to scratch). The planner graph stays the onnxruntime planner.
 
 Precision follows the export: its fp16/bf16 graphs already carry the fp32 islands
 (RMSNorm variance, rotary tables, attention softmax, the heads' softmax) as explicit casts.
 A strongly typed network keeps those types exactly. A weakly typed one (TensorRT 10's
 default) gets the FP16/BF16 flag, so each island layer is pinned to fp32 with "obey"
-precision constraints, or the builder could run it in half precision and overflow.
+precision constraints, or the builder could run it in half precision and overflow, and so
+is every constant and parser helper that feeds an island (the parser gives those no node
+metadata), or the builder could store inv_freq or the attention scale in half precision.
 TensorRT 11 builds strongly typed networks only; there the flag is implied.
 """
 
@@ -24,10 +29,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from refusion.runtime.core.contract import GRAPH_NAMES, GraphName
 from refusion.runtime.core.dtypes import EXPORT_DTYPES, dtype
+from refusion.export.progress import line, tick
 from refusion.export.publish import clean_leftovers, cleanup_on_signals, make_staging, publish
-from refusion.runtime.core.engines_manifest import ENGINES_MANIFEST, EngineFile, EngineManifest, Target
+from refusion.runtime.core.engines_manifest import (
+    ENGINE_FILE,
+    ENGINE_GRAPH,
+    ENGINES_MANIFEST,
+    EngineFile,
+    EngineManifest,
+    Target,
+)
 from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.core.export_manifest import MANIFEST_NAME, ExportManifest
 from refusion.runtime.core.files import sha256_file
@@ -37,9 +49,6 @@ from refusion.runtime.runners.tensorrt import current_target, require_tensorrt
 if TYPE_CHECKING:
     import tensorrt
 
-# The infiller first: with two profiles its build is the longer one, and the planner's build then
-# finds most tactics in the timing cache (the layers are the same).
-BUILD_ORDER: tuple[GraphName, ...] = ("infiller", "planner")
 Report = Callable[[str], None]
 
 
@@ -57,10 +66,12 @@ class BuildPlan:
     output: Path
     limits: DecodeLimits
     options: BuildOptions
-    profiles: dict[GraphName, list[ProfileSpec]]
+    profiles: list[ProfileSpec]
 
-    def onnx_path(self, graph: GraphName) -> Path:
-        return self.export.graph_path(graph)
+    @property
+    def onnx_path(self) -> Path:
+        """The graph the engine is parsed from."""
+        return self.export.graph_path(ENGINE_GRAPH)
 
     @property
     def command(self) -> str:
@@ -130,39 +141,51 @@ def fp32_island(model: Any) -> set[str]:
 _METADATA = re.compile(r"^\[ONNX Layer: (?P<node>.*?)(?: \| .*)?\]$")
 
 
-def layer_node(name: str, metadata: str) -> str:
-    """The ONNX node a parsed layer came from: the parser writes "[ONNX Layer: <node>]" into the
-    layer's metadata, and names extra layers of one node "<node>_<n>"."""
+def layer_node(metadata: str) -> str | None:
+    """The ONNX node a parsed layer came from: the parser (TensorRT >= 10) writes "[ONNX Layer:
+    <node>]" into the metadata of the layers it makes for a node. Layers it makes for itself
+    (constants for initializers, broadcast reshapes, casts) carry none: None."""
     match = _METADATA.match(metadata or "")
-    if match:
-        return match["node"]
-    return re.sub(r"_\d+$", "", name)
+    return match["node"] if match else None
 
 
 def keep_fp32(network: tensorrt.INetworkDefinition, island: set[str]) -> int:
-    """Pin the island's layers to fp32 (compute and float outputs); returns how many were pinned."""
+    """Pin the island's layers to fp32 (compute and float outputs), and with them every layer
+    without metadata that feeds them, through float tensors: the constants the parser makes for
+    initializers (inv_freq, the RMSNorm epsilon and exponent, the attention scale, the mask bias)
+    and its broadcast and cast helpers. Unpinned, TensorRT may store such a constant in half
+    precision when it picks fp16 for it. Returns how many layers were pinned."""
     import tensorrt as trt
 
     floating = {trt.float32, trt.float16, trt.bfloat16}
-    pinned = 0
-    for index in range(network.num_layers):
-        layer = network.get_layer(index)
-        if layer_node(layer.name, getattr(layer, "metadata", "")) not in island:
+    layers = [network.get_layer(i) for i in range(network.num_layers)]
+    producer = {layer.get_output(i).name: j for j, layer in enumerate(layers) for i in range(layer.num_outputs)}
+    todo = [j for j, layer in enumerate(layers) if layer_node(layer.metadata) in island]
+    pinned: set[int] = set()
+    while todo:
+        j = todo.pop()
+        if j in pinned:
             continue
+        pinned.add(j)
+        layer = layers[j]
         inputs = [layer.get_input(i) for i in range(layer.num_inputs)]
         if all(t is not None and t.dtype in floating for t in inputs):
             layer.precision = trt.float32
         for i in range(layer.num_outputs):
             if layer.get_output(i).dtype in floating:
                 layer.set_output_type(i, trt.float32)
-        pinned += 1
-    return pinned
+        for t in inputs:
+            source = producer.get(t.name) if t is not None and t.dtype in floating else None
+            if source is not None and layer_node(layers[source].metadata) is None:
+                todo.append(source)
+    return len(pinned)
 
 
 # -- progress ----------------------------------------------------------------------------------
 class PhaseTracker:
     """Turns TensorRT's phase/step callbacks into a few readable lines (thread-safe: the builder
-    calls from its own threads). Steps print at most every `interval` seconds per phase."""
+    calls from its own threads). Steps print at most every `interval` seconds per phase; a report
+    that takes ticks (export/progress.py) gets every step, for a bar per phase."""
 
     def __init__(self, report: Report, max_depth: int = 2, interval: float = 10.0):
         self.report, self.max_depth, self.interval = report, max_depth, interval
@@ -175,7 +198,7 @@ class PhaseTracker:
             now = time.monotonic()
             self._phases[phase] = (depth, steps, now, now)
             if depth < self.max_depth:
-                self.report(f"{'  ' * depth}{phase} ({steps} steps)")
+                line(self.report, f"{'  ' * depth}{phase} ({steps} steps)", phase, 0, steps, "step")
 
     def step(self, phase: str, step: int) -> None:
         with self._lock:
@@ -183,15 +206,22 @@ class PhaseTracker:
                 return
             depth, steps, start, last = self._phases[phase]
             now = time.monotonic()
-            if depth < self.max_depth and now - last >= self.interval:
+            if depth >= self.max_depth:
+                return
+            if now - last >= self.interval:
                 self._phases[phase] = (depth, steps, start, now)
-                self.report(f"{'  ' * depth}{phase}: {step + 1}/{steps} ({now - start:.0f} s)")
+                line(self.report, f"{'  ' * depth}{phase}: {step + 1}/{steps} ({now - start:.0f} s)", phase, step + 1,
+                     steps, "step")
+            else:
+                tick(self.report, phase, step + 1, steps, "step")
 
     def finish(self, phase: str) -> None:
         with self._lock:
-            depth, _, start, _ = self._phases.pop(phase, (self.max_depth, 0, 0.0, 0.0))
+            depth, steps, start, _ = self._phases.pop(phase, (self.max_depth, 0, 0.0, 0.0))
             if depth == 0:
-                self.report(f"{phase} done in {time.monotonic() - start:.0f} s")
+                line(self.report, f"{phase} done in {time.monotonic() - start:.0f} s", phase, steps, steps, "step")
+            elif depth < self.max_depth:
+                tick(self.report, phase, steps, steps, "step")  # ends the phase's bar
 
 
 def progress_monitor(report: Report) -> tensorrt.IProgressMonitor:
@@ -217,8 +247,8 @@ def progress_monitor(report: Report) -> tensorrt.IProgressMonitor:
 
 
 # -- loaders -----------------------------------------------------------------------------------
-def engine_loader(plan: BuildPlan, graph: GraphName, *, strongly_typed: bool, report: Report = lambda m: None) -> Any:
-    """Polygraphy's lazy loader chain for one engine; calling it builds and returns the serialized engine."""
+def engine_loader(plan: BuildPlan, *, strongly_typed: bool, report: Report = lambda m: None) -> Any:
+    """Polygraphy's lazy loader chain for the engine; calling it builds and returns the serialized engine."""
     from polygraphy.backend.trt import (
         CreateConfig,
         EngineBytesFromNetwork,
@@ -230,12 +260,12 @@ def engine_loader(plan: BuildPlan, graph: GraphName, *, strongly_typed: bool, re
 
     precision = plan.options.precision
     reduced = precision != "fp32" and not strongly_typed
-    network: Any = NetworkFromOnnxPath(str(plan.onnx_path(graph)), strongly_typed=strongly_typed)
+    network: Any = NetworkFromOnnxPath(str(plan.onnx_path), strongly_typed=strongly_typed)
     if reduced:
-        network = PostprocessNetwork(network, _KeepFp32(plan.onnx_path(graph), report), name="keep fp32 islands")
-    spec = plan.export.graphs[graph]
+        network = PostprocessNetwork(network, _KeepFp32(plan.onnx_path, report), name="keep fp32 islands")
+    spec = plan.export.graphs[ENGINE_GRAPH]  # the planner's inputs are the same
     profiles = []
-    for prof in plan.profiles[graph]:
+    for prof in plan.profiles:
         p = Profile()
         for name, (lo, opt, hi) in prof.shapes(spec).items():
             p.add(name, min=lo, opt=opt, max=hi)
@@ -267,10 +297,10 @@ class _KeepFp32:
         pinned = keep_fp32(network, island)
         if island and not pinned:
             raise RefusionError(
-                "no TensorRT layer could be traced to the export's fp32 nodes (this parser names layers differently), "
-                "so half precision could overflow them; build with --strongly-typed instead."
+                "no TensorRT layer could be traced to the export's fp32 nodes (this parser writes no "
+                "[ONNX Layer: ...] metadata), so half precision could overflow them; build with --strongly-typed instead."
             )
-        self.report(f"pinned {pinned} layers of {len(island)} fp32 nodes to fp32")
+        self.report(f"pinned {pinned} layers to fp32: those of {len(island)} fp32 nodes and the constants feeding them")
 
 
 class _Tuning:
@@ -292,7 +322,7 @@ class _Tuning:
 
 # -- the build ---------------------------------------------------------------------------------
 def build_engines(plan: BuildPlan, *, force: bool = False, report: Report = lambda m: None) -> Path:
-    """Build both engines into a staging directory and publish it as plan.output when all is done."""
+    """Build the engine into a staging directory and publish it as plan.output when all is done."""
     out = plan.output
     if out.exists() and not force:
         raise RefusionError(f"output {out} already exists; pass --force to replace it.")
@@ -305,7 +335,7 @@ def build_engines(plan: BuildPlan, *, force: bool = False, report: Report = lamb
 
     target = current_target()
     strongly = plan.options.strongly_typed or int(str(trt.__version__).split(".")[0]) >= 11
-    report(f"building {plan.options.precision} engines for {target.gpu} (sm {target.compute_capability}) with "
+    report(f"building a {plan.options.precision} engine for {target.gpu} (sm {target.compute_capability}) with "
            f"TensorRT {target.tensorrt}{', strongly typed' if strongly else ''}")
     with cleanup_on_signals():  # SIGTERM/SIGHUP during a long build clean up like Ctrl-C
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -313,16 +343,13 @@ def build_engines(plan: BuildPlan, *, force: bool = False, report: Report = lamb
         staging = make_staging(out)
         try:
             t0 = time.perf_counter()
-            engines: dict[GraphName, bytes] = {}
-            for graph in BUILD_ORDER:
-                profiles = ", ".join(p.name for p in plan.profiles[graph])
-                report(f"{graph}: parsing {plan.onnx_path(graph).name}, profiles: {profiles}")
-                t = time.perf_counter()
-                serialized = engine_loader(plan, graph, strongly_typed=strongly, report=report)()
-                engines[graph] = bytes(memoryview(serialized))
-                del serialized
-                report(f"{graph}.engine: {len(engines[graph]) / 2**20:.1f} MiB in {time.perf_counter() - t:.0f} s")
-            write_engines_dir(plan, staging, engines, target, strongly, time.perf_counter() - t0)  # engines.json last
+            profiles = ", ".join(f"{p.name} ({p.graph})" for p in plan.profiles)
+            report(f"parsing {plan.onnx_path.name}, profiles: {profiles}")
+            serialized = engine_loader(plan, strongly_typed=strongly, report=report)()
+            engine = bytes(memoryview(serialized))
+            del serialized
+            report(f"{ENGINE_FILE}: {len(engine) / 2**20:.1f} MiB in {time.perf_counter() - t0:.0f} s")
+            write_engines_dir(plan, staging, engine, target, strongly, time.perf_counter() - t0)  # engines.json last
             publish(staging, out)
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
@@ -330,21 +357,17 @@ def build_engines(plan: BuildPlan, *, force: bool = False, report: Report = lamb
     return out
 
 
-def write_engines_dir(plan: BuildPlan, directory: Path, engines: dict[GraphName, bytes], target: Target,
-                      strongly_typed: bool, seconds: float) -> EngineManifest:
-    """Engine files, engines.json, and the export's refusion.json and tokenizer files beside them,
+def write_engines_dir(plan: BuildPlan, directory: Path, engine: bytes, target: Target, strongly_typed: bool,
+                      seconds: float) -> EngineManifest:
+    """The engine file, engines.json, and the export's refusion.json and tokenizer files beside them,
     so the directory alone serves `refusion-run`."""
     import hashlib
 
     export = plan.export
     for name in (MANIFEST_NAME, *export.tokenizer_files):
         shutil.copyfile(export.path / name, directory / name)
-    files = {}
-    for graph in GRAPH_NAMES:
-        data = engines[graph]
-        (directory / f"{graph}.engine").write_bytes(data)
-        files[graph] = EngineFile(f"{graph}.engine", hashlib.sha256(data).hexdigest(), len(data),
-                                  tuple(plan.profiles[graph]))
+    (directory / ENGINE_FILE).write_bytes(engine)
+    # the planner graph is in the sources: `refusion-export check` compares the planner forwards with it
     sources = [*export.graph_files.values(), export.weights_file, MANIFEST_NAME]
     manifest = EngineManifest(
         path=directory,
@@ -352,7 +375,7 @@ def write_engines_dir(plan: BuildPlan, directory: Path, engines: dict[GraphName,
         precision=export.dtype,
         strongly_typed=strongly_typed,
         limits=plan.limits,
-        engines=files,
+        engine=EngineFile(ENGINE_FILE, hashlib.sha256(engine).hexdigest(), len(engine), tuple(plan.profiles)),
         source={"export": str(export.path.resolve()),
                 "sha256": {name: sha256_file(export.path / name) for name in sources}},
         build={"command": plan.command, "seconds": round(seconds, 1),

@@ -4,8 +4,9 @@ Both run the shared cases of refusion.runtime.compare (the decode loop's forward
 plan, plan, verify, slot rows with private scratch over a shared prefix, an AR step; and the
 validation's shapes) through the one comparator. TensorRT takes each case's past KV uploaded
 into its cache, writes present after it and reads it back, so the check also covers the
-engines' KV layout and the runner's bindings (aligned and staged writes). It runs the cases
-it can: batch 1, inside the engines' profiles; the report lists the rest. Differences are
+engine's KV layout and the runner's bindings (aligned and staged writes). The planner's cases
+run on the one engine's planner profile, against the planner graph. It runs the cases
+it can: batch 1, inside the engine's profiles; the report lists the rest. Differences are
 max |diff| per output against abs + rel x the output's largest magnitude, NaN and inf shown
 as such; argmax ids count mismatches (a near tie may legitimately flip between kernels, so a
 few are allowed, and none where an export with logits shows the top two apart). The shared
@@ -97,8 +98,8 @@ class TensorRTCases(CaseRunner):
         batch, seq, past = feed_shape(feed)
         if batch != 1:
             return f"batch {batch}; the TensorRT runner takes batch 1"
-        if select_profile(list(self.runner.engines.engines[graph].profiles), seq, past) is None:
-            return f"seq {seq} over past {past} lies outside the engine's profiles"
+        if select_profile(list(self.runner.engines.engine.profiles), graph, seq, past) is None:
+            return f"seq {seq} over past {past} lies outside the engine's {graph} profiles"
         return ""
 
     def __call__(self, graph: GraphName, feed: Feed) -> Outputs:

@@ -34,13 +34,14 @@ from refusion.tools.cli_common import progress
 def build_command(export_dir: Path, output: Path, precision: str | None, max_prompt: int, gen_length: int,
                   slot_size: int, serial_blocks: int, max_slots: int | None, timing_cache: Path | None,
                   strongly_typed: bool, workspace: float | None, force: bool) -> None:
-    """Build planner and infiller TensorRT engines for EXPORT_DIR (a `refusion-export onnx` directory)."""
+    """Build the TensorRT engine for EXPORT_DIR (a `refusion-export onnx` directory): one engine, holding the
+    weights once, runs both planner and infiller forwards."""
     from refusion.engines.build import build_engines, plan_build
 
     limits = DecodeLimits(max_prompt, gen_length, slot_size, serial_blocks, max_slots)
     plan = plan_build(export_dir, output, limits, precision=precision, strongly_typed=strongly_typed,
                       workspace_gib=workspace, timing_cache=timing_cache)
-    progress(f"engines for prompts <= {limits.max_prompt}, gen_length <= {limits.gen_length}, blocks <= "
+    progress(f"an engine for prompts <= {limits.max_prompt}, gen_length <= {limits.gen_length}, blocks <= "
               f"{limits.block_length} tokens; KV capacity {limits.kv_capacity} tokens")
     click.echo(str(build_engines(plan, force=force, report=progress)))
 

@@ -1,10 +1,14 @@
-"""`engines.json`: what the engines were built from, for, and with; checked before any deserialization.
+"""`engines.json`: what the engine was built from, for, and with; checked before any deserialization.
+
+One engine, built from the export's infiller graph, serves both roles through its profiles
+(runtime/core/profiles.py), so the weights are resident once. Format v1 described two engines,
+planner and infiller, each holding all the weights; it is refused with the rebuild command.
 
 A TensorRT engine only runs on the GPU model and TensorRT version it was built with, and a
 truncated or swapped file can crash the deserializer instead of failing cleanly. So loading
 checks, in order: the manifest's format, the TensorRT version and GPU recorded against the
-ones here, then each engine file's size and sha256.
-Every refusal carries the exact command that rebuilds the engines here.
+ones here, then the engine file's size and sha256.
+Every refusal carries the exact command that rebuilds the engine here.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from refusion.runtime.core.contract import GRAPH_NAMES, GraphName
+from refusion.runtime.core.contract import GraphName
 from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.core.export_manifest import check_format
 from refusion.runtime.core.fields import Fields
@@ -23,7 +27,9 @@ from refusion.runtime.core.profiles import DecodeLimits, ProfileSpec
 
 ENGINES_MANIFEST = "engines.json"
 FORMAT = "refusion-engines"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # v1: a planner and an infiller engine
+ENGINE_FILE = "model.engine"
+ENGINE_GRAPH: GraphName = "infiller"  # the graph the engine is built from; planner forwards run on it too
 
 
 @dataclass(frozen=True)
@@ -57,7 +63,7 @@ class EngineManifest:
     precision: str  # numpy dtype name of weights and KV: float32, float16, bfloat16
     strongly_typed: bool
     limits: DecodeLimits
-    engines: dict[GraphName, EngineFile]
+    engine: EngineFile
     source: dict[str, Any]  # export directory and sha256 of its graphs and weights
     build: dict[str, Any]  # the command that made these engines, timings
 
@@ -73,7 +79,7 @@ class EngineManifest:
             "precision": self.precision,
             "strongly_typed": self.strongly_typed,
             "limits": self.limits.to_json(),
-            "engines": {g: e.to_json() for g, e in self.engines.items()},
+            "engine": self.engine.to_json(),
             "source": self.source,
             "build": self.build,
         }
@@ -90,27 +96,28 @@ class EngineManifest:
             )
         try:
             raw = json.loads(file.read_text())
+            if isinstance(raw, dict) and raw.get("format") == FORMAT and raw.get("format_version") == 1:
+                raise RefusionError(
+                    f"{file} describes v1 engines: a planner and an infiller engine, each holding all the weights. "
+                    "This refusion-trt runs one engine that serves both and holds the weights once; rebuild with: "
+                    f"{_v1_command(raw, path)}"
+                )
             check_format(Fields(file, raw, "rebuild the engines"), FORMAT, FORMAT_VERSION, "rebuild the engines")
-            engines = {
-                g: EngineFile(e["file"], e["sha256"], int(e["bytes"]),
-                              tuple(ProfileSpec.from_json(p) for p in e["profiles"]))
-                for g, e in raw["engines"].items()
-            }
+            entry = raw["engine"]
+            engine = EngineFile(entry["file"], entry["sha256"], int(entry["bytes"]),
+                                tuple(ProfileSpec.from_json(p) for p in entry["profiles"]))
             manifest = EngineManifest(
                 path=path,
                 target=Target(**raw["target"]),
                 precision=raw["precision"],
                 strongly_typed=bool(raw["strongly_typed"]),
                 limits=DecodeLimits.from_json(raw["limits"]),
-                engines=engines,  # keys checked just below
+                engine=engine,
                 source=raw["source"],
                 build=raw["build"],
             )
         except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError, AttributeError) as e:
             raise RefusionError(f"{file} is damaged ({type(e).__name__}: {e}); rebuild the engines.") from e
-        missing = [g for g in GRAPH_NAMES if g not in manifest.engines]
-        if missing:
-            raise RefusionError(f"{file} lists no {' or '.join(missing)} engine; rebuild with: {manifest.rebuild_command}")
         return manifest
 
     def verify_target(self, here: Target) -> None:
@@ -128,25 +135,32 @@ class EngineManifest:
             f"built. Rebuild them here with: {self.rebuild_command}"
         )
 
-    def verify_files(self) -> None:
-        """Check every engine file's size and sha256 against the manifest. Streams the files, so a
-        16 GiB engine is never held twice; run it before deserializing any of them."""
-        for graph, entry in self.engines.items():
-            file = self.engine_path(graph)
-            if not file.is_file():
-                raise RefusionError(f"{file} is missing; rebuild the engines with: {self.rebuild_command}")
-            size = file.stat().st_size
-            if size != entry.bytes:
-                raise RefusionError(
-                    f"{file} has {size} bytes and {ENGINES_MANIFEST} records {entry.bytes}: the file is truncated "
-                    f"or was replaced. Rebuild with: {self.rebuild_command}"
-                )
-            digest = sha256_file(file)
-            if digest != entry.sha256:
-                raise RefusionError(
-                    f"{file} does not match {ENGINES_MANIFEST} (sha256 {digest[:16]}..., recorded "
-                    f"{entry.sha256[:16]}...): the file was modified or damaged. Rebuild with: {self.rebuild_command}"
-                )
+    def verify_file(self) -> None:
+        """Check the engine file's size and sha256 against the manifest. Streams the file, so a
+        16 GiB engine is never held twice; run it before deserializing it."""
+        file, entry = self.engine_path, self.engine
+        if not file.is_file():
+            raise RefusionError(f"{file} is missing; rebuild the engine with: {self.rebuild_command}")
+        size = file.stat().st_size
+        if size != entry.bytes:
+            raise RefusionError(
+                f"{file} has {size} bytes and {ENGINES_MANIFEST} records {entry.bytes}: the file is truncated "
+                f"or was replaced. Rebuild with: {self.rebuild_command}"
+            )
+        digest = sha256_file(file)
+        if digest != entry.sha256:
+            raise RefusionError(
+                f"{file} does not match {ENGINES_MANIFEST} (sha256 {digest[:16]}..., recorded "
+                f"{entry.sha256[:16]}...): the file was modified or damaged. Rebuild with: {self.rebuild_command}"
+            )
 
-    def engine_path(self, graph: GraphName) -> Path:
-        return self.path / self.engines[graph].file
+    @property
+    def engine_path(self) -> Path:
+        return self.path / self.engine.file
+
+
+def _v1_command(raw: dict[str, Any], path: Path) -> str:
+    """The rebuild command a v1 engines.json recorded, or its general form."""
+    build = raw.get("build")
+    command = build.get("command") if isinstance(build, dict) else None
+    return command if isinstance(command, str) else f"refusion-export build EXPORT_DIR --output {path} --force"

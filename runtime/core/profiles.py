@@ -7,9 +7,11 @@ same boxes evaluated at the build limits, so a request whose boxes fit the limit
 by construction, and `check_request` refuses one that does not before any GPU work, naming
 the limit and the `refusion-export build` flag that raises it.
 
-The infiller gets two profiles because its shapes are bimodal: prefill (prompt + first
-block, no past) and decode (at most one block over a long past). One profile spanning both
-would tune kernels for neither. The planner only ever sees decode shapes.
+One engine, built from the infiller graph, serves both roles, so the weights are resident
+once. Each profile serves one role (its `graph`): the infiller's forwards get two, because
+their shapes are bimodal: prefill (prompt + first block, no past) and decode (at most one
+block over a long past); one profile spanning both would tune kernels for neither. The
+planner's forwards get their own decode profile ("plan"), tuned for a whole block of masks.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any
 
 from refusion.runtime.core.contract import (
     BATCH,
+    GRAPH_NAMES,
     PAST_SEQ,
     SEQ,
     TOTAL_SEQ,
@@ -121,9 +124,11 @@ def forward_boxes(prompt_len: int, gen_length: int, block_length: int) -> list[B
 
 @dataclass(frozen=True)
 class ProfileSpec:
-    """One optimization profile: ranges of the two free dims; every input shape follows."""
+    """One optimization profile of the engine: ranges of the two free dims (every input shape
+    follows), and the role whose forwards it serves."""
 
     name: str
+    graph: GraphName  # planner forwards run on the planner's profiles, infiller forwards on the infiller's
     seq: Range
     past: Range
 
@@ -150,41 +155,42 @@ class ProfileSpec:
         return ranges[axis]
 
     def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "seq": list(self.seq), "past": list(self.past)}
+        return {"name": self.name, "graph": self.graph, "seq": list(self.seq), "past": list(self.past)}
 
     @staticmethod
     def from_json(d: dict[str, Any]) -> ProfileSpec:
         seq, past = (tuple(int(x) for x in d[key]) for key in ("seq", "past"))
         if len(seq) != 3 or len(past) != 3:
             raise ValueError(f"profile {d.get('name')!r}: seq and past need min, opt, max")
-        return ProfileSpec(d["name"], (seq[0], seq[1], seq[2]), (past[0], past[1], past[2]))
+        if d["graph"] not in GRAPH_NAMES:
+            raise ValueError(f"profile {d.get('name')!r}: graph {d['graph']!r} is not one of {GRAPH_NAMES}")
+        return ProfileSpec(d["name"], d["graph"], (seq[0], seq[1], seq[2]), (past[0], past[1], past[2]))
 
 
-def engine_profiles(limits: DecodeLimits) -> dict[GraphName, list[ProfileSpec]]:
-    """The profiles of each engine. Opt is the typical decode shape: a mid-length request
-    halfway through its generation; the planner's typical call plans a whole block, the
-    infiller's verifies one slot."""
+def engine_profiles(limits: DecodeLimits) -> list[ProfileSpec]:
+    """The profiles of the one engine, in TensorRT's order. Opt is the typical decode shape: a
+    mid-length request halfway through its generation; the planner's typical call plans a whole
+    block, the infiller's verifies one slot."""
     p, g, b, k = limits.max_prompt, limits.gen_length, limits.block_length, limits.slot_size
     past_max = p + g + b  # infill scratch after a full prefix: the largest past of any box
     past_opt = p // 2 + g // 2
-    return {
-        "planner": [ProfileSpec("decode", (1, b, b), (0, past_opt, past_max))],
-        "infiller": [
-            ProfileSpec("prefill", (1, p // 2 + b, p + b), (0, 0, 0)),
-            ProfileSpec("decode", (1, min(k, b), b), (0, past_opt, past_max)),
-        ],
-    }
+    return [
+        ProfileSpec("prefill", "infiller", (1, p // 2 + b, p + b), (0, 0, 0)),
+        ProfileSpec("decode", "infiller", (1, min(k, b), b), (0, past_opt, past_max)),
+        ProfileSpec("plan", "planner", (1, b, b), (0, past_opt, past_max)),
+    ]
 
 
-def select_profile(profiles: list[ProfileSpec], seq: int, past: int) -> int | None:
-    """Index of the first profile holding (seq, past); profiles are ordered most specific first."""
-    return next((i for i, prof in enumerate(profiles) if prof.contains(seq, past)), None)
+def select_profile(profiles: list[ProfileSpec], graph: GraphName, seq: int, past: int) -> int | None:
+    """Index of the first profile serving `graph` that holds (seq, past); most specific first."""
+    return next((i for i, prof in enumerate(profiles) if prof.graph == graph and prof.contains(seq, past)), None)
 
 
 def box_profile(profiles: list[ProfileSpec], box: Box) -> int | None:
-    """Index of the first profile holding the whole box (all four corners), if any."""
+    """Index of the first profile serving the box's graph that holds the whole box (all four corners)."""
     corners = [(s, p) for s in box.seq for p in box.past]
-    return next((i for i, prof in enumerate(profiles) if all(prof.contains(s, p) for s, p in corners)), None)
+    return next((i for i, prof in enumerate(profiles)
+                 if prof.graph == box.graph and all(prof.contains(s, p) for s, p in corners)), None)
 
 
 def check_request(limits: DecodeLimits, prompt_len: int, gen_length: int, slot_size: int, serial_blocks: int) -> None:
@@ -212,7 +218,7 @@ def check_request(limits: DecodeLimits, prompt_len: int, gen_length: int, slot_s
     # Fitting the three limits above puts every box inside a profile; keep that true by construction.
     profiles = engine_profiles(limits)
     for box in forward_boxes(prompt_len, gen, block):
-        assert box_profile(profiles[box.graph], box) is not None, box
+        assert box_profile(profiles, box) is not None, box
 
 
 def _round_up(n: int) -> int:

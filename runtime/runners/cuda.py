@@ -9,11 +9,14 @@
 
 With a stream, copies are ordered on it and return at once; with none (a framework that
 runs on its own stream, like onnxruntime's CUDA provider), each call returns only when its
-copy is done, so it can never race that framework. Failures raise RefusionError.
+copy is done, so it can never race that framework. Stream-less buffers stage overlapping
+copies through one shared stream and scratch buffer (a 36-layer model's 72 KV buffers would
+otherwise make 72 of each). Failures raise RefusionError.
 """
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import numpy as np
@@ -79,18 +82,51 @@ class Stream:
         """A buffer of at least `nbytes`, reused: work on this stream is ordered, so no one else holds it."""
         if self._scratch is None or self._scratch.nbytes < nbytes:
             if self._scratch is not None:
+                self.synchronize()  # copies queued on this stream may still use the old buffer
                 self._scratch.free()
             self._scratch = DeviceBuffer(nbytes, self)
         return self._scratch
 
     def close(self) -> None:
+        if self._stream is None:
+            return
+        self.synchronize()
         if self._scratch is not None:
             self._scratch.free()
             self._scratch = None
-        if self._stream is not None:
-            self.synchronize()
-            _call(cudart().cudaStreamDestroy(self._stream), "cudaStreamDestroy")
-            self._stream = None
+        _call(cudart().cudaStreamDestroy(self._stream), "cudaStreamDestroy")
+        self._stream = None
+
+
+class _SharedStaging:
+    """The stream and scratch buffer every stream-less DeviceBuffer stages overlapping copies
+    through: made on first use, closed when the last stream-less buffer is freed. A copy holds
+    the lock until it is done, so buffers of different threads never share the scratch at once."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.users = 0
+        self._stream: Stream | None = None
+
+    def add_user(self) -> None:
+        with self.lock:
+            self.users += 1
+
+    def remove_user(self) -> None:
+        with self.lock:
+            self.users -= 1
+            if self.users == 0 and self._stream is not None:
+                self._stream.close()
+                self._stream = None
+
+    def stream(self) -> Stream:
+        """The shared stream (call with the lock held)."""
+        if self._stream is None:
+            self._stream = Stream()
+        return self._stream
+
+
+_STAGING = _SharedStaging()
 
 
 class DeviceBuffer:
@@ -100,8 +136,9 @@ class DeviceBuffer:
         assert nbytes >= 0, nbytes
         self.nbytes = nbytes
         self.stream = stream
-        self._own_stream: Stream | None = None  # made lazily when a blocking copy needs staging
         self.ptr: int = int(_call(cudart().cudaMalloc(max(nbytes, 1)), f"cudaMalloc of {nbytes} bytes"))
+        if stream is None:
+            _STAGING.add_user()
 
     def copy_from_host(self, array: np.ndarray, offset: int = 0) -> None:
         host = np.ascontiguousarray(array)
@@ -134,25 +171,26 @@ class DeviceBuffer:
         if abs(dst_offset - src_offset) >= nbytes:
             self._copy(self.ptr + dst_offset, self.ptr + src_offset, nbytes, kind)
             return
-        # cudaMemcpy leaves overlapping copies undefined: stage through the stream's scratch.
-        stream = self.stream or self._staging_stream()
-        scratch = stream.scratch(nbytes)
-        self._copy(scratch.ptr, self.ptr + src_offset, nbytes, kind, stream=stream)
-        self._copy(self.ptr + dst_offset, scratch.ptr, nbytes, kind, stream=stream)
+        # cudaMemcpy leaves overlapping copies undefined: stage through a scratch buffer.
+        if self.stream is not None:
+            self._staged(self.stream, src_offset, dst_offset, nbytes)
+            return
+        with _STAGING.lock:  # blocking copies: the shared scratch is free again when this returns
+            self._staged(_STAGING.stream(), src_offset, dst_offset, nbytes)
 
     def free(self) -> None:
         if self.ptr:
             _call(cudart().cudaFree(self.ptr), "cudaFree")
             self.ptr = 0
-        if self._own_stream is not None:
-            self._own_stream.close()
-            self._own_stream = None
+            if self.stream is None:
+                _STAGING.remove_user()
 
     # -- internals -------------------------------------------------------------------------
-    def _staging_stream(self) -> Stream:
-        if self._own_stream is None:
-            self._own_stream = Stream()
-        return self._own_stream
+    def _staged(self, stream: Stream, src_offset: int, dst_offset: int, nbytes: int) -> None:
+        kind = cudart().cudaMemcpyKind.cudaMemcpyDeviceToDevice
+        scratch = stream.scratch(nbytes)
+        self._copy(scratch.ptr, self.ptr + src_offset, nbytes, kind, stream=stream)
+        self._copy(self.ptr + dst_offset, scratch.ptr, nbytes, kind, stream=stream)
 
     def _copy(self, dst: int, src: int, nbytes: int, kind: Any, blocking: bool = False,
               stream: Stream | None = None) -> None:

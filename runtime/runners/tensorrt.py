@@ -1,35 +1,47 @@
-"""The TensorRT Runner: planner and infiller engines on one CUDA stream, KV cache on the device.
+"""The TensorRT Runner: one engine serving the planner and the infiller, on one CUDA stream, KV cache on the device.
 
 Loading verifies engines.json (TensorRT version, GPU, engine sha256) before deserializing.
-Each (engine, profile) pair gets its own execution context, set to that profile once, and
-all contexts share one activation buffer: forwards are serialized on the stream, so only
-one context ever runs at a time. A forward binds the cache's committed prefix as past
-(base address, shape [1, past, H, D]) and the infiller's present straight into the cache at
-`write_at`; only ids, positions and the mask go up, and only the small heads come back.
+The engine is the infiller graph's, with a profile per kind of forward (runtime/core/profiles.py),
+so the weights are resident once. Each profile gets its own execution context, set to that
+profile once, and all contexts share one activation buffer: forwards are serialized on the
+stream, so only one context ever runs at a time. A forward binds the cache's committed prefix
+as past (base address, shape [1, past, H, D]) and the infiller's present straight into the
+cache at `write_at`; only ids, positions and the mask go up, and only the small heads come back.
+A planner forward runs on the engine's planner profile and returns the planner's heads; the
+present KV it also computes goes to a scratch buffer apart from the cache (seq tokens of KV,
+never read), and its input_probs stay on the device.
 
 TensorRT wants every tensor address 256-byte aligned. A cache slot is aligned when a
 token's KV per layer is a multiple of 256 bytes (kv_heads x head_dim x itemsize: 2048 for
 Qwen3-8B in fp16); otherwise present is written to an aligned staging area and copied into
-the cache on the stream, which only tiny test models need.
+the cache on the stream, which only tiny test models need. An empty past (prefill) is bound
+to a small buffer of its own, never to the address present is written to.
+
+The engine is deserialized from its file through a TensorRT stream reader over a read-only
+mapping of the file, so the runner makes no copy of it in host memory (docs/tensorrt.md
+has the peaks). Once per (profile, input shapes) the output shapes TensorRT infers are checked against
+the buffers bound for them, so an engine that disagrees with the contract cannot overflow them.
+Needs TensorRT >= 10.1 (`set_device_memory(ptr, size)`, `device_memory_size_v2`).
 """
 
 from __future__ import annotations
 
+import mmap
+import re
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from refusion.runtime.core.contract import (
     BATCH,
-    GRAPH_NAMES,
     SEQ,
     GraphName,
     past_key_name,
     past_value_name,
 )
-from refusion.runtime.core.engines_manifest import EngineManifest, Target
 from refusion.runtime.core.dtypes import dtype, from_trt
+from refusion.runtime.core.engines_manifest import ENGINE_GRAPH, EngineManifest, Target
 from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.core.export_manifest import ExportManifest
 from refusion.runtime.core.profiles import check_request, select_profile
@@ -41,6 +53,7 @@ if TYPE_CHECKING:
     import tensorrt
 
 ALIGNMENT = 256  # bytes; TensorRT's requirement for tensor addresses
+MIN_TENSORRT = (10, 1)  # the V2 device memory API: IExecutionContext.set_device_memory(ptr, size)
 
 
 def require_tensorrt() -> None:
@@ -54,6 +67,14 @@ def require_tensorrt() -> None:
         raise RefusionError(f"TensorRT is not installed: {hint}") from e
     if not hasattr(tensorrt, "__version__"):
         raise RefusionError(f"`import tensorrt` finds only {list(tensorrt.__path__)} (type stubs?), not TensorRT: {hint}")
+    version = str(tensorrt.__version__)
+    found = re.match(r"(\d+)\.(\d+)", version)
+    if found is None or (int(found[1]), int(found[2])) < MIN_TENSORRT:
+        raise RefusionError(
+            f"TensorRT {version} is installed; refusion-trt needs TensorRT >= 10.1 (its runner gives contexts their "
+            "activation memory with set_device_memory(ptr, size)). pip install 'tensorrt>=10.1' (on Jetson: JetPack "
+            "6.1 or later, which ships TensorRT 10.3), then rebuild the engines with it."
+        )
 
 
 def current_target() -> Target:
@@ -74,10 +95,12 @@ class TensorRTRunner(Runner):
         self.limits = engines.limits
         self._runtime: tensorrt.Runtime | None = None
         self._stream: Stream | None = None
-        self._cuda_engines: dict[GraphName, tensorrt.ICudaEngine] = {}
-        self._contexts: dict[GraphName, list[tensorrt.IExecutionContext]] = {}
+        self._engine: tensorrt.ICudaEngine | None = None
+        self._contexts: list[tensorrt.IExecutionContext] = []  # one per profile
         self._activations: DeviceBuffer | None = None
-        self._io: dict[str, DeviceBuffer] = {}  # ids, positions, mask, heads: grown on demand
+        self._empty: DeviceBuffer | None = None  # where empty tensors (a prefill's past) are bound
+        self._shapes_checked: set[tuple[int, int, int]] = set()  # (profile, seq, past)
+        self._io: dict[str, DeviceBuffer] = {}  # ids, positions, mask, heads, present staging: grown on demand
         self._keys: list[DeviceBuffer] = []
         self._values: list[DeviceBuffer] = []
 
@@ -98,7 +121,7 @@ class TensorRTRunner(Runner):
     # -- lifecycle ---------------------------------------------------------------------------
     def _activate(self) -> None:
         self.engines.verify_target(current_target())  # needs tensorrt; says how to install it
-        self.engines.verify_files()  # every check before any deserialization
+        self.engines.verify_file()  # every check before any deserialization
         try:
             self._load()
         except BaseException:
@@ -110,27 +133,26 @@ class TensorRTRunner(Runner):
 
         self._stream = Stream()
         runtime = self._runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
-        scratch = 0
-        for graph in GRAPH_NAMES:  # one engine's bytes in host memory at a time
-            engine = runtime.deserialize_cuda_engine(self.engines.engine_path(graph).read_bytes())
-            if engine is None:
-                raise RefusionError(f"TensorRT could not deserialize {graph}.engine; rebuild with: "
-                                    f"{self.engines.rebuild_command}")
-            self._check_io(graph, engine)
-            self._cuda_engines[graph] = engine
-            scratch = max(scratch, _activation_bytes(engine))
-        self._activations = DeviceBuffer(scratch, self._stream)
-        for graph, engine in self._cuda_engines.items():
-            self._contexts[graph] = []
-            for index in range(engine.num_optimization_profiles):
-                context = engine.create_execution_context(trt.ExecutionContextAllocationStrategy.USER_MANAGED)
-                context.set_device_memory(self._activations.ptr, self._activations.nbytes)
-                if not context.set_optimization_profile_async(index, self._stream.handle):
-                    raise RefusionError(f"TensorRT refused profile {index} of {graph}.engine; rebuild the engines.")
-                self._contexts[graph].append(context)
+        engine = _deserialize(runtime, self.engines.engine_path)
+        if engine is None:
+            raise RefusionError(f"TensorRT could not deserialize {self.engines.engine.file}; rebuild with: "
+                                f"{self.engines.rebuild_command}")
+        self._check_io(engine)
+        self._engine = engine
+        self._activations = DeviceBuffer(engine.device_memory_size_v2, self._stream)  # one context, any profile
+        self._empty = DeviceBuffer(ALIGNMENT, self._stream)
+        for index, profile in enumerate(self.engines.engine.profiles):
+            context = engine.create_execution_context(trt.ExecutionContextAllocationStrategy.USER_MANAGED)
+            context.set_device_memory(self._activations.ptr, self._activations.nbytes)
+            try:  # the binding raises where the C++ API returns false
+                context.set_optimization_profile_async(index, self._stream.handle)
+            except RuntimeError as e:
+                raise RefusionError(f"TensorRT refused profile {index} ({profile.name}) of {self.engines.engine.file} "
+                                    f"({e}); rebuild with: {self.engines.rebuild_command}") from e
+            self._contexts.append(context)
         self._stream.synchronize()
 
-    def _check_io(self, graph: GraphName, engine: tensorrt.ICudaEngine) -> None:
+    def _check_io(self, engine: tensorrt.ICudaEngine) -> None:
         """The engine's tensors and profiles must be the ones engines.json and refusion.json describe."""
         import tensorrt as trt
 
@@ -140,14 +162,15 @@ class TensorRTRunner(Runner):
             mode = "in" if engine.get_tensor_mode(name) == trt.TensorIOMode.INPUT else "out"
             row = from_trt(engine.get_tensor_dtype(name).name)
             found[name] = (mode, row.name if row else "?")
-        spec = self.manifest.graphs[graph]
+        spec = self.manifest.graphs[ENGINE_GRAPH]
         expected = {t.name: ("in", t.dtype) for t in spec.inputs} | {t.name: ("out", t.dtype) for t in spec.outputs}
-        profiles = len(self.engines.engines[graph].profiles)
+        profiles = len(self.engines.engine.profiles)
         if found != expected or engine.num_optimization_profiles != profiles:
             diff = sorted(set(found.items()) ^ set(expected.items()))[:6]
             raise RefusionError(
-                f"{graph}.engine does not match refusion.json / engines.json beside it (differences: {diff}, "
-                f"profiles {engine.num_optimization_profiles} vs {profiles}); rebuild with: {self.engines.rebuild_command}"
+                f"{self.engines.engine.file} does not match refusion.json / engines.json beside it (differences: "
+                f"{diff}, profiles {engine.num_optimization_profiles} vs {profiles}); rebuild with: "
+                f"{self.engines.rebuild_command}"
             )
 
     def _deactivate(self) -> None:
@@ -156,11 +179,13 @@ class TensorRTRunner(Runner):
         for buf in [*self._keys, *self._values, *self._io.values()]:
             buf.free()
         self._keys, self._values, self._io = [], [], {}
-        self._contexts.clear()  # contexts before engines, engines before the runtime
-        self._cuda_engines.clear()
-        if self._activations is not None:
-            self._activations.free()
-            self._activations = None
+        self._contexts = []  # contexts before the engine, the engine before the runtime
+        self._engine = None
+        self._shapes_checked.clear()
+        for own in (self._activations, self._empty):
+            if own is not None:
+                own.free()
+        self._activations = self._empty = None
         self._runtime = None
         if self._stream is not None:
             self._stream.close()
@@ -173,6 +198,7 @@ class TensorRTRunner(Runner):
         return self.kv_bytes_per_token // (2 * self.manifest.num_layers)
 
     def _allocate_kv(self, capacity: int, slot: int) -> None:  # one slot (max_slots 1)
+        self._active_stream.synchronize()  # queued forwards and moves may still use the old cache
         for buf in self._keys + self._values:
             buf.free()
         n, size = self.manifest.num_layers, capacity * self._token_bytes
@@ -219,10 +245,10 @@ class TensorRTRunner(Runner):
     def _run(self, graph: GraphName, input_ids: np.ndarray, position_ids: np.ndarray,
              attention_mask: np.ndarray, past_length: int, write_at: int | None, slot: int) -> dict[str, np.ndarray]:
         seq = input_ids.shape[1]
-        index = select_profile(list(self.engines.engines[graph].profiles), seq, past_length)
+        index = select_profile(list(self.engines.engine.profiles), graph, seq, past_length)
         if index is None:  # before any device work
             raise RefusionError(self._outside_message(graph, seq, past_length))
-        context = self._contexts[graph][index]
+        context = self._contexts[index]
         m, t = self.manifest, self._token_bytes
         for name, array in (("input_ids", input_ids), ("position_ids", position_ids),
                             ("attention_mask", attention_mask)):
@@ -233,28 +259,35 @@ class TensorRTRunner(Runner):
         for i in range(m.num_layers):  # past: the cache's first past_length tokens, in place
             self._bind_input(context, past_key_name(i), self._keys[i].ptr, kv_shape)
             self._bind_input(context, past_value_name(i), self._values[i].ptr, kv_shape)
-        heads = {o.name: (_shape(o.axes, seq), dtype(o.dtype).numpy)
-                 for o in m.graphs[graph].outputs if not o.name.startswith("present.")}
-        for name, (shape, host) in heads.items():
+        outputs = {o.name: (_shape(o.axes, seq), dtype(o.dtype).numpy) for o in m.graphs[ENGINE_GRAPH].outputs}
+        if (index, seq, past_length) not in self._shapes_checked:
+            self._check_output_shapes(context, {name: shape for name, (shape, _) in outputs.items()})
+            self._shapes_checked.add((index, seq, past_length))
+        heads = {name: out for name, out in outputs.items() if not name.startswith("present.")}
+        for name, (shape, host) in heads.items():  # a planner forward's input_probs too, never read back
             nbytes = int(np.prod(shape)) * host.itemsize
             self._bind_output(context, name, self._buffer(name, nbytes).ptr)
-        staging = self._bind_presents(context, seq, write_at) if write_at is not None else None
+        staging = self._bind_presents(context, seq, write_at)
         if not context.execute_async_v3(self._active_stream.handle):
-            raise RefusionError(f"TensorRT failed to run the {graph} engine (seq {seq}, past {past_length}); "
+            raise RefusionError(f"TensorRT failed to run a {graph} forward (seq {seq}, past {past_length}); "
                                 "see the TensorRT log above.")
         if staging is not None and write_at is not None:
             buf, stride = staging
             for j, cache in enumerate(self._keys + self._values):
                 buf.copy_to(cache, seq * t, src_offset=j * stride, dst_offset=write_at * t)
-        return {name: self._io[name].copy_to_host(shape, host) for name, (shape, host) in heads.items()}
+        returned = [o.name for o in m.graphs[graph].outputs if o.name in heads]  # not a planner's input_probs
+        return {name: self._io[name].copy_to_host(*heads[name]) for name in returned}
 
-    def _bind_presents(self, context: tensorrt.IExecutionContext, seq: int, write_at: int) -> tuple[DeviceBuffer, int] | None:
-        """Present KV straight into the cache at write_at; through an aligned staging buffer when
-        that address is not 256-byte aligned (returned, to be copied in after the run)."""
+    def _bind_presents(self, context: tensorrt.IExecutionContext, seq: int,
+                       write_at: int | None) -> tuple[DeviceBuffer, int] | None:
+        """Present KV straight into the cache at write_at. Through an aligned staging buffer when
+        that address is not 256-byte aligned (returned, to be copied in after the run), and for a
+        planner forward (write_at None), whose present is discarded: the staging buffer is its
+        scratch, apart from the cache, so it can overwrite nothing the loop reads."""
         m, t = self.manifest, self._token_bytes
         caches = self._keys + self._values
         names = [f"present.{i}.key" for i in range(m.num_layers)] + [f"present.{i}.value" for i in range(m.num_layers)]
-        if (write_at * t) % ALIGNMENT == 0:
+        if write_at is not None and (write_at * t) % ALIGNMENT == 0:
             for name, cache in zip(names, caches):
                 self._bind_output(context, name, cache.ptr + write_at * t)
             return None
@@ -262,12 +295,28 @@ class TensorRTRunner(Runner):
         buf = self._buffer("present staging", len(caches) * stride)
         for j, name in enumerate(names):
             self._bind_output(context, name, buf.ptr + j * stride)
-        return buf, stride
+        return (buf, stride) if write_at is not None else None
+
+    def _check_output_shapes(self, context: tensorrt.IExecutionContext, expected: dict[str, tuple[int, ...]]) -> None:
+        """The shapes TensorRT infers for the outputs must be those of the buffers bound for them."""
+        unspecified = context.infer_shapes()
+        if unspecified:
+            raise RefusionError(f"TensorRT cannot infer the engine's output shapes: {sorted(unspecified)} "
+                                "lack input shapes. This is a bug in the runner's bindings; please report it.")
+        got = {name: tuple(context.get_tensor_shape(name)[:]) for name in expected}  # Dims[:] is a tuple
+        wrong = [f"{name}: engine {list(got[name])}, refusion.json {list(shape)}"
+                 for name, shape in expected.items() if got[name] != shape]
+        if wrong:
+            raise RefusionError(f"{self.engines.engine.file} computes outputs of other shapes than its buffers are "
+                                f"sized for ({'; '.join(wrong[:4])}); rebuild with: {self.engines.rebuild_command}")
 
     def _bind_input(self, context: tensorrt.IExecutionContext, name: str, ptr: int, shape: tuple[int, ...]) -> None:
         if not context.set_input_shape(name, shape):
             raise RefusionError(f"TensorRT refused shape {list(shape)} for {name}; it lies outside the engine's "
                                 f"profile. Rebuild with: {self.engines.rebuild_command}")
+        if 0 in shape:  # an empty tensor gets its own address, never one an output is written to
+            assert self._empty is not None
+            ptr = self._empty.ptr
         if not context.set_tensor_address(name, ptr):
             raise RefusionError(f"TensorRT refused the address of {name} (alignment {ptr % ALIGNMENT}).")
 
@@ -292,11 +341,12 @@ class TensorRTRunner(Runner):
         return self._stream
 
     def _outside_message(self, graph: GraphName, seq: int, past: int) -> str:
-        profiles = self.engines.engines[graph].profiles
+        profiles = [p for p in self.engines.engine.profiles if p.graph == graph]
         spans = "; ".join(f"{p.name}: seq {p.seq[0]}..{p.seq[2]}, past {p.past[0]}..{p.past[2]}" for p in profiles)
         lim = self.limits
         return (
-            f"a {graph} forward of {seq} tokens over {past} past tokens lies outside the engines' profiles ({spans}), "
+            f"a {graph} forward of {seq} tokens over {past} past tokens lies outside the engine's {graph} profiles "
+            f"({spans}), "
             f"which come from --max-prompt {lim.max_prompt} --gen-length {lim.gen_length} --max-slots "
             f"{lim.max_slots} x --slot-size {lim.slot_size}. Raise the limit the request exceeds and rebuild: "
             f"{self.engines.rebuild_command}"
@@ -308,7 +358,57 @@ def _shape(axes: tuple[str | int, ...], seq: int) -> tuple[int, ...]:
     return tuple(1 if a == BATCH else seq if a == SEQ else int(a) for a in axes)
 
 
-def _activation_bytes(engine: tensorrt.ICudaEngine) -> int:
-    """Activation memory one context needs, over all profiles (the v2 query exists from TensorRT 10.1)."""
-    size = getattr(engine, "device_memory_size_v2", None)
-    return int(size if size is not None else engine.device_memory_size)
+def _deserialize(runtime: tensorrt.Runtime, path: Path) -> tensorrt.ICudaEngine | None:
+    """An engine read from its file by a TensorRT stream reader over a read-only mapping: the
+    reader hands out views of the mapped file (page cache), never a copy of it."""
+    with open(path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+        return runtime.deserialize_cuda_engine(_stream_reader(_MappedFile(mapped)))
+
+
+class _MappedFile:
+    """A position in a mapped file; reads are views of the mapping, not copies."""
+
+    def __init__(self, mapped: mmap.mmap):
+        self.mapped, self.pos = mapped, 0
+
+    def read(self, nbytes: int) -> memoryview:
+        view = memoryview(self.mapped)[self.pos:self.pos + max(nbytes, 0)]
+        self.pos += len(view)
+        return view
+
+    def seek(self, offset: int, whence: int) -> bool:
+        """whence as in io: 0 from the start, 1 from the position, 2 from the end (TensorRT's SeekPosition)."""
+        pos = offset + (0, self.pos, len(self.mapped))[whence]
+        if not 0 <= pos <= len(self.mapped):
+            return False
+        self.pos = pos
+        return True
+
+
+def _stream_reader(source: _MappedFile) -> Any:
+    """TensorRT's IStreamReaderV2 (10.7+; the binding copies what read returns to device or host
+    destinations, asking again until it has all it asked for), else IStreamReader (10.1-10.6).
+    The Python overrides take other arguments than the C++ methods the stubs describe."""
+    import tensorrt as trt
+
+    if hasattr(trt, "IStreamReaderV2"):
+        class ReaderV2(trt.IStreamReaderV2):
+            def __init__(self) -> None:
+                trt.IStreamReaderV2.__init__(self)
+
+            def read(self, num_bytes: int, stream: int) -> memoryview:  # type: ignore[override]
+                return source.read(num_bytes)
+
+            def seek(self, offset: int, where: tensorrt.SeekPosition) -> bool:
+                return source.seek(offset, int(where))
+
+        return ReaderV2()
+
+    class Reader(trt.IStreamReader):
+        def __init__(self) -> None:
+            trt.IStreamReader.__init__(self)
+
+        def read(self, size: int) -> memoryview:  # type: ignore[override]
+            return source.read(size)  # never more than asked: the binding copies at most `size` bytes
+
+    return Reader()

@@ -46,18 +46,18 @@ def fakes(monkeypatch) -> tuple[FakeTensorRT, FakeCudart]:
     trt = FakeTensorRT(cudart)
     monkeypatch.setitem(sys.modules, "tensorrt", trt)
     monkeypatch.setattr(cuda, "_CUDART", cudart)
+    monkeypatch.setattr(cuda, "_STAGING", cuda._SharedStaging())  # its stream belongs to this test's fake
     return trt, cudart
 
 
 def fake_engines(export: Path, output: Path, limits=None, **target) -> Path:
-    """An engines directory as `build_engines` writes it, with fake engine files."""
+    """An engines directory as `build_engines` writes it, with a fake engine file."""
     from refusion.engines.build import plan_build, write_engines_dir
     from refusion.runtime.core.engines_manifest import Target
     from refusion.runtime.core.profiles import DecodeLimits
 
     plan = plan_build(export, output, limits or DecodeLimits(max_prompt=16, gen_length=64, slot_size=4, serial_blocks=2))
     output.mkdir(parents=True)
-    engines = {g: fake_engine_bytes(plan, g) for g in ("planner", "infiller")}
     where = {"tensorrt": "10.13.0.35", "gpu": "Fake GPU", "compute_capability": "9.0", **target}
-    write_engines_dir(plan, output, engines, Target(**where), strongly_typed=False, seconds=0.0)
+    write_engines_dir(plan, output, fake_engine_bytes(plan), Target(**where), strongly_typed=False, seconds=0.0)
     return output

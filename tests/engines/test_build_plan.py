@@ -57,7 +57,7 @@ def test_weakly_typed_fp16_loaders(exports, tmp_path):
 
     cache = tmp_path / "timing.cache"
     plan = plan_build(exports["fp16"], tmp_path / "engines", LIMITS, timing_cache=cache, workspace_gib=2)
-    loader = engine_loader(plan, "infiller", strongly_typed=False)
+    loader = engine_loader(plan, strongly_typed=False)
     assert isinstance(loader, EngineBytesFromNetwork) and loader.timing_cache_path == str(cache)
     network = loader._network
     assert isinstance(network, PostprocessNetwork)  # the fp32 islands are pinned after parsing
@@ -71,10 +71,13 @@ def test_weakly_typed_fp16_loaders(exports, tmp_path):
     assert config.fp16 and not config.bf16 and not config.tf32
     assert config.precision_constraints == "obey"
     assert config.timing_cache_path == str(cache)
-    # one Polygraphy profile per ProfileSpec, every input with its min/opt/max
+    # one engine for both roles: one Polygraphy profile per ProfileSpec, the planner's included, every
+    # input with its min/opt/max
     spec = plan.export.graphs["infiller"]
-    assert len(config.profiles) == 2
-    for polygraphy_profile, ours in zip(config.profiles, plan.profiles["infiller"]):
+    assert [(p.name, p.graph) for p in plan.profiles] == [("prefill", "infiller"), ("decode", "infiller"),
+                                                           ("plan", "planner")]
+    assert len(config.profiles) == 3
+    for polygraphy_profile, ours in zip(config.profiles, plan.profiles):
         expected = ours.shapes(spec)
         assert set(polygraphy_profile) == set(expected)
         for name, (lo, opt, hi) in expected.items():
@@ -86,12 +89,13 @@ def test_strongly_typed_and_fp32_loaders_set_no_precision_flags(exports, tmp_pat
     from polygraphy.backend.trt import NetworkFromOnnxPath
 
     plan = plan_build(exports["bf16"], tmp_path / "engines", LIMITS)
-    loader = engine_loader(plan, "planner", strongly_typed=True)
+    loader = engine_loader(plan, strongly_typed=True)
     assert isinstance(loader._network, NetworkFromOnnxPath) and loader._network.strongly_typed
+    assert loader._network.path == str(exports["bf16"] / "infiller.onnx")
     config = loader._config._config
     assert not config.fp16 and not config.bf16 and config.precision_constraints is None
-    assert len(config.profiles) == 1 and loader.timing_cache_path is None
-    fp32 = engine_loader(plan_build(exports["fp32"], tmp_path / "e", LIMITS), "planner", strongly_typed=False)
+    assert len(config.profiles) == 3 and loader.timing_cache_path is None
+    fp32 = engine_loader(plan_build(exports["fp32"], tmp_path / "e", LIMITS), strongly_typed=False)
     assert isinstance(fp32._network, NetworkFromOnnxPath)
 
 
@@ -109,10 +113,9 @@ def test_fp32_island_is_what_the_export_keeps_in_fp32(exports):
 
 
 def test_layer_to_node_mapping():
-    assert layer_node("n12_ReduceMean_3", "[ONNX Layer: n12_ReduceMean]") == "n12_ReduceMean"
-    assert layer_node("x", "[ONNX Layer: n7_Softmax | Local Function: f]") == "n7_Softmax"
-    assert layer_node("n12_ReduceMean_3", "") == "n12_ReduceMean"  # older parsers: the name's suffix
-    assert layer_node("n12_ReduceMean", "") == "n12_ReduceMean"
+    assert layer_node("[ONNX Layer: n12_ReduceMean]") == "n12_ReduceMean"
+    assert layer_node("[ONNX Layer: n7_Softmax | Local Function: f]") == "n7_Softmax"
+    assert layer_node("") is None  # a layer the parser made for itself (a constant, a broadcast)
 
 
 class _Tensor(SimpleNamespace):
@@ -120,6 +123,8 @@ class _Tensor(SimpleNamespace):
 
 
 class _Layer:
+    """An ILayer as keep_fp32 sees it."""
+
     def __init__(self, name, inputs, outputs, metadata=""):
         self.name, self.metadata = name, metadata
         self._inputs, self._outputs = inputs, outputs
@@ -137,21 +142,104 @@ class _Layer:
         self.output_types[i] = dtype
 
 
-def test_keep_fp32_pins_island_layers(fakes):
+def _network(layers):
+    return SimpleNamespace(num_layers=len(layers), get_layer=lambda i: layers[i])
+
+
+def test_keep_fp32_pins_island_layers_and_the_constants_feeding_them(fakes):
     trt, _ = fakes
-    half, f32, i64 = _Tensor(dtype=trt.float16), _Tensor(dtype=trt.float32), _Tensor(dtype="INT64")
+    x, w = _Tensor(name="x", dtype=trt.float16), _Tensor(name="w", dtype=trt.float16)
+    t = {n: _Tensor(name=n, dtype=trt.float32) for n in ("a", "b", "eps", "eps_b", "g")}
+    i64 = _Tensor(name="idx", dtype="INT64")
+    half = _Tensor(name="h", dtype=trt.float16)
     layers = [
-        _Layer("n3_ReduceMean", [f32], [f32], "[ONNX Layer: n3_ReduceMean]"),
-        _Layer("n3_ReduceMean_1", [f32], [f32], "[ONNX Layer: n3_ReduceMean]"),
-        _Layer("n9_GatherElements", [f32, i64], [f32], "[ONNX Layer: n9_GatherElements]"),
-        _Layer("n4_MatMul", [half, half], [half], "[ONNX Layer: n4_MatMul]"),
+        _Layer("n3_ReduceMean", [t["a"]], [t["b"]], "[ONNX Layer: n3_ReduceMean]"),
+        _Layer("eps", [], [t["eps"]]),  # the parser's constant for an initializer: no metadata
+        _Layer("ONNXTRT_Broadcast", [t["eps"]], [t["eps_b"]]),
+        _Layer("n4_Add", [t["b"], t["eps_b"]], [t["a"]], "[ONNX Layer: n4_Add]"),
+        _Layer("n9_GatherElements", [t["a"], i64], [t["g"]], "[ONNX Layer: n9_GatherElements]"),
+        _Layer("w", [], [w]),  # a half weight feeding only half layers
+        _Layer("n5_MatMul", [x, w], [half], "[ONNX Layer: n5_MatMul]"),
     ]
-    network = SimpleNamespace(num_layers=len(layers), get_layer=lambda i: layers[i])
-    assert keep_fp32(network, {"n3_ReduceMean", "n9_GatherElements"}) == 3
-    assert layers[0].precision is trt.float32 and layers[0].output_types == {0: trt.float32}
-    assert layers[1].precision is trt.float32
-    assert layers[2].precision is None and layers[2].output_types == {0: trt.float32}  # int indices: output only
-    assert layers[3].precision is None and layers[3].output_types == {}
+    assert keep_fp32(_network(layers), {"n3_ReduceMean", "n4_Add", "n9_GatherElements"}) == 5
+    for layer in layers[:4]:
+        assert layer.precision is trt.float32 and layer.output_types == {0: trt.float32}, layer.name
+    assert layers[4].precision is None and layers[4].output_types == {0: trt.float32}  # int indices: output only
+    assert all(layer.precision is None and layer.output_types == {} for layer in layers[5:])
+
+
+_TRT_TYPES = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.FLOAT16: "float16",
+              onnx.TensorProto.BFLOAT16: "bfloat16"}
+
+
+def _parsed(model, trt):
+    """The network onnx-tensorrt makes of `model`, as keep_fp32 sees it: a layer per node with
+    "[ONNX Layer: <node>]" metadata; for a float initializer a node takes as a tensor, a constant
+    layer named after it without metadata, behind an "ONNXTRT_Broadcast" reshape (no metadata
+    either) where its rank is below the other operand's (importerUtils.cpp: convertToTensor,
+    broadcastTensors)."""
+    inferred = onnx.shape_inference.infer_shapes(model).graph
+    info = {v.name: v.type.tensor_type for v in [*inferred.value_info, *inferred.input, *inferred.output]}
+    inits = {i.name: i for i in model.graph.initializer}
+
+    def tensor(name, elem):
+        return _Tensor(name=name, dtype=getattr(trt, _TRT_TYPES[elem]) if elem in _TRT_TYPES else f"onnx type {elem}")
+
+    tensors = {name: tensor(name, t.elem_type) for name, t in info.items()}
+    layers, constants = [], {}
+    for node in model.graph.node:
+        inputs = []
+        for name in node.input:
+            init = inits.get(name)
+            if init is None or init.data_type not in _TRT_TYPES:
+                inputs.append(tensors.get(name))  # int initializers stay weights: no tensor
+                continue
+            if name not in constants:
+                constants[name] = tensor(name, init.data_type)
+                layers.append(_Layer(name, [], [constants[name]]))
+            source = constants[name]
+            ranks = [len(info[i].shape.dim) for i in node.input if i in info]
+            if ranks and len(init.dims) < max(ranks):
+                source = tensor(f"{name}_broadcast_{node.name}", init.data_type)
+                layers.append(_Layer("ONNXTRT_Broadcast", [constants[name]], [source]))
+            inputs.append(source)
+        layers.append(_Layer(node.name, inputs, [tensors[o] for o in node.output], f"[ONNX Layer: {node.name}]"))
+    return layers, constants
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("graph", ["planner", "infiller"])
+def test_every_constant_feeding_the_fp32_island_is_pinned(exports, fakes, dtype, graph):
+    """On the parse of a real export: each float initializer an fp32 node reads (inv_freq, the
+    RMSNorm epsilon and exponent, the attention scale, the mask bias) is a constant pinned to fp32,
+    as is each broadcast between; the half weights are left to the builder."""
+    trt, _ = fakes
+    model = onnx.load(str(exports[dtype] / f"{graph}.onnx"), load_external_data=False)
+    island = fp32_island(model)
+    layers, constants = _parsed(model, trt)
+    keep_fp32(_network(layers), island)
+    producer = {t.name: layer for layer in layers for t in layer._outputs}
+
+    def pinned(layer):  # fp32 out; and fp32 compute unless an input is not a float (a Cast of position ids)
+        floats = all(t is not None and t.dtype in (trt.float32, trt.float16, trt.bfloat16) for t in layer._inputs)
+        return layer.output_types == {0: trt.float32} and (layer.precision is trt.float32 or not floats)
+
+    checked = set()
+    for layer in layers:
+        if layer.name not in island:
+            continue
+        assert pinned(layer), layer.name
+        todo = [t for t in layer._inputs if t is not None and t.name in producer]
+        while todo:  # everything without metadata upstream of an island layer: constants, broadcasts
+            source = producer[todo.pop().name]
+            if not source.metadata:
+                assert pinned(source), f"{source.name} feeds {layer.name}"
+                checked.add(source.name)
+                todo += source._inputs
+    consumers = {n.op_type for n in model.graph.node if n.name in island and set(n.input) & checked}
+    assert len(checked & set(constants)) >= 5 and {"Mul", "Add", "Pow"} <= consumers
+    half = [t for t in constants.values() if t.dtype is not trt.float32]
+    assert half and all(producer[t.name].output_types == {} and producer[t.name].precision is None for t in half)
 
 
 def test_progress_lines(fakes):

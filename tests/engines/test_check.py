@@ -17,10 +17,17 @@ from tests.engines.conftest import fake_engines
 LOOP = {"prefill+plan", "plan", "verify", "ar step", "slot rows"}
 
 
-def test_check_passes_on_engines_of_the_export(peaky_export, fakes, tmp_path):
+def test_check_passes_on_engines_of_the_export(peaky_export, fakes, tmp_path, monkeypatch):
+    from tests.engines.fakes import _Context
+
     lines: list[str] = []
     engines = fake_engines(peaky_export, tmp_path / "engines")
+    ran: list[int] = []  # the profile of every forward: all on the one engine, the planner's on its plan profile
+    real = _Context.execute_async_v3
+    monkeypatch.setattr(_Context, "execute_async_v3",
+                        lambda self, stream: ran.append(self.profile) or real(self, stream))
     assert check.check_engines(engines, report=lines.append)
+    assert sorted(set(ran)) == [0, 1, 2] and ran.count(2) == 5  # 3 batch-1 shapes, plan, slot rows
     assert lines[-1].startswith("PASS") and "  result: PASS" in lines
     assert "12 forwards of 10 cases" in lines[0]  # 16 forwards, less the batch-2 ones
     assert any(line.startswith("  infiller present.*") and line.endswith("ok") for line in lines)
@@ -37,9 +44,10 @@ def test_check_runs_only_the_cases_inside_the_profiles(peaky_export, fakes, tmp_
     assert check.check_engines(fake_engines(peaky_export, tmp_path / "engines", limits), report=lines.append)
     left_out = [line.removeprefix("  left out: ") for line in lines if line.startswith("  left out:")]
     # the planner takes at most a block; the infiller's prefill profile takes past 0 up to prompt + block
-    assert "batch 1 past 0 seq 5 (planner): seq 5 over past 0 lies outside the engine's profiles" in left_out
-    assert "batch 1 past 5 seq 6 in 3 rows (planner, infiller): seq 6 over past 5 lies outside the engine's profiles" \
-        in left_out
+    assert "batch 1 past 0 seq 5 (planner): seq 5 over past 0 lies outside the engine's planner profiles" in left_out
+    for graph in ("planner", "infiller"):
+        assert (f"batch 1 past 5 seq 6 in 3 rows ({graph}): seq 6 over past 5 lies outside the engine's {graph} "
+                "profiles") in left_out
     assert not LOOP & {line.split(" (")[0] for line in left_out}  # the loop's forwards are sized to the limits
 
 

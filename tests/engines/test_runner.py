@@ -2,7 +2,9 @@
 
 The fakes execute the real ONNX graphs over the runner's real pointer arithmetic, so these
 tests pin the bindings (past as a view of the cache, present written in place at write_at,
-staged when unaligned), profile selection, KV moves, and decode parity with the ORT Runner.
+staged when unaligned, an empty past apart from present), profile selection and refusal, the
+output-shape check, loading through TensorRT's stream readers, KV moves, the staging of
+overlapping copies, and decode parity with the ORT Runner.
 What only a GPU shows (kernels, precision, timing) is tools/gpu_check.py's.
 """
 
@@ -37,12 +39,16 @@ def _decode(loop, runner, prompt, eos, params):
 
 
 def test_decode_parity_with_the_ort_runner(peaky_export, fakes, tmp_path):
+    """Planner forwards included: on the TensorRT side they run on the one engine's plan profile."""
     _, cudart = fakes
     engines = fake_engines(peaky_export, tmp_path / "engines")
     ort = OrtRunner(ExportManifest.load(peaky_export), threads=1)
     branches: set[str] = set()
     eos_ids = (-1, 7, 42)
+    graphs: list[str] = []
     with TensorRTRunner.from_dir(engines) as trt, ort:
+        real_run = trt._run
+        trt._run = lambda graph, *args: graphs.append(graph) or real_run(graph, *args)
         for i, ((k, gen, blocks), (st, tt)) in enumerate(itertools.product(LAYOUTS, THRESHOLDS)):
             prompt, eos = PROMPTS[i % 2], eos_ids[i % 3]
             params = DecodeParams(gen_length=gen, slot_size=k, serial_num_blocks=blocks, slot_threshold=st,
@@ -54,6 +60,8 @@ def test_decode_parity_with_the_ort_runner(peaky_export, fakes, tmp_path):
         ar = DecodeParams(gen_length=20, mode="ar")
         trt.check_request(len(PROMPTS[1]), ar)
         assert _decode(ar_decode, trt, PROMPTS[1], -1, ar) == _decode(ar_decode, ort, PROMPTS[1], -1, ar)
+        assert trt._contexts[2].runs == graphs.count("planner") > 0  # the plan profile, every planner forward
+        assert trt._contexts[0].runs + trt._contexts[1].runs == graphs.count("infiller")
     assert {"infill_loop", "commit_from_verification"} <= branches
     # 128-byte tokens: odd write offsets went through the aligned staging buffer, KV moves ran on device
     assert ("cudaMemcpyDeviceToDevice", 0) not in cudart.copies
@@ -85,6 +93,30 @@ def test_present_lands_in_the_cache_at_write_at(peaky_export, fakes, tmp_path):
         for name in before:
             np.testing.assert_array_equal(after[name], before[name][:, 3:12])
 
+
+def test_planner_forward_runs_on_the_one_engine_and_leaves_the_cache(peaky_export, fakes, tmp_path):
+    """A planner forward runs on the engine's plan profile, returns the planner graph's heads, and
+    writes the present KV it computes to scratch apart from the cache, which the next forward may reuse."""
+    engines = fake_engines(peaky_export, tmp_path / "engines")
+    ort = OrtRunner(ExportManifest.load(peaky_export), threads=1)
+    ids = np.array([[5, 17, 42, 99, 7, 3]], dtype=np.int64)
+    with TensorRTRunner.from_dir(engines) as trt, ort:
+        for runner in (trt, ort):
+            runner.allocate_kv(10)
+            runner.run("infiller", ids, np.arange(6)[None], np.tril(np.ones((6, 6), bool))[None], 0, 0)
+        cache = trt.kv_to_host(0, 10)
+        plan = (np.full((1, 4), MASK_ID), np.arange(6, 10)[None], np.ones((1, 4, 10), bool), 6)
+        got, want = trt.run("planner", *plan), ort.run("planner", *plan)
+        assert got.keys() == want.keys() == {"argmax_ids", "argmax_probs"}
+        np.testing.assert_array_equal(got["argmax_ids"], want["argmax_ids"])
+        np.testing.assert_allclose(got["argmax_probs"], want["argmax_probs"], rtol=1e-6)
+        assert [c.runs for c in trt._contexts] == [1, 0, 1]  # prefill, then the plan profile
+        for name, array in trt.kv_to_host(0, 10).items():  # the whole cache, [6, 10) included, untouched
+            np.testing.assert_array_equal(array, cache[name])
+        scratch, plan_context = trt._io["present staging"], trt._contexts[2]
+        presents = [ptr for name, ptr in plan_context.addresses.items() if name.startswith("present.")]
+        assert len(presents) == 2 * trt.manifest.num_layers
+        assert all(scratch.ptr <= ptr < scratch.ptr + scratch.nbytes for ptr in presents)
 
 
 def test_past_uploaded_from_the_host_reads_back(peaky_export, fakes, tmp_path):
@@ -129,6 +161,125 @@ def test_engine_that_does_not_match_refusion_json_is_refused(peaky_export, expor
     (engines / "refusion.json").write_text((exports["fp16"] / "refusion.json").read_text())
     with pytest.raises(RefusionError, match="does not match refusion.json"):
         TensorRTRunner.from_dir(engines).activate()
+
+
+def _prefill(trt, seq=6, write_at=0):
+    ids = np.arange(5, 5 + seq, dtype=np.int64)[None]
+    return trt.run("infiller", ids, np.arange(seq, dtype=np.int64)[None], np.tril(np.ones((seq, seq), bool))[None], 0,
+                   write_at)
+
+
+def test_empty_past_is_bound_apart_from_present(peaky_export, fakes, tmp_path):
+    """At prefill (past 0, write_at 0) the empty past must not share present's address: the fake
+    refuses any input, empty or not, bound where an output is written."""
+    engines = fake_engines(peaky_export, tmp_path / "engines")
+    with TensorRTRunner.from_dir(engines) as trt:
+        trt.allocate_kv(16)
+        _prefill(trt)
+        context = trt._contexts[0]
+        past, present = context.addresses["past_key_values.0.key"], context.addresses["present.0.key"]
+        assert past == trt._empty.ptr and present == trt._keys[0].ptr and past != present
+
+
+def test_profile_refused_by_tensorrt_names_the_rebuild(peaky_export, fakes, tmp_path, monkeypatch):
+    """The binding raises RuntimeError where the C++ call returns false (tests/engines/fakes.py)."""
+    from tests.engines.fakes import _Context
+
+    _, cudart = fakes
+    engines = fake_engines(peaky_export, tmp_path / "engines")
+    with TensorRTRunner.from_dir(engines) as trt, pytest.raises(RuntimeError, match="Error in set optimization"):
+        trt._contexts[0].set_optimization_profile_async(3, 0)  # the engine has three profiles
+    real = _Context.set_optimization_profile_async
+    monkeypatch.setattr(_Context, "set_optimization_profile_async", lambda self, index, stream: real(self, index + 1, stream))
+    with pytest.raises(RefusionError, match=r"refused profile 2 \(plan\) of model.engine \(Error in set optimization "
+                                            r"profile async.\); rebuild with: refusion-export build"):
+        TensorRTRunner.from_dir(engines).activate()
+    assert cudart.allocations == {}
+
+
+def test_output_shapes_are_checked_once_per_shape_and_refused_when_wrong(peaky_export, fakes, tmp_path, monkeypatch):
+    from tests.engines.fakes import _Context
+
+    engines = fake_engines(peaky_export, tmp_path / "engines")
+    with TensorRTRunner.from_dir(engines) as trt:
+        trt.allocate_kv(32)
+        for write_at in (0, 0, 8):
+            _prefill(trt, write_at=write_at)
+        _prefill(trt, seq=7)
+        assert trt._contexts[0].shape_queries == 2  # seq 6 and seq 7 over past 0
+        real = _Context.get_tensor_shape
+        monkeypatch.setattr(_Context, "get_tensor_shape",
+                            lambda self, name: (1, 99) if name == "argmax_probs" else real(self, name))
+        runs = trt._contexts[0].runs
+        with pytest.raises(RefusionError, match=r"model.engine computes outputs of other shapes than its buffers "
+                                                r"are sized for \(argmax_probs: engine \[1, 99\], refusion.json \[1, 5\]\); "
+                                                r"rebuild with: refusion-export build"):
+            _prefill(trt, seq=5)
+        assert trt._contexts[0].runs == runs  # refused before running
+        monkeypatch.setattr(_Context, "infer_shapes", lambda self: ["position_ids"])
+        with pytest.raises(RefusionError, match=r"cannot infer the engine's output shapes: \['position_ids'\]"):
+            _prefill(trt, seq=4)
+
+
+@pytest.mark.parametrize("reader", ["IStreamReaderV2", "IStreamReader"])
+def test_engines_are_streamed_from_their_files(peaky_export, fakes, tmp_path, monkeypatch, reader):
+    """TensorRT >= 10.7 gets an IStreamReaderV2, 10.1-10.6 an IStreamReader; either hands out views
+    of the mapped file, never a copy of the engine, and never reads the file into bytes."""
+    trt_module, _ = fakes
+    if reader == "IStreamReader":
+        monkeypatch.delattr(type(trt_module), "IStreamReaderV2")
+    engines = fake_engines(peaky_export, tmp_path / "engines")
+    monkeypatch.setattr(type(engines), "read_bytes", lambda self: pytest.fail(f"read_bytes({self})"))
+    with TensorRTRunner.from_dir(engines) as trt:
+        trt.allocate_kv(16)
+        _prefill(trt)
+    # the fake reads a 16-byte header, then (V2, after seeking back to the start) the whole engine or (V1) the rest
+    rest = (engines / "model.engine").stat().st_size - (16 if reader == "IStreamReader" else 0)
+    assert [(asked, got) for asked, got, _ in trt_module.reads] == [(16, 16), (rest, rest)]
+    assert {kind for _, _, kind in trt_module.reads} == {"memoryview"}
+
+
+def test_tensorrt_older_than_10_1_is_refused(fakes, monkeypatch):
+    from refusion.runtime.runners.tensorrt import require_tensorrt
+
+    trt, _ = fakes
+    require_tensorrt()
+    monkeypatch.setattr(trt, "__version__", "10.0.1.6")
+    with pytest.raises(RefusionError, match=r"TensorRT 10.0.1.6 is installed; refusion-trt needs TensorRT >= 10.1.*"
+                                            r"pip install 'tensorrt>=10.1'"):
+        require_tensorrt()
+
+
+def test_stream_less_buffers_share_one_staging_stream_and_scratch(fakes):
+    """The onnxruntime CUDA runner's KV buffers have no stream: 72 of them (a 36-layer model) stage
+    their overlapping copies through one stream and one scratch buffer, freed with the last of them."""
+    _, cudart = fakes
+    streams = cudart.streams
+    buffers = [cuda.DeviceBuffer(64) for _ in range(72)]
+    for buf in buffers:
+        buf.copy_from_host(np.arange(64, dtype=np.uint8))
+        buf.copy_within(0, 8, 40)
+    assert cudart.streams == streams + 1 and len(cudart.allocations) == 72 + 1
+    np.testing.assert_array_equal(buffers[-1].copy_to_host((16,), np.uint8), [0, 1, 2, 3, 4, 5, 6, 7, *range(8)])
+    for buf in buffers:
+        buf.free()
+    assert cudart.allocations == {}
+
+
+def test_scratch_is_freed_only_after_its_queued_copies(fakes):
+    """Growing a stream's scratch frees the old one: the stream is synchronized first (the fake
+    refuses to free memory that queued work still uses)."""
+    _, cudart = fakes
+    stream = cuda.Stream()
+    buf = cuda.DeviceBuffer(64, stream)
+    buf.copy_within(0, 8, 40)  # staged through a 40-byte scratch, queued on the stream
+    syncs = cudart.syncs
+    buf.copy_within(0, 4, 60)  # needs a larger scratch
+    assert cudart.syncs == syncs + 1
+    stream.synchronize()
+    buf.free()
+    stream.close()
+    assert cudart.allocations == {}
 
 
 @pytest.mark.parametrize("stream", [True, False])

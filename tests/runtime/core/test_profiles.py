@@ -28,7 +28,8 @@ def _covered(limits: DecodeLimits, prompt: int, gen: int, k: int, blocks: int) -
     profiles = engine_profiles(limits)
     padded = gen + (-gen % k)
     for box in forward_boxes(prompt, padded, padded // blocks):
-        assert box_profile(profiles[box.graph], box) is not None, (limits, prompt, box)
+        index = box_profile(profiles, box)
+        assert index is not None and profiles[index].graph == box.graph, (limits, prompt, box)
 
 
 @pytest.mark.parametrize("task", PAPER)
@@ -51,32 +52,44 @@ def test_default_engines_serve_the_whole_table(task):
 
 
 def test_profile_layout_and_opt_shapes():
+    """One engine serves both roles: the infiller's prefill and decode profiles, and the planner's decode
+    profile ("plan"), whose opt is a whole block."""
     limits = DecodeLimits()  # P 2048, G 512, k 32, block 128
-    profiles = engine_profiles(limits)
-    assert [p.name for p in profiles["infiller"]] == ["prefill", "decode"]
-    assert [p.name for p in profiles["planner"]] == ["decode"]
-    prefill, decode = profiles["infiller"]
+    prefill, decode, plan = engine_profiles(limits)
+    assert [(p.name, p.graph) for p in (prefill, decode, plan)] == [
+        ("prefill", "infiller"), ("decode", "infiller"), ("plan", "planner")]
     assert prefill.seq == (1, 1024 + 128, 2048 + 128) and prefill.past == (0, 0, 0)
     assert decode.seq == (1, 32, 128) and decode.past == (0, 1024 + 256, 2048 + 512 + 128)
-    assert profiles["planner"][0].seq == (1, 128, 128)
-    for p in profiles["planner"] + profiles["infiller"]:
+    assert plan.seq == (1, 128, 128) and plan.past == decode.past
+    for p in (prefill, decode, plan):
         assert p.seq[0] <= p.seq[1] <= p.seq[2] and p.past[0] <= p.past[1] <= p.past[2]
     # the deepest past a forward may read is the whole KV cache the loop allocates at the limits
-    assert decode.past[2] == profiles["planner"][0].past[2] == limits.kv_capacity
+    assert decode.past[2] == plan.past[2] == limits.kv_capacity
 
 
-def test_select_profile_prefers_prefill_without_past():
-    profiles = engine_profiles(DecodeLimits())["infiller"]
-    assert select_profile(profiles, 2000, 0) == 0
-    assert select_profile(profiles, 1, 0) == 0
-    assert select_profile(profiles, 32, 1500) == 1
-    assert select_profile(profiles, 129, 1500) is None
-    assert select_profile(profiles, 3000, 0) is None
+def test_select_profile_picks_by_role_and_prefers_prefill_without_past():
+    profiles = engine_profiles(DecodeLimits())
+    assert select_profile(profiles, "infiller", 2000, 0) == 0
+    assert select_profile(profiles, "infiller", 1, 0) == 0
+    assert select_profile(profiles, "infiller", 32, 1500) == 1
+    assert select_profile(profiles, "infiller", 129, 1500) is None
+    assert select_profile(profiles, "infiller", 3000, 0) is None
+    assert select_profile(profiles, "planner", 128, 1500) == 2  # the decode profile holds it too: the role decides
+    assert select_profile(profiles, "planner", 1, 0) == 2
+    assert select_profile(profiles, "planner", 129, 1500) is None
+    assert select_profile(profiles, "planner", 129, 0) is None  # the prefill profile holds it, not the role
+
+
+def test_profiles_round_trip_with_their_role():
+    for profile in engine_profiles(DecodeLimits()):
+        assert ProfileSpec.from_json(profile.to_json()) == profile
+    with pytest.raises(ValueError, match="graph 'drafter'"):
+        ProfileSpec.from_json({**engine_profiles(DecodeLimits())[2].to_json(), "graph": "drafter"})
 
 
 def test_shapes_follow_the_contract_axes():
     spec = graph_specs(2, 8, 128, 1000, "float16", logits=False)["infiller"]
-    shapes = ProfileSpec("decode", (1, 32, 128), (0, 1280, 2688)).shapes(spec)
+    shapes = ProfileSpec("decode", "infiller", (1, 32, 128), (0, 1280, 2688)).shapes(spec)
     assert shapes["input_ids"] == ((1, 1), (1, 32), (1, 128))
     assert shapes["attention_mask"] == ((1, 1, 1), (1, 32, 1312), (1, 128, 2816))
     assert shapes["past_key_values.1.value"] == ((1, 0, 8, 128), (1, 1280, 8, 128), (1, 2688, 8, 128))

@@ -1,0 +1,76 @@
+"""tools/gpu_check.py's checks that need no GPU to run: the long-position comparison on the CPU
+fakes (it passes on the export's graphs and fails when the rotary frequencies are rounded to
+fp16, as TensorRT could store them), the one-engine check, and the search of the build log for
+weight conversions."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from refusion.runtime.core.profiles import DecodeLimits
+from tests.engines.conftest import fake_engines
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _gpu_check():
+    sys.path.insert(0, str(REPO / "tools"))
+    try:
+        import gpu_check
+    finally:
+        sys.path.pop(0)
+    return gpu_check
+
+
+def _with_half_inv_freq(export: Path, out: Path) -> Path:
+    """A copy of `export` whose rotary inv_freq ([1, 1, head_dim / 2], fp32) holds fp16-rounded values."""
+    shutil.copytree(export, out)
+    for graph in ("planner", "infiller"):
+        model = onnx.load(str(out / f"{graph}.onnx"), load_external_data=False)
+        inv_freq = [i for i in model.graph.initializer if i.data_type == onnx.TensorProto.FLOAT and len(i.dims) == 3]
+        assert len(inv_freq) == 1
+        values = numpy_helper.to_array(inv_freq[0])
+        inv_freq[0].raw_data = values.astype(np.float16).astype(np.float32).tobytes()  # same size: the manifest holds
+        onnx.save(model, str(out / f"{graph}.onnx"))
+    return out
+
+
+def test_long_positions_pass_on_the_export_and_fail_with_fp16_rotary_tables(exports, fakes, tmp_path, capsys):
+    gpu_check = _gpu_check()
+    limits = DecodeLimits(**gpu_check.LIMITS)
+    assert limits.max_prompt + limits.gen_length + limits.block_length == 1024  # the fixture's max positions
+    good = fake_engines(exports["fp16"], tmp_path / "good", limits)
+    assert gpu_check.long_positions(exports["fp16"], exports["fp32"], good)
+    assert "PASS: TensorRT fp16 vs onnxruntime fp32 up to position 1023" in capsys.readouterr().out
+    half = _with_half_inv_freq(exports["fp16"], tmp_path / "half-inv-freq")
+    assert not gpu_check.long_positions(half, exports["fp32"], fake_engines(half, tmp_path / "bad", limits))
+    assert "present.*" in capsys.readouterr().out.split("FAIL (over tolerance")[0].splitlines()[-1]
+
+
+def test_weight_conversion_warnings_are_found():
+    log = """[I] Building engine
+[W] [TRT] TensorRT encountered issues when converting weights between types and that could affect accuracy.
+[W] [TRT] If this is not the desired behavior, please modify the weights or retrain with regularization.
+[W] [TRT] Check verbose logs for the list of affected weights.
+[W] [TRT] - 2 weights are affected by this issue: Detected subnormal FP16 values.
+[I] Finished engine building in 3 s"""
+    assert _gpu_check().weight_conversions(log) == [log.splitlines()[1], log.splitlines()[4]]
+    assert _gpu_check().weight_conversions("[I] Finished engine building in 3 s") == []
+
+
+def test_one_engine_for_both_roles(exports, fakes, tmp_path, capsys):
+    gpu_check = _gpu_check()
+    engines = fake_engines(exports["fp16"], tmp_path / "engines")
+    assert gpu_check.one_engine(exports["fp16"], engines)
+    out = capsys.readouterr().out
+    assert "PASS: one engine for both roles: ['model.engine'], profiles [('prefill', 'infiller'), ('decode', " \
+           "'infiller'), ('plan', 'planner')]" in out
+    assert "device memory held by the active runner: 0.0 MiB" in out  # the fakes' 4 KiB of activations
+    (engines / "planner.engine").write_bytes(b"")  # a second engine would hold the weights again
+    assert not gpu_check.one_engine(exports["fp16"], engines)
