@@ -139,6 +139,11 @@ class Request:
                 yield piece
         if self._error is not None:
             raise self._error
+        # Slots dropped after an EOS may leave a gap in positions that the settled text never
+        # crosses; the result (upstream's reading) joins what follows it: show that too.
+        final = self.result().text
+        if final.startswith(text.shown) and len(final) > len(text.shown):
+            yield final[len(text.shown):]
 
     # -- the engine's side --------------------------------------------------------------------
     @property
