@@ -43,11 +43,6 @@ class Engine:
             self._lock.notify_all()
         return request
 
-    def wake(self) -> None:
-        """Look at the requests again now (a cancel while the engine sleeps on an empty queue)."""
-        with self._lock:
-            self._lock.notify_all()
-
     def close(self) -> None:
         """Cancel what is waiting or running, and stop the engine thread."""
         with self._lock:
@@ -75,7 +70,11 @@ class Engine:
             self._finish(request, "cancelled")
 
     def _admit(self) -> None:
-        """Waiting requests into free KV slots, in arrival order (under the lock)."""
+        """Waiting requests into free KV slots, in arrival order (under the lock); those cancelled
+        or expired while waiting end at once."""
+        now = time.monotonic()
+        for request in [r for r in self._waiting if r.cancelled or (r.deadline is not None and now > r.deadline)]:
+            self._finish(request, "cancelled" if request.cancelled else "timeout")
         while self._waiting and self._free_slots:
             request = self._waiting.popleft()
             request.slot = self._free_slots.pop()

@@ -241,3 +241,15 @@ def test_stream_ends_with_the_results_text_across_a_gap(export):
         positions = sorted(p for c in result.commits for p in c.positions)
         assert positions != list(range(positions[0], positions[0] + len(positions)))  # the case has a gap
         assert "".join(gen.stream(messages=messages)) == result.text
+
+
+def test_a_request_cancelled_while_waiting_ends_at_once(export):
+    with Generator.from_dir(export, backend="ort-cpu", threads=1, max_requests=1, max_batch=1) as gen:
+        _slow_down(gen, 0.02)
+        busy = gen.submit(prompt_ids=[5, 6, 7], gen_length=64, mode="ar")
+        waiting = gen.submit(prompt_ids=[5, 6, 7], gen_length=64, mode="ar")
+        waiting.cancel()
+        t0 = time.monotonic()
+        assert waiting.result(timeout=10).finish_reason == "cancelled"
+        assert time.monotonic() - t0 < 0.5 and not busy.done  # it did not wait for the busy one
+        busy.cancel()
