@@ -16,9 +16,13 @@ the top of the position range (a prefill of the longest prompt plus a block, and
 the longest past, as both roles): there rotary tables in half precision would be off by
 tenths of a radian. It checks that generation on the TensorRT Runner is token-identical to
 the onnxruntime Runner (whose planner forwards run the planner graph), and prints
-per-forward latency of both roles. One PASS/FAIL line per check; exit 0 only if all pass.
-Under 8 minutes: the engine build dominates, and a timing cache in the work directory speeds
-reruns. The fixture's KV is 256 bytes per token and layer (kv_heads 2 x head_dim 64 x fp16),
+per-forward latency of both roles. Then the same for an int4 export (int4-rtn, block 64, fp16
+scales: blocked INT4 DequantizeLinear -> MatMul): it builds, matches onnxruntime on the shared
+cases (onnxruntime computing fp32 over the same dequantized weights), and generates the same
+tokens as the onnxruntime Runner at the exact accuracy level (the runtime's int8-activation
+level is a different computation, not an identity). One PASS/FAIL line per check; exit 0 only
+if all pass. Under 10 minutes: the two engine builds dominate, and a timing cache in the work
+directory speeds reruns. The fixture's KV is 256 bytes per token and layer (kv_heads 2 x head_dim 64 x fp16),
 so present KV is written straight into the cache, as for real models.
 """
 
@@ -46,6 +50,7 @@ WEIGHT_CONVERSION = "converting weights between types"  # TensorRT's warning, e.
 # (gen_length, slot_size, serial_num_blocks, slot_threshold, token_threshold) for the parity runs
 DECODES = ((64, 8, 2, 0.9, 0.4), (32, 4, 4, 0.0, 0.0), (64, 8, 4, 0.2, 0.7))
 PROMPTS = ([5, 17, 42, 99, 7, 3, 12], list(range(40, 88)))
+INT4_BLOCK = 64  # a block size TensorRT documents for INT4 weights (64, 128) that divides the fixture's dims
 
 
 def line(ok: bool, what: str) -> bool:
@@ -53,18 +58,22 @@ def line(ok: bool, what: str) -> bool:
     return ok
 
 
-def fixture(work: Path) -> tuple[Path, Path]:
-    """The fixture checkpoint's fp16 and fp32 exports."""
+def fixture(work: Path) -> tuple[Path, Path, Path]:
+    """The fixture checkpoint's fp16, fp32 and int4 (fp16 scales) exports."""
     from refusion.export.exporter import export_onnx
+    from refusion.export.quantize import QuantizeOptions
     from tests.fixtures.checkpoints import TinySpec, make_checkpoint
 
-    spec = TinySpec(num_heads=4, kv_heads=2, head_dim=64, weight_scale=3.0)  # confident enough to commit
+    # confident enough to commit; linear inputs 64, 256, 128: INT4_BLOCK divides each
+    spec = TinySpec(num_heads=4, kv_heads=2, head_dim=64, intermediate_size=128, weight_scale=3.0)
     ckpt = make_checkpoint(work / "ckpt", spec)
     return (export_onnx(ckpt, work / "onnx-fp16", dtype="fp16", force=True, progress=print),
-            export_onnx(ckpt, work / "onnx-fp32", dtype="fp32", force=True, progress=print))
+            export_onnx(ckpt, work / "onnx-fp32", dtype="fp32", force=True, progress=print),
+            export_onnx(ckpt, work / "onnx-int4", dtype="fp16", force=True, progress=print,
+                        quantize=QuantizeOptions("int4-rtn", INT4_BLOCK)))
 
 
-def build(export: Path, work: Path, strongly_typed: bool) -> tuple[Path, list[str]]:
+def build(export: Path, work: Path, strongly_typed: bool, name: str = "engines") -> tuple[Path, list[str]]:
     """The engines directory, and TensorRT's warnings (from its log, kept as work/tensorrt-build.log) that
     weights were converted between types."""
     from polygraphy.logger import G_LOGGER
@@ -72,9 +81,9 @@ def build(export: Path, work: Path, strongly_typed: bool) -> tuple[Path, list[st
     from refusion.engines.build import build_engines, plan_build
     from refusion.runtime.core.profiles import DecodeLimits
 
-    plan = plan_build(export, work / "engines", DecodeLimits(**LIMITS), strongly_typed=strongly_typed,
+    plan = plan_build(export, work / name, DecodeLimits(**LIMITS), strongly_typed=strongly_typed,
                       timing_cache=work / "timing.cache")
-    log = work / "tensorrt-build.log"
+    log = work / f"tensorrt-build-{name}.log"
     G_LOGGER.log_file = str(log)  # TensorRT's builder logs through Polygraphy's logger
     t0 = time.perf_counter()
     try:
@@ -174,15 +183,21 @@ class Fp32Past(CaseRunner):
 
 
 def parity(export: Path, engines: Path) -> bool:
+    """Generation on the TensorRT Runner token-identical to the onnxruntime Runner's. For an int4
+    export the onnxruntime Runner runs at the exact accuracy level (fp32 over the dequantized
+    weights, as TensorRT's float GEMM): its default level quantizes activations to int8."""
+    from unittest import mock
+
     from refusion.runtime.core.export_manifest import ExportManifest
     from refusion.runtime.generator import Generator
-    from refusion.runtime.runners.onnxruntime import OrtRunner
+    from refusion.runtime.runners import onnxruntime
     from refusion.runtime.runners.tensorrt import TensorRTRunner
 
-    ort = Generator(ExportManifest.load(export), OrtRunner(ExportManifest.load(export)), None)
-    trt = Generator(ExportManifest.load(engines), TensorRTRunner.from_dir(engines), None)
+    level = onnxruntime.EXACT_ACCURACY_LEVEL
+    ort = Generator(ExportManifest.load(export), onnxruntime.OrtRunner(ExportManifest.load(export)), None)
+    trt = Generator(ExportManifest.read(engines), TensorRTRunner.from_dir(engines), None)  # no graphs there
     ok = True
-    with ort.runner, trt.runner:
+    with mock.patch.object(onnxruntime, "RUNTIME_ACCURACY_LEVEL", level), ort.runner, trt.runner:
         runs = [dict(gen_length=g, slot_size=k, serial_num_blocks=b, slot_threshold=st, token_threshold=tt)
                 for g, k, b, st, tt in DECODES] + [dict(gen_length=32, mode="ar")]
         for prompt in PROMPTS:
@@ -243,7 +258,7 @@ def main() -> int:
     t0 = time.perf_counter()
     from refusion.engines.check import check_engines
 
-    export, export32 = fixture(work)
+    export, export32, export4 = fixture(work)
     engines, converted = build(export, work, args.strongly_typed)
     detail = "".join(f"\n  {c}" for c in converted)
     ok = line(not converted, f"no weights converted between types by the builder{detail}")
@@ -252,6 +267,13 @@ def main() -> int:
     ok &= long_positions(export, export32, engines)
     ok &= parity(export, engines)
     latency(engines)
+    engines4, converted = build(export4, work, args.strongly_typed, "engines-int4")
+    detail = "".join(f"\n  {c}" for c in converted)
+    ok &= line(not converted, f"int4 build: no weights converted between types by the builder{detail}")
+    ok &= one_engine(export4, engines4)
+    ok &= line(check_engines(engines4), f"TensorRT int4 (block {INT4_BLOCK}) engine vs onnxruntime (comparator)")
+    ok &= parity(export4, engines4)
+    latency(engines4)
     line(ok, f"GPU check ({time.perf_counter() - t0:.0f} s, work directory {work})")
     return 0 if ok else 1
 

@@ -37,6 +37,17 @@ def peaky_export(tmp_path_factory) -> Path:
     return export_peaky(tmp_path_factory.mktemp("peaky"), seed=0)[1]
 
 
+@pytest.fixture(scope="session")
+def peaky_int4(peaky_export) -> dict[int, Path]:
+    """The peaky model (hidden 64, intermediate 128) as int4-rtn, by block size."""
+    from refusion.export.exporter import export_onnx
+    from refusion.export.quantize import QuantizeOptions
+
+    ckpt = peaky_export.parent / "ckpt0"  # export_peaky's checkpoint beside its export
+    return {b: export_onnx(ckpt, peaky_export.parent / f"int4-{b}", validate=False,
+                           quantize=QuantizeOptions("int4-rtn", b)) for b in (32, 64)}
+
+
 @pytest.fixture
 def fakes(monkeypatch) -> tuple[FakeTensorRT, FakeCudart]:
     """Install the fakes where the code imports tensorrt and cuda-python from."""

@@ -260,6 +260,8 @@ class _Engine:
         self.profiles = spec["profiles"]
         opts = onnxruntime.SessionOptions()
         opts.intra_op_num_threads = 1
+        # int4 graphs: TensorRT dequantizes the weights and runs a float GEMM, as MatMulNBits' accuracy level 1 does
+        opts.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", "1")
         self.session = onnxruntime.InferenceSession(spec["onnx"], opts, providers=["CPUExecutionProvider"])
 
     @property

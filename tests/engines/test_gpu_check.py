@@ -74,3 +74,13 @@ def test_one_engine_for_both_roles(exports, fakes, tmp_path, capsys):
     assert "device memory held by the active runner: 0.0 MiB" in out  # the fakes' 4 KiB of activations
     (engines / "planner.engine").write_bytes(b"")  # a second engine would hold the weights again
     assert not gpu_check.one_engine(exports["fp16"], engines)
+
+
+def test_int4_parity_runs_at_the_exact_accuracy_level(peaky_int4, fakes, tmp_path, capsys):
+    """The int4 half of the check on the fakes: the int4 engine generates the onnxruntime Runner's tokens."""
+    gpu_check = _gpu_check()
+    limits = DecodeLimits(max_prompt=64, gen_length=128, slot_size=8, serial_blocks=2)
+    engines = fake_engines(peaky_int4[gpu_check.INT4_BLOCK], tmp_path / "engines", limits)
+    assert gpu_check.parity(peaky_int4[gpu_check.INT4_BLOCK], engines)
+    out = capsys.readouterr().out
+    assert out.count("PASS: generation parity") == len(gpu_check.PROMPTS) * (len(gpu_check.DECODES) + 1)

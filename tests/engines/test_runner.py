@@ -69,6 +69,26 @@ def test_decode_parity_with_the_ort_runner(peaky_export, fakes, tmp_path):
     assert cudart.allocations == {}
 
 
+def test_int4_engine_decodes_as_the_ort_runner(peaky_int4, fakes, tmp_path, monkeypatch):
+    """An int4 export (block 64) builds (plan and op check) and its engine decodes token for token as the ORT
+    Runner, both computing fp32 over the dequantized weights (the fake as TensorRT's float GEMM does; the ORT
+    Runner's int8-activation level is gpu_check's comparison, not an identity)."""
+    from refusion.runtime.runners import onnxruntime as ort_module
+
+    monkeypatch.setattr(ort_module, "RUNTIME_ACCURACY_LEVEL", ort_module.EXACT_ACCURACY_LEVEL)
+    export = peaky_int4[64]
+    engines = fake_engines(export, tmp_path / "engines")
+    ort = OrtRunner(ExportManifest.load(export), threads=1)
+    with TensorRTRunner.from_dir(engines) as trt, ort:
+        for prompt, (k, gen, blocks) in zip(PROMPTS, LAYOUTS):
+            params = DecodeParams(gen_length=gen, slot_size=k, serial_num_blocks=blocks)
+            trt.check_request(len(prompt), params)
+            ours = _decode(refusion_decode, trt, prompt, 7, params)
+            assert ours == _decode(refusion_decode, ort, prompt, 7, params), (k, gen, blocks)
+        ar = DecodeParams(gen_length=20, mode="ar")
+        assert _decode(ar_decode, trt, PROMPTS[1], -1, ar) == _decode(ar_decode, ort, PROMPTS[1], -1, ar)
+
+
 def test_present_lands_in_the_cache_at_write_at(peaky_export, fakes, tmp_path):
     engines = fake_engines(peaky_export, tmp_path / "engines")
     ort = OrtRunner(ExportManifest.load(peaky_export), threads=1)
