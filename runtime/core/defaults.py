@@ -42,13 +42,17 @@ class DecodeDefaults:
 
     @staticmethod
     def read(fields: Fields, at: str) -> DecodeDefaults:
-        return DecodeDefaults(
+        values = dict(
             gen_length=fields.positive_int(f"{at}.gen_length"),
             slot_size=fields.positive_int(f"{at}.slot_size"),
             serial_num_blocks=fields.positive_int(f"{at}.serial_num_blocks"),
             slot_threshold=fields.float(f"{at}.slot_threshold", 0.0, 1.0),
             token_threshold=fields.float(f"{at}.token_threshold", 0.0, 1.0),
         )
+        try:
+            return DecodeDefaults(**values)
+        except RefusionError as e:  # the layout: name the file and the fix as every field error does
+            raise RefusionError(f"{fields.file}: field {at}: {e} {fields.fix[0].upper()}{fields.fix[1:]}.") from e
 
     def clamped(self, max_positions: int) -> DecodeDefaults:
         """These settings with gen_length cut to at most half of max_positions (whole blocks of

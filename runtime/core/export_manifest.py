@@ -202,7 +202,8 @@ def _parse(path: Path, f: Fields) -> ExportManifest:
     expected = graph_specs(dims.num_layers, dims.kv_heads, dims.head_dim, vocab, export_dtype, logits)
     for name in GRAPH_NAMES:
         f.str(f"graphs.{name}.file", (ExportManifest.graph_files[name],))
-        f.int(f"graphs.{name}.opset", opset, opset + 1)
+        if f.positive_int(f"graphs.{name}.opset") != opset:
+            raise f.fail(f"graphs.{name}.opset", f.get(f"graphs.{name}.opset"), f"{opset}, as for the planner")
         if f.bool(f"graphs.{name}.logits") != logits:
             raise f.fail(f"graphs.{name}.logits", not logits, f"{logits}, as for the planner")
         graphs[name] = _read_spec(f, name, expected[name])
