@@ -100,7 +100,10 @@ class ModelDims:
             tie_word_embeddings=f.bool(f"{at}.tie_word_embeddings"),
             max_position_embeddings=f.positive_int(f"{at}.max_position_embeddings"),
         )
-        dims.validate(str(f.file))
+        try:
+            dims.validate(f"{f.file}: field {at}")
+        except RefusionError as e:  # the same rules as for a HF config, with the manifest's fix
+            raise RefusionError(f"{e} {f.fix[0].upper()}{f.fix[1:]}.") from e
         return dims
 
     def validate(self, source: str) -> None:
