@@ -40,8 +40,8 @@ class Generator:
     def from_dir(path: str | Path, backend: str = "auto", threads: int | None = None, verify: bool = False,
                  low_memory: bool = False, max_requests: int | None = None, max_batch: int | None = None) -> Generator:
         """Load an export or engines directory; `verify` also checks every file's sha256 (a full read);
-        `low_memory` (onnxruntime only) turns off weight prepacking: about half the peak memory, ~30% slower
-        forwards. `max_requests` run at once (more wait), their forwards packed `max_batch` to a call
+        `low_memory` (onnxruntime only) holds one resident copy of the weights (no per-session prepacked
+        copies) and no memory arena; multi-token forwards are ~2x slower on large models. `max_requests` run at once (more wait), their forwards packed `max_batch` to a call
         (onnxruntime CPU; the GPU runners take one request at a time)."""
         manifest = ExportManifest.read(Path(path))
         manifest.check_files(verify, manifest.tokenizer_files)

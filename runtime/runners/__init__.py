@@ -38,7 +38,7 @@ def make_runner(manifest: ExportManifest, backend: str = "auto", threads: int | 
                 verify: bool = False, low_memory: bool = False, max_requests: int | None = None,
                 max_batch: int | None = None) -> Runner:
     """The backend's Runner over `manifest`, its files checked (sizes; sha256 too with `verify`).
-    `low_memory` (onnxruntime only) turns off weight prepacking: about half the peak memory, ~30% slower forwards.
+    `low_memory` (onnxruntime only): one resident copy of the weights and no memory arena; slower multi-token forwards.
     `max_requests`: requests in flight at once (a KV slot each); `max_batch`: their forwards packed per call.
     Both go beyond 1 on onnxruntime's CPU provider only (default: CPU_MAX_REQUESTS, CPU_MAX_BATCH); the GPU
     runners hold one request at a time, and further requests queue."""
@@ -63,7 +63,7 @@ def make_runner(manifest: ExportManifest, backend: str = "auto", threads: int | 
                             "request at a time (more queue up); concurrent KV slots and batched forwards run on "
                             "--backend ort-cpu.")
     if backend == "trt" and low_memory:
-        raise RefusionError("low_memory=True (--low-memory) is an onnxruntime option (it turns off weight prepacking) "
+        raise RefusionError("low_memory=True (--low-memory) is an onnxruntime option (one resident copy of the weights) "
                             "and does not apply to the trt backend; drop it, or choose --backend ort-cpu or ort-cuda.")
     if backend == "trt":
         try:

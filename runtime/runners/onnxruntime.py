@@ -1,11 +1,14 @@
 """onnxruntime Runners: CPU (the fallback everywhere) and CUDA (IO binding, KV stays on the device).
 
-Both sessions read the one weights.bin as external data; onnxruntime memory-maps it, so
-the two sessions share its pages. Measured on a 434 MiB export (two sessions, CPU):
-peak RSS 815 MiB with onnxruntime's default weight prepacking (faster matmuls, a packed
-copy per session), 440 MiB with `low_memory=True` (prepacking off: one copy, ~30% slower
-forwards). Handing the sessions our own mapped views as initializers measured no better
-(440 / 1058 MiB), so the runtime lets onnxruntime map the file.
+Weights in memory (docs/runtime.md, "Weights in memory", has the figures; results/memory/measure.py
+measures them): both sessions read the one weights.bin. Left to itself onnxruntime maps the file
+once per session and prepacks every MatMul weight into a packed copy per session (its Python API
+has no shared prepacked-weights container): the fastest forwards, about two copies of the weights.
+That is the default. `low_memory=True` holds one copy: the runner maps weights.bin once
+(`SharedWeights`) and hands both sessions the same initializers (`SessionOptions.add_initializer`)
+with prepacking off, and turns off the CPU memory arena; multi-token forwards are then about 2x
+slower on large models. int4 exports always prepack: MatMulNBits without it dequantizes every
+weight on every forward (tens of times slower, and no smaller once running).
 
 On the CPU the past is fed as contiguous views of the preallocated cache (no copy) and
 only the new tokens' present KV is copied into its slot: measured as fast as IO binding
@@ -60,20 +63,45 @@ def import_onnxruntime() -> Any:
     return onnxruntime
 
 
+class SharedWeights:
+    """One read-only memory map of weights.bin and an OrtValue over each float tensor's bytes (no copy):
+    every session given it reads the same pages (float exports under low_memory)."""
+
+    def __init__(self, manifest: ExportManifest):
+        ort = import_onnxruntime()
+        self.map = np.memmap(manifest.path / manifest.weights_file, np.uint8, "r")
+        self.values = {
+            name: ort.OrtValue.ortvalue_from_numpy(
+                self.map[e.offset : e.offset + e.nbytes].view(dtype(e.dtype).numpy).reshape(e.shape))
+            for name, e in manifest.weights.items() if e.dtype != "int4"
+        }
+
+
+def one_copy(manifest: ExportManifest, low_memory: bool) -> bool:
+    """Whether the sessions share one unpacked map of the weights: low_memory on a float export (int4
+    exports always prepack, see above)."""
+    return low_memory and manifest.quantization is None
+
+
 def open_session(manifest: ExportManifest, graph: GraphName, providers: Sequence[str], threads: int | None = None,
-                 low_memory: bool = False, accuracy_level: int | None = None) -> Any:
+                 low_memory: bool = False, accuracy_level: int | None = None,
+                 weights: SharedWeights | None = None) -> Any:
     """The one place an onnxruntime session is made for an export graph: options, onnxruntime's own
     exceptions as a RefusionError, and the graph's inputs and outputs checked against refusion.json.
-    `accuracy_level`: of int4 MatMulNBits (None: RUNTIME_ACCURACY_LEVEL)."""
+    `low_memory`: no CPU memory arena (activations are freed after each forward, not kept). `accuracy_level`:
+    of int4 MatMulNBits (None: RUNTIME_ACCURACY_LEVEL). `weights`: initializers shared with the other
+    sessions given the same, unpacked (they must outlive the session)."""
     ort = import_onnxruntime()
     opts = ort.SessionOptions()
     if threads:
         opts.intra_op_num_threads = threads
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    if low_memory:
-        opts.add_session_config_entry("session.disable_prepacking", "1")
+    opts.enable_cpu_mem_arena = not low_memory
+    opts.add_session_config_entry("session.disable_prepacking", "1" if weights is not None else "0")
     level = RUNTIME_ACCURACY_LEVEL if accuracy_level is None else accuracy_level
     opts.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", str(level))
+    for name, value in (weights.values.items() if weights else ()):
+        opts.add_initializer(name, value)
     path = manifest.graph_path(graph)
     try:
         session = ort.InferenceSession(str(path), opts, providers=list(providers))
@@ -151,6 +179,7 @@ class OrtRunner(Runner):
         self.low_memory = low_memory
         self.dtype = dtype(manifest.dtype).numpy.type
         self.sessions: dict[GraphName, Any] = {}
+        self.weights: SharedWeights | None = None  # while active under low_memory: what both sessions read
         self._outputs: dict[GraphName, list[str]] = {}
         self.keys: list[list[np.ndarray]] = [[] for _ in range(max_slots)]  # [slot][layer]
         self.values: list[list[np.ndarray]] = [[] for _ in range(max_slots)]
@@ -162,14 +191,17 @@ class OrtRunner(Runner):
                 f"onnxruntime here has no {self.provider} (available: {', '.join(ort.get_available_providers())}); "
                 "pip install 'refusion-trt[ort-gpu]' on a CUDA machine, or use --backend ort-cpu."
             )
+        self.weights = SharedWeights(self.manifest) if one_copy(self.manifest, self.low_memory) else None
         for graph in GRAPH_NAMES:
-            session = open_session(self.manifest, graph, [self.provider], self.threads, self.low_memory)
+            session = open_session(self.manifest, graph, [self.provider], self.threads, self.low_memory,
+                                   weights=self.weights)
             self.sessions[graph] = session
             self._outputs[graph] = [o.name for o in session.get_outputs() if not o.name.startswith("present.")]
         self._presents = [name(i) for i in range(self.manifest.num_layers) for name in (present_key_name, present_value_name)]
 
     def _deactivate(self) -> None:
         self.sessions.clear()
+        self.weights = None  # after the sessions that read it
         self.keys = [[] for _ in range(self.max_slots)]
         self.values = [[] for _ in range(self.max_slots)]
 
