@@ -1,9 +1,10 @@
-"""`refusion-run`: generate with an export (or engines), and benchmark decoding methods.
+"""`refusion-run`: generate with an export (or engines), chat, and benchmark decoding methods.
 
     refusion-run generate out/refusion-onnx "prompt" [--chat] [--stream] [--json] [--prompt-ids 1,2,3]
                  [--mode refusion|ar] [--gen-length N --slot-size K --serial-blocks B
                   --slot-threshold X --token-threshold Y --temperature T --seed S]
                  [--backend ...] [--threads N] [--low-memory] [--verify]
+    refusion-run chat out/refusion-onnx [the same decode and load options] [--system TEXT] [--no-stats]
 
 Decode settings left out take the values the export recorded for its model (refusion.json "defaults").
 """
@@ -21,14 +22,21 @@ from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.core.export_manifest import ExportManifest
 from refusion.runtime.generator import GenerationResult, Generator
 from refusion.runtime.params import DecodeParams
-from refusion.runtime.runners import BACKENDS
 from refusion.tools.bench import bench
-from refusion.tools.cli_common import ErrorReportingGroup, progress
-
-_RECORDED = "default: the export's recorded value"
+from refusion.tools.chat import chat
+from refusion.tools.cli_common import (
+    ErrorReportingGroup,
+    decode_options,
+    decode_settings,
+    load_options,
+    progress,
+    version_option,
+)
+from refusion.tools.concurrency_bench import bench_concurrency
 
 
 @click.group(cls=ErrorReportingGroup)
+@version_option
 def cli() -> None:
     """Run ReFusion decoding on an export (onnxruntime) or engines (TensorRT)."""
 
@@ -50,23 +58,8 @@ def _prompt_ids(text: str | None) -> list[int] | None:
 @click.option("--prompt-ids", help="Exact prompt token ids, comma-separated (no template, no tokenizer).")
 @click.option("--stream", is_flag=True, help="Print text as the settled prefix grows.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object: token_ids, text, stats.")
-@click.option("--mode", type=click.Choice(["refusion", "ar"]), default="refusion", show_default=True)
-@click.option("--gen-length", type=int, help=f"Tokens to generate ({_RECORDED}).")
-@click.option("--slot-size", type=int, help=f"Tokens per slot ({_RECORDED}).")
-@click.option("--serial-blocks", type=int,
-              help=f"Equal blocks the generation is cut into, decoded in turn ({_RECORDED}).")
-@click.option("--slot-threshold", type=float,
-              help=f"A slot is chosen when its first token's draft probability exceeds it ({_RECORDED}).")
-@click.option("--token-threshold", type=float,
-              help=f"A drafted token is accepted when its AR probability exceeds it ({_RECORDED}).")
-@click.option("--temperature", type=float, default=0.0, show_default=True)
-@click.option("--seed", type=int, default=None, help="Seed of the Gumbel noise when --temperature > 0.")
-@click.option("--backend", type=click.Choice(BACKENDS), default="auto", show_default=True,
-              help="auto: trt if engines are there, else ort-cuda if available, else ort-cpu.")
-@click.option("--threads", type=int, default=None, help="onnxruntime intra-op threads (default: all cores).")
-@click.option("--low-memory", is_flag=True,
-              help="onnxruntime only: turn off weight prepacking, about half the peak memory for ~30% slower forwards.")
-@click.option("--verify", is_flag=True, help="Check every file's sha256 before loading (a full read of the export).")
+@decode_options
+@load_options
 def generate(model_dir: Path, prompt: str | None, chat: bool, no_thinking: bool, prompt_ids: str | None,
              stream: bool, as_json: bool, mode: str, gen_length: int | None, slot_size: int | None,
              serial_blocks: int | None, slot_threshold: float | None, token_threshold: float | None,
@@ -80,9 +73,8 @@ def generate(model_dir: Path, prompt: str | None, chat: bool, no_thinking: bool,
         raise RefusionError("--chat does not combine with --prompt-ids: token ids are fed exactly as given, "
                             "without the chat template; drop --chat, or give the PROMPT text instead.")
     params = DecodeParams.with_defaults(  # validated before loading anything
-        ExportManifest.read(model_dir).defaults, gen_length=gen_length, slot_size=slot_size,
-        serial_num_blocks=serial_blocks, slot_threshold=slot_threshold, token_threshold=token_threshold,
-        temperature=temperature, seed=seed, mode=mode)
+        ExportManifest.read(model_dir).defaults, **decode_settings(mode, gen_length, slot_size, serial_blocks,
+                                                                   slot_threshold, token_threshold, temperature, seed))
     prompt_kwargs = dict(prompt_ids=_prompt_ids(prompt_ids), chat=chat, enable_thinking=not no_thinking)
     with Generator.from_dir(model_dir, backend=backend, threads=threads, verify=verify, low_memory=low_memory) as gen:
         progress(f"{gen.runner.name}: {gen.manifest.path} ({gen.manifest.dtype})")
@@ -108,7 +100,9 @@ def _summary(result: GenerationResult) -> str:
             f"loop {s.loop_seconds:.3f} s ({100 * s.loop_share:.0f}%)")
 
 
+cli.add_command(chat)
 cli.add_command(bench)
+cli.add_command(bench_concurrency)
 
 
 def main() -> None:
