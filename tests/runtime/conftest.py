@@ -1,14 +1,21 @@
-"""Fixtures for runtime tests: peaky tiny HF models exported once per module."""
+"""Fixtures for runtime tests: peaky tiny HF models exported once per module; the embedded model's
+export once per session, and the tokens each job gets decoded alone (the concurrency oracle)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+import pytest
+
 from refusion.export.exporter import export_onnx
+from refusion.runtime.core.export_manifest import ExportManifest
+from refusion.runtime.decode import DecodeTrace, Tokens, ar_decode, refusion_decode
+from refusion.runtime.params import DecodeParams
 from tests.fixtures.tokenizer_files import write_tokenizer
 from tests.reference.models import make_peaky_model
 
+REPO = Path(__file__).resolve().parents[2]
 VOCAB = 384  # room for the fixture tokenizer's 326 tokens; the mask is the last id, as in ReFusion
 MASK_ID = VOCAB - 1
 
@@ -24,3 +31,26 @@ def export_peaky(tmp: Path, seed: int, **dims) -> tuple[object, Path]:
     (ckpt / "config.json").write_text(json.dumps(config))
     out = export_onnx(ckpt, tmp / f"onnx{seed}", validate=False)
     return model, out
+
+
+@pytest.fixture(scope="session")
+def tiny_export(tmp_path_factory) -> Path:
+    """The embedded model (models/refusion-tiny), exported once."""
+    return export_onnx(REPO / "models" / "refusion-tiny", tmp_path_factory.mktemp("tiny") / "onnx", validate=False)
+
+
+def decode_alone(export: Path, jobs: list[tuple[list[int], dict]]) -> list[list[int]]:
+    """Each job's tokens decoded by itself, straight on a runner (no engine): the oracle."""
+    from refusion.runtime.runners.onnxruntime import OrtRunner
+
+    manifest = ExportManifest.load(export)
+    out = []
+    with OrtRunner(manifest, threads=1) as runner:
+        for ids, settings in jobs:
+            params = DecodeParams(**settings)
+            decode = ar_decode if params.mode == "ar" else refusion_decode
+            tokens = Tokens(ids, manifest.mask_token_id, manifest.eos_token_id)
+            committed = {p: t for c in decode(runner, tokens, params, DecodeTrace(), False)
+                         for p, t in zip(c.positions, c.token_ids)}
+            out.append([committed[p] for p in sorted(committed)])
+    return out

@@ -16,10 +16,9 @@ import pytest
 
 from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.core.export_manifest import ExportManifest
-from refusion.runtime.decode import DecodeTrace, Tokens, ar_decode, refusion_decode
 from refusion.runtime.generator import Generator
-from refusion.runtime.params import DecodeParams
 from refusion.runtime.runners.onnxruntime import OrtRunner
+from tests.runtime.conftest import decode_alone
 
 pytest.importorskip("onnxruntime")
 pytest.importorskip("torch")
@@ -35,10 +34,8 @@ SETTINGS = [
 
 
 @pytest.fixture(scope="module")
-def export(tmp_path_factory) -> Path:
-    from refusion.export.exporter import export_onnx
-
-    return export_onnx(REPO / "models" / "refusion-tiny", tmp_path_factory.mktemp("tiny") / "onnx", validate=False)
+def export(tiny_export) -> Path:
+    return tiny_export
 
 
 @pytest.fixture(scope="module")
@@ -53,18 +50,7 @@ def jobs(export) -> list[tuple[list[int], dict]]:
 
 @pytest.fixture(scope="module")
 def alone(export, jobs) -> list[list[int]]:
-    """Each job's tokens decoded by itself, straight on a runner: the oracle."""
-    manifest = ExportManifest.load(export)
-    out = []
-    with OrtRunner(manifest, threads=1) as runner:
-        for ids, settings in jobs:
-            params = DecodeParams(**settings)
-            decode = ar_decode if params.mode == "ar" else refusion_decode
-            tokens = Tokens(ids, manifest.mask_token_id, manifest.eos_token_id)
-            committed = {p: t for c in decode(runner, tokens, params, DecodeTrace(), False)
-                         for p, t in zip(c.positions, c.token_ids)}
-            out.append([committed[p] for p in sorted(committed)])
-    return out
+    return decode_alone(export, jobs)
 
 
 @pytest.mark.parametrize("max_requests, max_batch", [(1, 1), (6, 1), (20, 4), (20, 20)])
