@@ -65,7 +65,11 @@ class Engine:
                 if self._closed:
                     break
                 self._admit()
-            self._round()
+            try:
+                self._round()
+            except Exception as e:  # noqa: BLE001 - a bug here must fail the requests, not leave them waiting
+                for request in list(self._active):
+                    self._finish(request, None, e)
         for request in [*self._active, *self._waiting]:
             self._finish(request, "cancelled")
 

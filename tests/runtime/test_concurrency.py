@@ -239,3 +239,18 @@ def test_a_request_cancelled_while_waiting_ends_at_once(export):
         assert waiting.result(timeout=10).finish_reason == "cancelled"
         assert time.monotonic() - t0 < 0.5 and not busy.done  # it did not wait for the busy one
         busy.cancel()
+
+
+def test_an_engine_failure_fails_the_running_requests_instead_of_hanging(export, monkeypatch):
+    from refusion.runtime.engine import Engine
+
+    def broken(self):
+        raise RuntimeError("engine bug")
+
+    with Generator.from_dir(export, backend="ort-cpu", threads=1) as gen:
+        monkeypatch.setattr(Engine, "_round", broken)
+        request = gen.submit(prompt_ids=[5, 6, 7], gen_length=8, mode="ar")
+        with pytest.raises(RuntimeError, match="engine bug"):
+            request.result(timeout=10)
+        monkeypatch.undo()
+        assert gen.generate(prompt_ids=[5, 6, 7], gen_length=8, mode="ar").finish_reason in ("eos", "length")
