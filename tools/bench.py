@@ -755,24 +755,41 @@ def write_outputs(report: dict[str, Any], out: Path, plot: bool = True, progress
 
 
 def profile_refusion(gen: Generator, prompts: list[list[int]], params: DecodeParams, top: int = 25) -> str:
-    """cProfile of ReFusion decoding over `prompts`: engine vs loop, and the loop's hottest functions."""
+    """cProfile of ReFusion decoding over `prompts` on the engine thread, where the loop runs: engine vs
+    loop, and the loop's hottest functions."""
     engine0 = gen.runner.engine_seconds
     prof = cProfile.Profile()
+    do_round = gen.engine._round
+
+    def profiled_round() -> None:  # cProfile sees only the thread that enables it
+        prof.enable()
+        try:
+            do_round()
+        finally:
+            prof.disable()
+
+    gen.engine._round = profiled_round  # type: ignore[method-assign]
     t0 = time.perf_counter()
-    prof.enable()
     tokens = 0
-    for ids in prompts:
-        for event in gen.decode(ids, params):
-            if isinstance(event, GenerationResult):
-                tokens += event.stats.tokens
-    prof.disable()
+    try:
+        for ids in prompts:
+            for event in gen.decode(ids, params):
+                if isinstance(event, GenerationResult):
+                    tokens += event.stats.tokens
+    finally:
+        del gen.engine._round
     wall = time.perf_counter() - t0
     engine = gen.runner.engine_seconds - engine0
+    return profile_report(prof, f"ReFusion {refusion_label(params)} over {len(prompts)} prompts under cProfile: "
+                          f"wall {wall:.3f} s, engine (Runner.run/move_kv) {engine:.3f} s ({100 * engine / wall:.0f}%), "
+                          f"loop {wall - engine:.3f} s; {tokens} tokens (profiler overhead inflates the loop share)", top)
+
+
+def profile_report(profiler: cProfile.Profile, header: str, top: int) -> str:
+    """`header`, then the `top` functions by own time and by cumulative time."""
     buf = io.StringIO()
-    buf.write(f"ReFusion {refusion_label(params)} over {len(prompts)} prompts under cProfile: wall {wall:.3f} s, "
-              f"engine (Runner.run/move_kv) {engine:.3f} s ({100 * engine / wall:.0f}%), loop {wall - engine:.3f} s; "
-              f"{tokens} tokens (profiler overhead inflates the loop share)\n\n")
-    stats = pstats.Stats(prof, stream=buf)
+    buf.write(header + "\n\n")
+    stats = pstats.Stats(profiler, stream=buf)
     stats.sort_stats("tottime").print_stats(top)
     stats.sort_stats("cumulative").print_stats(top)
     return buf.getvalue()

@@ -31,11 +31,9 @@ Writes OUT/<mode>-threads<T>[-batch<B>].md, .json and .png (needs matplotlib); w
 from __future__ import annotations
 
 import cProfile
-import io
 import json
 import os
 import platform
-import pstats
 import tempfile
 import threading
 import time
@@ -53,6 +51,7 @@ from refusion.runtime.core.export_manifest import MANIFEST_NAME
 from refusion.runtime.generator import Generator
 from refusion.runtime.request import SettledText
 from refusion.tools import tasks as T
+from refusion.tools.bench import profile_report
 from refusion.tools.cli_common import progress as echo_progress
 
 Progress = Callable[[str], None]  # takes a line of text
@@ -340,15 +339,11 @@ def profile_level(gen: Generator, prompts: list[list[int]], settings: dict[str, 
         profiler, meter.profiler = meter.profiler, None
     timings, wall, counters = run.timings, run.wall, run.counters
     tokens = sum(t.tokens for t in timings)
-    buf = io.StringIO()
-    buf.write(f"concurrency {concurrency} under cProfile (engine thread, its rounds only): {len(timings)} requests, "
-              f"{tokens} tokens in {wall:.3f} s ({tokens / wall:.0f} tokens/s; the profiler slows the Python part); "
-              f"busy {counters['busy']:.3f} s, of which run_batch {counters['run']:.3f} s "
-              f"(onnxruntime session.run {counters['session']:.3f} s), {counters['calls']:.0f} forwards\n\n")
-    stats = pstats.Stats(profiler, stream=buf)
-    stats.sort_stats("tottime").print_stats(top)
-    stats.sort_stats("cumulative").print_stats(top)
-    return buf.getvalue()
+    return profile_report(profiler, f"concurrency {concurrency} under cProfile (engine thread, its rounds only): "
+                          f"{len(timings)} requests, {tokens} tokens in {wall:.3f} s ({tokens / wall:.0f} tokens/s; the "
+                          f"profiler slows the Python part); busy {counters['busy']:.3f} s, of which run_batch "
+                          f"{counters['run']:.3f} s (onnxruntime session.run {counters['session']:.3f} s), "
+                          f"{counters['calls']:.0f} forwards", top)
 
 
 # ----------------------------------------------------------------------------- aggregation

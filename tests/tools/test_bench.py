@@ -264,7 +264,9 @@ def test_bench_cli_end_to_end_on_a_checkpoint_without_reference(checkpoint, tmp_
     assert result.exit_code == 0, result.output
     assert "[3/3] accuracy ar" in result.stderr and "exporting" in result.stderr
     data = _check_outputs(out, 3, reference=False)
-    assert "engine (Runner.run/move_kv)" in (out / "profile.txt").read_text() and "profile" not in data
+    profile = (out / "profile.txt").read_text()
+    assert "engine (Runner.run/move_kv)" in profile and "profile" not in data
+    assert "refusion_steps" in profile  # the loop itself, which runs on the engine thread
     for p in data["targets"]["refusion_vs_ar"]["settings"]:
         assert p["speedup_vs_ar"] == pytest.approx(p["tokens_per_forward_ratio"] * p["forward_speed_ratio"])
 
