@@ -6,7 +6,6 @@ weight conversions."""
 from __future__ import annotations
 
 import shutil
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -14,18 +13,10 @@ import onnx
 from onnx import numpy_helper
 
 from refusion.runtime.core.profiles import DecodeLimits
+from refusion.tools import gpu_check
 from tests.engines.conftest import fake_engines
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def _gpu_check():
-    sys.path.insert(0, str(REPO / "tools"))
-    try:
-        import gpu_check
-    finally:
-        sys.path.pop(0)
-    return gpu_check
 
 
 def _with_half_inv_freq(export: Path, out: Path) -> Path:
@@ -42,7 +33,6 @@ def _with_half_inv_freq(export: Path, out: Path) -> Path:
 
 
 def test_long_positions_pass_on_the_export_and_fail_with_fp16_rotary_tables(exports, fakes, tmp_path, capsys):
-    gpu_check = _gpu_check()
     limits = DecodeLimits(**gpu_check.LIMITS)
     assert limits.max_prompt + limits.gen_length + limits.block_length == 1024  # the fixture's max positions
     good = fake_engines(exports["fp16"], tmp_path / "good", limits)
@@ -60,12 +50,11 @@ def test_weight_conversion_warnings_are_found():
 [W] [TRT] Check verbose logs for the list of affected weights.
 [W] [TRT] - 2 weights are affected by this issue: Detected subnormal FP16 values.
 [I] Finished engine building in 3 s"""
-    assert _gpu_check().weight_conversions(log) == [log.splitlines()[1], log.splitlines()[4]]
-    assert _gpu_check().weight_conversions("[I] Finished engine building in 3 s") == []
+    assert gpu_check.weight_conversions(log) == [log.splitlines()[1], log.splitlines()[4]]
+    assert gpu_check.weight_conversions("[I] Finished engine building in 3 s") == []
 
 
 def test_one_engine_for_both_roles(exports, fakes, tmp_path, capsys):
-    gpu_check = _gpu_check()
     engines = fake_engines(exports["fp16"], tmp_path / "engines")
     assert gpu_check.one_engine(exports["fp16"], engines)
     out = capsys.readouterr().out
@@ -78,7 +67,6 @@ def test_one_engine_for_both_roles(exports, fakes, tmp_path, capsys):
 
 def test_int4_parity_runs_at_the_exact_accuracy_level(peaky_int4, fakes, tmp_path, capsys):
     """The int4 half of the check on the fakes: the int4 engine generates the onnxruntime Runner's tokens."""
-    gpu_check = _gpu_check()
     limits = DecodeLimits(max_prompt=64, gen_length=128, slot_size=8, serial_blocks=2)
     engines = fake_engines(peaky_int4[gpu_check.INT4_BLOCK], tmp_path / "engines", limits)
     assert gpu_check.parity(peaky_int4[gpu_check.INT4_BLOCK], engines)

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from refusion.tools import trt_stubs
+
 REPO = Path(__file__).resolve().parents[2]
 MODULES = ["refusion.engines.build", "refusion.runtime.core.engines_manifest", "refusion.runtime.core.profiles",
            "refusion.engines.check", "refusion.engines.onnx_support", "refusion.runtime.runners.tensorrt",
@@ -30,17 +32,7 @@ ignore_missing_imports = True
 """
 
 
-def _trt_stubs():
-    sys.path.insert(0, str(REPO / "tools"))
-    try:
-        import trt_stubs
-    finally:
-        sys.path.pop(0)
-    return trt_stubs
-
-
 def test_tensorrt_facing_modules_type_check(tmp_path):
-    trt_stubs = _trt_stubs()
     if trt_stubs.find_stubs() is None:
         pytest.skip(f"tensorrt-stubs not installed: pip install --no-deps --target {trt_stubs.STUBS_TARGET} "
                     "tensorrt-stubs==10.13.0.35.1")
@@ -57,7 +49,7 @@ def test_tensorrt_facing_modules_type_check(tmp_path):
 
 
 def test_stub_fixes():
-    fix_signature = _trt_stubs().fix_signature
+    fix_signature = trt_stubs.fix_signature
     assert fix_signature("    def f(self, in: list[int], out: list[int]) -> None:") == \
         "    def f(self, in_: list[int], out: list[int]) -> None:"
     assert fix_signature("    def g(self, a: int = None, b: dict[str, int]) -> X:") == \

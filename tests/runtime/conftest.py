@@ -54,3 +54,13 @@ def decode_alone(export: Path, jobs: list[tuple[list[int], dict]]) -> list[list[
                          for p, t in zip(c.positions, c.token_ids)}
             out.append([committed[p] for p in sorted(committed)])
     return out
+
+
+def chat_jobs(export: Path, n: int, settings: list[dict]) -> list[tuple[list[int], dict]]:
+    """The first `n` held-out prompts, chat-templated, each with one of `settings` in turn."""
+    from refusion.runtime.generator import Generator
+    from refusion.tools.tasks import held_out
+
+    with Generator.from_dir(export, backend="ort-cpu", threads=1) as gen:
+        prompts = [gen.prompt_ids(ex.prompt, chat=True) for ex in held_out(n)]
+    return [(ids, settings[i % len(settings)]) for i, ids in enumerate(prompts)]

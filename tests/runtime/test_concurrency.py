@@ -18,7 +18,7 @@ from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.core.export_manifest import ExportManifest
 from refusion.runtime.generator import Generator
 from refusion.runtime.runners.onnxruntime import OrtRunner
-from tests.runtime.conftest import decode_alone
+from tests.runtime.conftest import chat_jobs, decode_alone
 
 pytest.importorskip("onnxruntime")
 pytest.importorskip("torch")
@@ -41,11 +41,7 @@ def export(tiny_export) -> Path:
 @pytest.fixture(scope="module")
 def jobs(export) -> list[tuple[list[int], dict]]:
     """Chat prompts of several lengths, each with one of SETTINGS."""
-    from refusion.tools.tasks import held_out
-
-    with Generator.from_dir(export, backend="ort-cpu", threads=1) as gen:
-        prompts = [gen.prompt_ids(ex.prompt, chat=True) for ex in held_out(20)]
-    return [(ids, SETTINGS[i % len(SETTINGS)]) for i, ids in enumerate(prompts)]
+    return chat_jobs(export, 20, SETTINGS)
 
 
 @pytest.fixture(scope="module")

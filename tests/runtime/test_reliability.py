@@ -32,7 +32,7 @@ from refusion.runtime.decode import kv_capacity
 from refusion.runtime.generator import Generator
 from refusion.runtime.params import DecodeParams
 from refusion.runtime.request import Request
-from tests.runtime.conftest import decode_alone
+from tests.runtime.conftest import chat_jobs, decode_alone
 
 pytest.importorskip("onnxruntime")
 pytest.importorskip("torch")
@@ -94,11 +94,7 @@ def export(tiny_export) -> Path:
 @pytest.fixture(scope="module")
 def jobs(export) -> list[tuple[list[int], dict]]:
     """Held-out chat prompts, each with one of SETTINGS."""
-    from refusion.tools.tasks import held_out
-
-    with Generator.from_dir(export, backend="ort-cpu", threads=1) as gen:
-        prompts = [gen.prompt_ids(ex.prompt, chat=True) for ex in held_out(16)]
-    return [(ids, SETTINGS[i % len(SETTINGS)]) for i, ids in enumerate(prompts)]
+    return chat_jobs(export, 16, SETTINGS)
 
 
 @pytest.fixture(scope="module")
