@@ -6,7 +6,9 @@ are lazy: both can be made and inspected without TensorRT. Only `build_engines` 
 builder. One engine serves both roles, so the weights are resident once: it is parsed from
 the infiller graph, with the infiller's prefill and decode profiles and the planner's
 decode profile ("plan"); a planner forward runs on it and discards its present KV (the
-runner binds that to scratch). The planner graph stays the onnxruntime planner.
+runner binds that to scratch). The planner graph stays the onnxruntime planner. With
+`--max-batch N` the decode and plan profiles take 1..N rows, one per request (the prefill
+profile stays at 1; runtime/core/profiles.py says why).
 
 Precision follows the export: its fp16/bf16 graphs already carry the fp32 islands
 (RMSNorm variance, rotary tables, attention softmax, the heads' softmax) as explicit casts.
@@ -29,9 +31,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from refusion.runtime.core.dtypes import EXPORT_DTYPES, dtype
 from refusion.export.progress import line, tick
 from refusion.export.publish import clean_leftovers, cleanup_on_signals, make_staging, publish
+from refusion.runtime.core.dtypes import EXPORT_DTYPES, dtype
 from refusion.runtime.core.engines_manifest import (
     ENGINE_FILE,
     ENGINE_GRAPH,

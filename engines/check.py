@@ -6,7 +6,8 @@ validation's shapes) through the one comparator. TensorRT takes each case's past
 into its cache, writes present after it and reads it back, so the check also covers the
 engine's KV layout and the runner's bindings (aligned and staged writes). The planner's cases
 run on the one engine's planner profile, against the planner graph. It runs the cases
-it can: batch 1, inside the engine's profiles; the report lists the rest. Differences are
+it can: batch 1 (up to --max-batch rows on batched engines, each row a request of its own),
+inside the engine's profiles; the report lists the rest. Differences are
 max |diff| per output against abs + rel x the output's largest magnitude, NaN and inf shown
 as such; argmax ids count mismatches (a near tie may legitimately flip between kernels, so a
 few are allowed, and none where an export with logits shows the top two apart). The shared
@@ -18,6 +19,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+
+import numpy as np
 
 from refusion.runtime.compare import (
     CaseRunner,
@@ -35,6 +38,7 @@ from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.core.export_manifest import ExportManifest
 from refusion.runtime.core.files import sha256_file
 from refusion.runtime.core.profiles import DecodeLimits, select_profile
+from refusion.runtime.runners.base import RowFeed
 from refusion.runtime.runners.onnxruntime import OrtSessions, import_onnxruntime
 from refusion.runtime.runners.tensorrt import TensorRTRunner
 
@@ -87,7 +91,9 @@ def compare(runner: TensorRTRunner, export: ExportManifest, limits: DecodeLimits
 
 class TensorRTCases(CaseRunner):
     """A TensorRTRunner as the comparator's runner: the case's past KV uploaded into the cache, the
-    forward run over it (the infiller writing present right after it), present read back."""
+    forward run over it (the infiller writing present right after it), present read back. A batch
+    case on engines built with --max-batch: each row a request of its own (its own KV slot), the
+    rows run as the engine thread would run them (run_batch: packed where a profile takes them)."""
 
     name = "tensorrt"
 
@@ -96,24 +102,31 @@ class TensorRTCases(CaseRunner):
 
     def unsupported(self, graph: GraphName, feed: Feed) -> str:
         batch, seq, past = feed_shape(feed)
-        if batch != 1:
-            return f"batch {batch}; the TensorRT runner takes batch 1"
+        if batch > self.runner.max_slots:
+            return (f"batch {batch}; this TensorRT runner holds {self.runner.max_slots} request(s) "
+                    f"(engines built with --max-batch {self.runner.max_batch})")
         if select_profile(list(self.runner.engines.engine.profiles), graph, seq, past) is None:
             return f"seq {seq} over past {past} lies outside the engine's {graph} profiles"
         return ""
 
     def __call__(self, graph: GraphName, feed: Feed) -> Outputs:
-        _, seq, past = feed_shape(feed)
+        batch, seq, past = feed_shape(feed)
         runner = self.runner
         runner.activate()
-        runner.allocate_kv(past + seq)
-        runner.kv_from_host(0, {name: feed[name] for i in range(runner.manifest.num_layers)
-                                for name in (past_key_name(i), past_value_name(i))})
         write_at = past if graph == "infiller" else None
-        out = runner.run(graph, feed["input_ids"], feed["position_ids"], feed["attention_mask"], past, write_at)
+        rows = []
+        for b in range(batch):
+            runner.allocate_kv(past + seq, b)
+            runner.kv_from_host(0, {name: feed[name][b : b + 1] for i in range(runner.manifest.num_layers)
+                                    for name in (past_key_name(i), past_value_name(i))}, b)
+            rows.append(RowFeed(feed["input_ids"][b : b + 1], feed["position_ids"][b : b + 1],
+                                feed["attention_mask"][b : b + 1], past, write_at, b))
+        outs = [out for start in range(0, batch, runner.max_batch)
+                for out in runner.run_batch(graph, rows[start : start + runner.max_batch])]
         if write_at is not None:
-            out.update(runner.kv_to_host(write_at, seq))
-        return out
+            for b, out in enumerate(outs):
+                out.update(runner.kv_to_host(write_at, seq, b))
+        return {name: np.concatenate([out[name] for out in outs]) for name in outs[0]}
 
     def close(self) -> None:
         self.runner.deactivate()

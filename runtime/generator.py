@@ -42,7 +42,7 @@ class Generator:
         """Load an export or engines directory; `verify` also checks every file's sha256 (a full read);
         `low_memory` (onnxruntime only) holds one resident copy of the weights (no per-session prepacked
         copies) and no memory arena; multi-token forwards are ~2x slower on large models. `max_requests` run at once (more wait), their forwards packed `max_batch` to a call
-        (onnxruntime CPU; the GPU runners take one request at a time)."""
+        (default 16 and 16 on onnxruntime CPU, the engine's --max-batch on TensorRT, 1 and 1 on onnxruntime CUDA)."""
         manifest = ExportManifest.read(Path(path))
         manifest.check_files(verify, manifest.tokenizer_files)
         runner = make_runner(manifest, backend, threads, verify, low_memory, max_requests, max_batch)

@@ -26,23 +26,27 @@ from refusion.tools.cli_common import progress
 @click.option("--max-slots", type=int, default=None,
               help="Slots per block the engines take [default: gen-length / serial-blocks / slot-size]; "
                    "raise it to serve fewer, longer blocks.")
+@click.option("--max-batch", type=int, default=1, show_default=True,
+              help="Requests whose decode forwards run as one batch; the runner then holds this many at once "
+                   "(prefills stay one at a time).")
 @click.option("--timing-cache", type=click.Path(path_type=Path), default=None,
               help="Tactic timing cache to load and update (rebuilds of the same model get much faster).")
 @click.option("--strongly-typed", is_flag=True, help="Keep every type of the export exactly (no precision flags).")
 @click.option("--workspace", type=float, default=None, help="Builder workspace limit in GiB [default: TensorRT's].")
 @click.option("--force", is_flag=True, help="Replace OUTPUT if it exists.")
 def build_command(export_dir: Path, output: Path, precision: str | None, max_prompt: int, gen_length: int,
-                  slot_size: int, serial_blocks: int, max_slots: int | None, timing_cache: Path | None,
-                  strongly_typed: bool, workspace: float | None, force: bool) -> None:
+                  slot_size: int, serial_blocks: int, max_slots: int | None, max_batch: int,
+                  timing_cache: Path | None, strongly_typed: bool, workspace: float | None, force: bool) -> None:
     """Build the TensorRT engine for EXPORT_DIR (a `refusion-export onnx` directory): one engine, holding the
     weights once, runs both planner and infiller forwards."""
     from refusion.engines.build import build_engines, plan_build
 
-    limits = DecodeLimits(max_prompt, gen_length, slot_size, serial_blocks, max_slots)
+    limits = DecodeLimits(max_prompt, gen_length, slot_size, serial_blocks, max_slots, max_batch)
     plan = plan_build(export_dir, output, limits, precision=precision, strongly_typed=strongly_typed,
                       workspace_gib=workspace, timing_cache=timing_cache)
     progress(f"an engine for prompts <= {limits.max_prompt}, gen_length <= {limits.gen_length}, blocks <= "
-              f"{limits.block_length} tokens; KV capacity {limits.kv_capacity} tokens")
+              f"{limits.block_length} tokens, {limits.max_batch} request(s) per batch; KV capacity "
+              f"{limits.kv_capacity} tokens per request")
     click.echo(str(build_engines(plan, force=force, report=progress)))
 
 

@@ -15,8 +15,11 @@ report lists the rest), and with onnxruntime on the fp32 export, the accuracy re
 the top of the position range (a prefill of the longest prompt plus a block, and a block over
 the longest past, as both roles): there rotary tables in half precision would be off by
 tenths of a radian. It checks that generation on the TensorRT Runner is token-identical to
-the onnxruntime Runner (whose planner forwards run the planner graph), and prints
-per-forward latency of both roles. Then the same for an int4 export (int4-rtn, block 64, fp16
+the onnxruntime Runner (whose planner forwards run the planner graph), that requests served
+together (the engine is built with --max-batch 4: their decode forwards packed into one
+execution, pasts gathered, presents scattered on the device) get the tokens each gets alone, on
+TensorRT and on the onnxruntime CUDA runner with as many KV slots, and prints per-forward
+latency of both roles. Then the same for an int4 export (int4-rtn, block 64, fp16
 scales: blocked INT4 DequantizeLinear -> MatMul): it builds, matches onnxruntime on the shared
 cases (onnxruntime computing fp32 over the same dequantized weights), and generates the same
 tokens as the onnxruntime Runner at the exact accuracy level (the runtime's int8-activation
@@ -34,6 +37,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -45,7 +49,7 @@ from refusion.runtime.compare import CaseRunner, Feed, Outputs  # noqa: E402  (n
 from refusion.runtime.core.contract import GraphName  # noqa: E402
 
 # Positions up to max_prompt + gen_length + a block (64) - 1 = 1023, the fixture's last (max_position_embeddings 1024).
-LIMITS = dict(max_prompt=832, gen_length=128, slot_size=8, serial_blocks=2)
+LIMITS = dict(max_prompt=832, gen_length=128, slot_size=8, serial_blocks=2, max_batch=4)
 WEIGHT_CONVERSION = "converting weights between types"  # TensorRT's warning, e.g. fp32 weights stored as fp16
 # (gen_length, slot_size, serial_num_blocks, slot_threshold, token_threshold) for the parity runs
 DECODES = ((64, 8, 2, 0.9, 0.4), (32, 4, 4, 0.0, 0.0), (64, 8, 4, 0.2, 0.7))
@@ -211,6 +215,51 @@ def parity(export: Path, engines: Path) -> bool:
     return ok
 
 
+def batched(export: Path, engines: Path, cuda_runner: Any = None) -> bool:
+    """Every parity request submitted at once, served up to --max-batch per forward: each gets the
+    tokens it gets alone on the same runner, on TensorRT and on the onnxruntime CUDA runner (over the
+    export; `cuda_runner`: its class, for the CPU fakes' test). Fails if no forward packed two rows."""
+    from refusion.runtime.core.engines_manifest import EngineManifest
+    from refusion.runtime.core.export_manifest import ExportManifest
+    from refusion.runtime.runners.onnxruntime import OrtCudaRunner, import_onnxruntime
+    from refusion.runtime.runners.tensorrt import TensorRTRunner
+
+    n = EngineManifest.load(engines).limits.max_batch
+    jobs = [(prompt, dict(gen_length=g, slot_size=k, serial_num_blocks=b, slot_threshold=st, token_threshold=tt))
+            for prompt in PROMPTS for g, k, b, st, tt in DECODES]
+    jobs += [(prompt, dict(gen_length=32, mode="ar")) for prompt in PROMPTS]
+    runners = {"TensorRT": (TensorRTRunner.from_dir(engines, 1, 1), TensorRTRunner.from_dir(engines))}
+    cuda = cuda_runner or OrtCudaRunner
+    if cuda_runner is None and "CUDAExecutionProvider" not in import_onnxruntime().get_available_providers():
+        print("SKIP: onnxruntime CUDA batched requests (onnxruntime here has no CUDAExecutionProvider; "
+              "pip install 'refusion-trt[ort-gpu]')")
+    else:
+        manifest = ExportManifest.load(export)
+        runners["onnxruntime CUDA"] = (cuda(manifest), cuda(manifest, max_slots=n, max_batch=n))
+    ok = True
+    for name, (alone, together) in runners.items():
+        want = _serve(alone, jobs, [])
+        rows: list[int] = []
+        got = _serve(together, jobs, rows)
+        differ = [i for i, (a, b) in enumerate(zip(got, want)) if a != b]
+        ok &= line(not differ and max(rows, default=1) > 1,
+                   f"{name}: {len(jobs)} requests together, up to {max(rows, default=1)} rows per forward "
+                   f"(--max-batch {n}), each with its tokens alone{f'; request(s) {differ} differ' if differ else ''}")
+    return ok
+
+
+def _serve(runner: Any, jobs: list[tuple[list[int], dict[str, Any]]], rows: list[int]) -> list[list[int]]:
+    """The jobs' tokens, all submitted at once to a Generator over `runner`; `rows` gets each call's row count."""
+    from refusion.runtime.generator import Generator
+
+    run_batch = runner.run_batch
+    runner.run_batch = lambda graph, feeds: rows.append(len(feeds)) or run_batch(graph, feeds)
+    runner.activate()
+    with Generator(runner.manifest, runner, None) as gen:
+        requests = [gen.submit(prompt_ids=prompt, **params) for prompt, params in jobs]
+        return [r.result(timeout=600).token_ids for r in requests]
+
+
 def _first_difference(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
@@ -246,6 +295,30 @@ def latency(engines: Path, repeats: int = 50) -> None:
         )
         for name, graph, seq, past, at in shapes:
             print(f"latency: {name:36s} seq {seq:3d} past {past:3d}: {forward(graph, seq, past, at):7.3f} ms")
+        packed_latency(runner, limits, prompt, repeats)
+
+
+def packed_latency(runner: Any, limits: Any, past: int, repeats: int) -> None:
+    """Median wall time of one slot's verify for each of max_batch requests packed into one forward
+    (pasts gathered, presents scattered): against the single verify line above, what a row costs."""
+    from refusion.runtime.masks import causal_after
+    from refusion.runtime.runners.base import RowFeed
+
+    n, k = runner.max_batch, limits.slot_size
+    if n < 2:
+        return
+    for slot in range(1, n):
+        runner.allocate_kv(limits.kv_capacity, slot)
+    feed = (np.zeros((1, k), np.int64), np.arange(past, past + k, dtype=np.int64)[None], causal_after(past, k))
+    rows = [RowFeed(*feed, past, past, slot) for slot in range(n)]
+    times = []
+    for _ in range(repeats + 5):
+        t0 = time.perf_counter()
+        runner.run_batch("infiller", rows)
+        times.append(time.perf_counter() - t0)
+    ms = statistics.median(times[5:]) * 1e3
+    print(f"latency: infiller verify, {n} requests packed        seq {k:3d} past {past:3d}: {ms:7.3f} ms "
+          f"({ms / n:.3f} ms a request)")
 
 
 def main() -> int:
@@ -266,6 +339,7 @@ def main() -> int:
     ok &= line(check_engines(engines), "TensorRT fp16 engines vs onnxruntime (comparator)")
     ok &= long_positions(export, export32, engines)
     ok &= parity(export, engines)
+    ok &= batched(export, engines)
     latency(engines)
     engines4, converted = build(export4, work, args.strongly_typed, "engines-int4")
     detail = "".join(f"\n  {c}" for c in converted)

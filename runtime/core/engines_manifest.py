@@ -3,6 +3,8 @@
 One engine, built from the export's infiller graph, serves both roles through its profiles
 (runtime/core/profiles.py), so the weights are resident once. Format v1 described two engines,
 planner and infiller, each holding all the weights; it is refused with the rebuild command.
+Format v3 adds the batch dimension (`limits.max_batch`, each profile's `batch` range); a v2
+manifest is read as what its engine is, batch 1 in every profile, so it needs no rebuild.
 
 A TensorRT engine only runs on the GPU model and TensorRT version it was built with, and a
 truncated or swapped file can crash the deserializer instead of failing cleanly. So loading
@@ -27,7 +29,8 @@ from refusion.runtime.core.profiles import DecodeLimits, ProfileSpec
 
 ENGINES_MANIFEST = "engines.json"
 FORMAT = "refusion-engines"
-FORMAT_VERSION = 2  # v1: a planner and an infiller engine
+FORMAT_VERSION = 3  # v1: a planner and an infiller engine; v2: batch 1 only (still read)
+READABLE_VERSIONS = (2, FORMAT_VERSION)
 ENGINE_FILE = "model.engine"
 ENGINE_GRAPH: GraphName = "infiller"  # the graph the engine is built from; planner forwards run on it too
 
@@ -102,7 +105,12 @@ class EngineManifest:
                     "This refusion-trt runs one engine that serves both and holds the weights once; rebuild with: "
                     f"{_v1_command(raw, path)}"
                 )
-            check_format(Fields(file, raw, "rebuild the engines"), FORMAT, FORMAT_VERSION, "rebuild the engines")
+            version = raw.get("format_version") if isinstance(raw, dict) else None
+            readable = version if version in READABLE_VERSIONS else FORMAT_VERSION
+            check_format(Fields(file, raw, "rebuild the engines"), FORMAT, readable, "rebuild the engines")
+            if version != 2 and ("max_batch" not in raw["limits"]
+                                 or any("batch" not in p for p in raw["engine"]["profiles"])):
+                raise KeyError("max_batch or a profile's batch: v3 records the batch dimension")  # not v2's default
             entry = raw["engine"]
             engine = EngineFile(entry["file"], entry["sha256"], int(entry["bytes"]),
                                 tuple(ProfileSpec.from_json(p) for p in entry["profiles"]))
@@ -118,7 +126,19 @@ class EngineManifest:
             )
         except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError, AttributeError) as e:
             raise RefusionError(f"{file} is damaged ({type(e).__name__}: {e}); rebuild the engines.") from e
+        manifest.check_batch()
         return manifest
+
+    def check_batch(self) -> None:
+        """The profiles' batch ranges must reach limits.max_batch and no further (the runner sizes
+        its batches by the limit, TensorRT refuses shapes by the profiles)."""
+        widest = max((p.batch[2] for p in self.engine.profiles), default=0)
+        if widest != self.limits.max_batch:
+            raise RefusionError(
+                f"{self.path / ENGINES_MANIFEST} is inconsistent: its limits say --max-batch {self.limits.max_batch} "
+                f"but its profiles take at most {widest} rows; it was edited or damaged. Rebuild with: "
+                f"{self.rebuild_command}"
+            )
 
     def verify_target(self, here: Target) -> None:
         """Refuse engines built for another TensorRT or GPU, with the rebuild command."""

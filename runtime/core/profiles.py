@@ -12,6 +12,12 @@ once. Each profile serves one role (its `graph`): the infiller's forwards get tw
 their shapes are bimodal: prefill (prompt + first block, no past) and decode (at most one
 block over a long past); one profile spanning both would tune kernels for neither. The
 planner's forwards get their own decode profile ("plan"), tuned for a whole block of masks.
+
+Batch (`max_batch`, `--max-batch`): the decode and plan profiles take 1..max_batch rows, one
+per request, so the engine thread packs the requests' short forwards into one execution;
+those forwards read the weights once for every row, which is where batching pays. The prefill
+profile stays at batch 1: a prefill is already hundreds of tokens (compute-bound, little to
+gain from packing) and its activations are the engine's largest, which a batch would multiply.
 """
 
 from __future__ import annotations
@@ -45,9 +51,10 @@ class DecodeLimits:
     slot_size: int = 32
     serial_blocks: int = 4
     max_slots: int | None = None  # slots per block the engines take; None: gen_length / serial_blocks / slot_size
+    max_batch: int = 1  # rows (requests) one decode forward packs; 1: the batch-1 engines of format v2
 
     def __post_init__(self) -> None:
-        for name in ("max_prompt", "gen_length", "slot_size", "serial_blocks"):
+        for name in ("max_prompt", "gen_length", "slot_size", "serial_blocks", "max_batch"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise RefusionError(f"--{_flag(name)} {value!r} must be a positive integer.")
@@ -90,7 +97,8 @@ class DecodeLimits:
     def flags(self) -> list[str]:
         """These limits as `refusion-export build` flags."""
         return [f"--max-prompt {self.max_prompt}", f"--gen-length {self.gen_length}", f"--slot-size {self.slot_size}",
-                f"--serial-blocks {self.serial_blocks}", f"--max-slots {self.max_slots}"]
+                f"--serial-blocks {self.serial_blocks}", f"--max-slots {self.max_slots}",
+                f"--max-batch {self.max_batch}"]
 
 
 @dataclass(frozen=True)
@@ -124,19 +132,21 @@ def forward_boxes(prompt_len: int, gen_length: int, block_length: int) -> list[B
 
 @dataclass(frozen=True)
 class ProfileSpec:
-    """One optimization profile of the engine: ranges of the two free dims (every input shape
+    """One optimization profile of the engine: ranges of the three free dims (every input shape
     follows), and the role whose forwards it serves."""
 
     name: str
     graph: GraphName  # planner forwards run on the planner's profiles, infiller forwards on the infiller's
     seq: Range
     past: Range
+    batch: Range = (1, 1, 1)  # rows; format v2 engines were all batch 1
 
-    def contains(self, seq: int, past: int) -> bool:
-        return self.seq[0] <= seq <= self.seq[2] and self.past[0] <= past <= self.past[2]
+    def contains(self, seq: int, past: int, batch: int = 1) -> bool:
+        return (self.seq[0] <= seq <= self.seq[2] and self.past[0] <= past <= self.past[2]
+                and self.batch[0] <= batch <= self.batch[2])
 
     def shapes(self, spec: GraphSpec) -> dict[str, ShapeRange]:
-        """min/opt/max shape of each input of `spec`, from its symbolic axes (batch is 1)."""
+        """min/opt/max shape of each input of `spec`, from its symbolic axes."""
         out = {}
         for tensor in spec.inputs:
             dims = [self._dims(axis) for axis in tensor.axes]
@@ -148,42 +158,52 @@ class ProfileSpec:
         if isinstance(axis, int):
             return axis, axis, axis
         s, p = self.seq, self.past
-        ranges: dict[str, Range] = {BATCH: (1, 1, 1), SEQ: s, PAST_SEQ: p,
+        ranges: dict[str, Range] = {BATCH: self.batch, SEQ: s, PAST_SEQ: p,
                                     TOTAL_SEQ: (s[0] + p[0], s[1] + p[1], s[2] + p[2])}
         if axis not in ranges:
             raise RefusionError(f"graph axis {axis!r} has no profile rule; the export is newer than this builder.")
         return ranges[axis]
 
     def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "graph": self.graph, "seq": list(self.seq), "past": list(self.past)}
+        return {"name": self.name, "graph": self.graph, "seq": list(self.seq), "past": list(self.past),
+                "batch": list(self.batch)}
 
     @staticmethod
     def from_json(d: dict[str, Any]) -> ProfileSpec:
+        """A profile as engines.json records it; one without "batch" (format v2) is batch 1."""
         seq, past = (tuple(int(x) for x in d[key]) for key in ("seq", "past"))
-        if len(seq) != 3 or len(past) != 3:
-            raise ValueError(f"profile {d.get('name')!r}: seq and past need min, opt, max")
+        batch = tuple(int(x) for x in d.get("batch", (1, 1, 1)))
+        if len(seq) != 3 or len(past) != 3 or len(batch) != 3:
+            raise ValueError(f"profile {d.get('name')!r}: seq, past and batch need min, opt, max")
+        if not 1 <= batch[0] <= batch[1] <= batch[2]:
+            raise ValueError(f"profile {d.get('name')!r}: batch {list(batch)} is not 1 <= min <= opt <= max")
         if d["graph"] not in GRAPH_NAMES:
             raise ValueError(f"profile {d.get('name')!r}: graph {d['graph']!r} is not one of {GRAPH_NAMES}")
-        return ProfileSpec(d["name"], d["graph"], (seq[0], seq[1], seq[2]), (past[0], past[1], past[2]))
+        return ProfileSpec(d["name"], d["graph"], (seq[0], seq[1], seq[2]), (past[0], past[1], past[2]),
+                           (batch[0], batch[1], batch[2]))
 
 
 def engine_profiles(limits: DecodeLimits) -> list[ProfileSpec]:
     """The profiles of the one engine, in TensorRT's order. Opt is the typical decode shape: a
     mid-length request halfway through its generation; the planner's typical call plans a whole
-    block, the infiller's verifies one slot."""
+    block, the infiller's verifies one slot; half the batch (requests in flight, half loaded).
+    Prefill stays at batch 1 (module docstring)."""
     p, g, b, k = limits.max_prompt, limits.gen_length, limits.block_length, limits.slot_size
     past_max = p + g + b  # infill scratch after a full prefix: the largest past of any box
     past_opt = p // 2 + g // 2
+    n = limits.max_batch
+    rows = (1, (n + 1) // 2, n)
     return [
         ProfileSpec("prefill", "infiller", (1, p // 2 + b, p + b), (0, 0, 0)),
-        ProfileSpec("decode", "infiller", (1, min(k, b), b), (0, past_opt, past_max)),
-        ProfileSpec("plan", "planner", (1, b, b), (0, past_opt, past_max)),
+        ProfileSpec("decode", "infiller", (1, min(k, b), b), (0, past_opt, past_max), rows),
+        ProfileSpec("plan", "planner", (1, b, b), (0, past_opt, past_max), rows),
     ]
 
 
-def select_profile(profiles: list[ProfileSpec], graph: GraphName, seq: int, past: int) -> int | None:
-    """Index of the first profile serving `graph` that holds (seq, past); most specific first."""
-    return next((i for i, prof in enumerate(profiles) if prof.graph == graph and prof.contains(seq, past)), None)
+def select_profile(profiles: list[ProfileSpec], graph: GraphName, seq: int, past: int, batch: int = 1) -> int | None:
+    """Index of the first profile serving `graph` that holds (seq, past, batch); most specific first."""
+    return next((i for i, prof in enumerate(profiles)
+                 if prof.graph == graph and prof.contains(seq, past, batch)), None)
 
 
 def box_profile(profiles: list[ProfileSpec], box: Box) -> int | None:

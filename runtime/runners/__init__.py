@@ -40,8 +40,8 @@ def make_runner(manifest: ExportManifest, backend: str = "auto", threads: int | 
     """The backend's Runner over `manifest`, its files checked (sizes; sha256 too with `verify`).
     `low_memory` (onnxruntime only): one resident copy of the weights and no memory arena; slower multi-token forwards.
     `max_requests`: requests in flight at once (a KV slot each); `max_batch`: their forwards packed per call.
-    Both go beyond 1 on onnxruntime's CPU provider only (default: CPU_MAX_REQUESTS, CPU_MAX_BATCH); the GPU
-    runners hold one request at a time, and further requests queue."""
+    Defaults: CPU_MAX_REQUESTS and CPU_MAX_BATCH on onnxruntime's CPU provider; on TensorRT the engine's
+    --max-batch (engines.json) for both; 1 and 1 on onnxruntime CUDA (device memory is the budget)."""
     if backend not in BACKENDS:
         raise RefusionError(f"backend {backend!r} is unknown; choose one of {', '.join(BACKENDS)}.")
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads <= 0):
@@ -52,28 +52,25 @@ def make_runner(manifest: ExportManifest, backend: str = "auto", threads: int | 
             raise RefusionError(f"{name}={value!r} must be a positive integer.")
     if backend == "auto":
         backend = available_backend(manifest.path)
+    if backend == "trt" and low_memory:
+        raise RefusionError("low_memory=True (--low-memory) is an onnxruntime option (one resident copy of the weights) "
+                            "and does not apply to the trt backend; drop it, or choose --backend ort-cpu or ort-cuda.")
+    if backend == "trt":  # its sizes default to the engine's --max-batch, and are checked against it
+        try:
+            from refusion.runtime.runners.tensorrt import TensorRTRunner
+        except ImportError as e:
+            raise RefusionError("the trt backend needs TensorRT: pip install 'refusion-trt[trt]' on a CUDA machine.") from e
+        return TensorRTRunner(manifest, EngineManifest.load(manifest.path), max_requests, max_batch)
     cpu = backend == "ort-cpu"
     max_requests = max_requests or (CPU_MAX_REQUESTS if cpu else 1)
     max_batch = max_batch or (min(CPU_MAX_BATCH, max_requests) if cpu else 1)
     if max_batch > max_requests:
         raise RefusionError(f"max_batch={max_batch} exceeds max_requests={max_requests}: a forward packs requests "
                             "in flight; raise max_requests or lower max_batch.")
-    if not cpu and (max_requests, max_batch) != (1, 1):
-        raise RefusionError(f"max_requests={max_requests}, max_batch={max_batch}: the {backend} runner holds one "
-                            "request at a time (more queue up); concurrent KV slots and batched forwards run on "
-                            "--backend ort-cpu.")
-    if backend == "trt" and low_memory:
-        raise RefusionError("low_memory=True (--low-memory) is an onnxruntime option (one resident copy of the weights) "
-                            "and does not apply to the trt backend; drop it, or choose --backend ort-cpu or ort-cuda.")
-    if backend == "trt":
-        try:
-            from refusion.runtime.runners.tensorrt import TensorRTRunner
-        except ImportError as e:
-            raise RefusionError("the trt backend needs TensorRT: pip install 'refusion-trt[trt]' on a CUDA machine.") from e
-        return TensorRTRunner(manifest, EngineManifest.load(manifest.path))
     from refusion.runtime.runners.onnxruntime import OrtCudaRunner, OrtRunner
 
     if backend == "ort-cuda":
-        return OrtCudaRunner(manifest, threads=threads, low_memory=low_memory, verify=verify)
+        return OrtCudaRunner(manifest, threads=threads, low_memory=low_memory, verify=verify, max_slots=max_requests,
+                             max_batch=max_batch)
     return OrtRunner(manifest, threads=threads, low_memory=low_memory, verify=verify, max_slots=max_requests,
                      max_batch=max_batch)

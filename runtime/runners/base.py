@@ -202,6 +202,34 @@ class Runner(ABC):
 
 
 @dataclass(frozen=True)
+class PackedRows:
+    """Rows as one batch's feed: `past` and `seq` are the longest row's."""
+
+    input_ids: np.ndarray  # [rows, seq] int64
+    position_ids: np.ndarray  # [rows, seq] int64
+    attention_mask: np.ndarray  # [rows, seq, past + seq] bool
+    seq: int
+    past: int
+
+
+def pack_rows(rows: list[RowFeed]) -> PackedRows:
+    """Each row padded to the longest: its ids and positions first, its mask over its own past
+    (columns [0, row past)) and its own tokens (columns [past, past + row seq)); padding, in the past
+    or in the tokens, is attended by nothing and attends to nothing, so no row sees another's."""
+    batch = len(rows)
+    seq, past = max(r.input_ids.shape[1] for r in rows), max(r.past for r in rows)
+    ids = np.zeros((batch, seq), np.int64)
+    pos = np.zeros((batch, seq), np.int64)
+    mask = np.zeros((batch, seq, past + seq), bool)
+    for b, r in enumerate(rows):
+        s, p = r.input_ids.shape[1], r.past
+        ids[b, :s], pos[b, :s] = r.input_ids[0], r.position_ids[0]
+        mask[b, :s, :p] = r.attention_mask[0, :, :p]
+        mask[b, :s, past : past + s] = r.attention_mask[0, :, p:]
+    return PackedRows(ids, pos, mask, seq, past)
+
+
+@dataclass(frozen=True)
 class RowFeed:
     """One request's forward in a batch: its feed ([1, seq] ids and positions, [1, seq, past + seq]
     mask) over KV [0, past) of its slot, writing present at write_at (infiller)."""

@@ -5,6 +5,8 @@
     buf.copy_from_host(array, offset)       # bytes of a host array into the buffer at `offset`
     host = buf.copy_to_host(shape, dtype)   # blocking: the stream's earlier work is done
     buf.copy_within(src, dst, nbytes)       # overlapping ranges are fine
+    buf.copy_to(other, nbytes, src_off, dst_off, stream=s)  # ordered on s, without waiting (gathers)
+    buf.zero()                              # every byte 0
     buf.free(); stream.close()
 
 With a stream, copies are ordered on it and return at once; with none (a framework that
@@ -154,12 +156,23 @@ class DeviceBuffer:
         self._copy(out.ctypes.data, self.ptr + offset, out.nbytes, kind, blocking=True)
         return out
 
-    def copy_to(self, dst: DeviceBuffer, nbytes: int, src_offset: int = 0, dst_offset: int = 0) -> None:
-        """Device-to-device into another buffer (the two must not overlap: distinct allocations never do)."""
+    def copy_to(self, dst: DeviceBuffer, nbytes: int, src_offset: int = 0, dst_offset: int = 0,
+                stream: Stream | None = None) -> None:
+        """Device-to-device into another buffer (the two must not overlap: distinct allocations never do).
+        With `stream`, the copy is ordered on it and returns at once, even from a stream-less buffer: many
+        copies (a batch's gather) then cost one synchronize, the caller's."""
         self._check(src_offset, nbytes, "copy_to source")
         dst._check(dst_offset, nbytes, "copy_to destination")
         kind = cudart().cudaMemcpyKind.cudaMemcpyDeviceToDevice
-        self._copy(dst.ptr + dst_offset, self.ptr + src_offset, nbytes, kind)
+        self._copy(dst.ptr + dst_offset, self.ptr + src_offset, nbytes, kind, stream=stream, ordered=stream is not None)
+
+    def zero(self) -> None:
+        """Set every byte to 0 (on the buffer's stream; a stream-less buffer waits for it)."""
+        self._check(0, self.nbytes, "zero")
+        raw = self.stream._stream if self.stream is not None else 0
+        _call(cudart().cudaMemsetAsync(self.ptr, 0, self.nbytes, raw), "cudaMemsetAsync")
+        if self.stream is None:
+            _call(cudart().cudaStreamSynchronize(0), "cudaStreamSynchronize")
 
     def copy_within(self, src_offset: int, dst_offset: int, nbytes: int) -> None:
         """Copy [src, src+nbytes) to [dst, dst+nbytes) of this buffer; the ranges may overlap."""
@@ -193,13 +206,14 @@ class DeviceBuffer:
         self._copy(self.ptr + dst_offset, scratch.ptr, nbytes, kind, stream=stream)
 
     def _copy(self, dst: int, src: int, nbytes: int, kind: Any, blocking: bool = False,
-              stream: Stream | None = None) -> None:
+              stream: Stream | None = None, ordered: bool = False) -> None:
+        """`ordered`: the caller orders the copy on `stream` and synchronizes it itself."""
         stream = stream or self.stream
         if nbytes == 0:
             return
         raw = stream._stream if stream is not None else 0
         _call(cudart().cudaMemcpyAsync(dst, src, nbytes, kind, raw), "cudaMemcpyAsync")
-        if blocking or self.stream is None:
+        if blocking or (self.stream is None and not ordered):
             if stream is not None:
                 stream.synchronize()
             else:

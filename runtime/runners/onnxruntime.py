@@ -19,6 +19,7 @@ IO binding keeps past and present on the device.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import cached_property
 from itertools import zip_longest
 from pathlib import Path
 from typing import Any
@@ -38,7 +39,7 @@ from refusion.runtime.core.contract import (
 from refusion.runtime.core.dtypes import dtype
 from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.core.export_manifest import REEXPORT, ExportManifest
-from refusion.runtime.runners.base import Runner
+from refusion.runtime.runners.base import Runner, pack_rows
 
 # onnxruntime's CPU provider has no bfloat16 MatMul.
 ORT_DTYPES = ("float32", "float16")
@@ -227,17 +228,10 @@ class OrtRunner(Runner):
         return {name: outputs[name] for name in self._outputs[graph]}
 
     def _run_batch(self, graph, rows):
-        m, batch = self.manifest, len(rows)
-        seq, past = max(r.input_ids.shape[1] for r in rows), max(r.past for r in rows)
-        ids = np.zeros((batch, seq), np.int64)
-        pos = np.zeros((batch, seq), np.int64)
-        mask = np.zeros((batch, seq, past + seq), bool)  # padding attends to nothing and is never read
-        for b, r in enumerate(rows):
-            s, p = r.input_ids.shape[1], r.past
-            ids[b, :s], pos[b, :s] = r.input_ids[0], r.position_ids[0]
-            mask[b, :s, :p] = r.attention_mask[0, :, :p]
-            mask[b, :s, past : past + s] = r.attention_mask[0, :, p:]
-        feed = {"input_ids": ids, "position_ids": pos, "attention_mask": mask}
+        m, batch, packed = self.manifest, len(rows), pack_rows(rows)
+        past = packed.past
+        feed = {"input_ids": packed.input_ids, "position_ids": packed.position_ids,
+                "attention_mask": packed.attention_mask}
         shape = (batch, past, m.kv_heads, m.head_dim)
         for i in range(m.num_layers):
             key, value = np.zeros(shape, self.dtype), np.zeros(shape, self.dtype)
@@ -269,64 +263,144 @@ class OrtCudaRunner(OrtRunner):
     """onnxruntime with CUDA: the KV cache lives in device buffers bound through IO binding,
     so past and present never cross to the host; only ids and probabilities come back.
     onnxruntime uploads one device copy of the weights per session (TensorRT is the backend
-    that shares them)."""
+    that shares them).
+
+    `max_slots` KV slots (device buffers per layer, one slot per request in flight), and up to
+    `max_batch` rows per call as the CPU runner packs them: IO binding takes one contiguous
+    [rows, past, H, D] tensor, so each row's past is gathered from its slot into a batch buffer
+    on the device, and present comes out as [rows, seq, H, D] into scratch, from which each row's
+    tokens go to its slot. The gather and scatter copies run on the runner's own stream, waited
+    for once before and once after onnxruntime's run (which synchronizes its own stream on
+    return). One row alone binds its slot in place, as before."""
 
     name = "ort-cuda"
     provider = "CUDAExecutionProvider"
+    device = "cuda"  # IO binding's device type for the KV buffers
 
     def __init__(self, manifest: ExportManifest, threads: int | None = None, low_memory: bool = False,
-                 verify: bool = False):
-        super().__init__(manifest, threads, low_memory, verify)
-        self.device_keys: list[Any] = []
-        self.device_values: list[Any] = []
+                 verify: bool = False, max_slots: int = 1, max_batch: int = 1):
+        super().__init__(manifest, threads, low_memory, verify, max_slots, max_batch)
+        self.device_keys: list[list[Any]] = [[] for _ in range(max_slots)]  # [slot][layer] DeviceBuffer
+        self.device_values: list[list[Any]] = [[] for _ in range(max_slots)]
+        self._stream: Any = None  # cuda.Stream of the gathers and scatters, while active
+        self._scratch: dict[str, Any] = {}  # "past", "present": grown on demand
+
+    def _activate(self) -> None:
+        from refusion.runtime.runners.cuda import Stream
+
+        super()._activate()
+        if self.max_batch > 1:  # only packed calls gather and scatter
+            self._stream = Stream()
 
     def _deactivate(self) -> None:
-        for buf in self.device_keys + self.device_values:
+        for buf in [*self._device_caches(), *self._scratch.values()]:
             buf.free()
-        self.device_keys, self.device_values = [], []
+        self.device_keys = [[] for _ in range(self.max_slots)]
+        self.device_values = [[] for _ in range(self.max_slots)]
+        self._scratch = {}
+        if self._stream is not None:
+            self._stream.close()
+            self._stream = None
         super()._deactivate()
+
+    def _device_caches(self, slot: int | None = None) -> list[Any]:
+        """A slot's K buffers then its V buffers, by layer (every slot's when `slot` is None)."""
+        slots = range(self.max_slots) if slot is None else (slot,)
+        return [buf for s in slots for buf in self.device_keys[s] + self.device_values[s]]
 
     @property
     def _token_bytes(self) -> int:
         return self.manifest.kv_heads * self.manifest.head_dim * np.dtype(self.dtype).itemsize
 
-    def _allocate_kv(self, capacity: int, slot: int) -> None:  # one slot (max_slots 1)
+    def _allocate_kv(self, capacity: int, slot: int) -> None:
         from refusion.runtime.runners.cuda import DeviceBuffer
 
-        for buf in self.device_keys + self.device_values:
+        for buf in self._device_caches(slot):
             buf.free()
         n = self.manifest.num_layers
-        self.device_keys = [DeviceBuffer(capacity * self._token_bytes) for _ in range(n)]
-        self.device_values = [DeviceBuffer(capacity * self._token_bytes) for _ in range(n)]
+        self.device_keys[slot] = [DeviceBuffer(capacity * self._token_bytes) for _ in range(n)]
+        self.device_values[slot] = [DeviceBuffer(capacity * self._token_bytes) for _ in range(n)]
 
     def _move_kv(self, src: int, dst: int, length: int, slot: int) -> None:
         t = self._token_bytes
-        for buf in self.device_keys + self.device_values:
+        for buf in self._device_caches(slot):
             buf.copy_within(src * t, dst * t, length * t)
 
     def _run(self, graph, input_ids, position_ids, attention_mask, past_length, write_at, slot):
-        session = self.sessions[graph]
-        binding = session.io_binding()
-        binding.bind_cpu_input("input_ids", input_ids)
-        binding.bind_cpu_input("position_ids", position_ids)
-        binding.bind_cpu_input("attention_mask", np.ascontiguousarray(attention_mask))
+        m, t, seq = self.manifest, self._token_bytes, input_ids.shape[1]
+        binding, wanted = self._binding(graph, input_ids, position_ids, attention_mask)
+        kv = [m.kv_heads, m.head_dim]
+        caches = self._device_caches(slot)
+        for name, buf in zip(self._past_names, caches):  # past and present as addresses inside the slot
+            binding.bind_input(name, self.device, 0, self.dtype, [1, past_length, *kv], buf.ptr)
+        if write_at is not None:
+            for name, buf in zip(self._presents_kv, caches):
+                binding.bind_output(name, self.device, 0, self.dtype, [1, seq, *kv], buf.ptr + write_at * t)
+        return self._run_bound(graph, binding, wanted)
+
+    def _run_batch(self, graph, rows):
+        m, t, batch, packed = self.manifest, self._token_bytes, len(rows), pack_rows(rows)
+        seq, past, kv = packed.seq, packed.past, [m.kv_heads, m.head_dim]
+        binding, wanted = self._binding(graph, packed.input_ids, packed.position_ids, packed.attention_mask)
+        gathered, row_past = self._scratch_buffer("past", len(self._past_names) * batch * past * t), past * t
+        for b, r in enumerate(rows):  # each row's past from its slot, padded to the longest
+            for j, cache in enumerate(self._device_caches(r.slot)):
+                cache.copy_to(gathered, r.past * t, dst_offset=(j * batch + b) * row_past, stream=self._stream)
+        self._stream.synchronize()  # before onnxruntime reads them on its own stream
+        for j, name in enumerate(self._past_names):
+            binding.bind_input(name, self.device, 0, self.dtype, [batch, past, *kv],
+                               gathered.ptr + j * batch * row_past)
+        presents, row_present = None, seq * t
+        if graph == "infiller":
+            presents = self._scratch_buffer("present", len(self._presents_kv) * batch * row_present)
+            for j, name in enumerate(self._presents_kv):
+                binding.bind_output(name, self.device, 0, self.dtype, [batch, seq, *kv],
+                                    presents.ptr + j * batch * row_present)
+        outputs = self._run_bound(graph, binding, wanted)
+        for b, r in enumerate(rows):  # each row's own tokens into its slot
+            if presents is not None and r.write_at is not None:
+                for j, cache in enumerate(self._device_caches(r.slot)):
+                    presents.copy_to(cache, r.input_ids.shape[1] * t, src_offset=(j * batch + b) * row_present,
+                                     dst_offset=r.write_at * t, stream=self._stream)
+        self._stream.synchronize()  # the slots are whole before the next forward reads them
+        return [{name: array[b : b + 1, : r.input_ids.shape[1]] for name, array in outputs.items()}
+                for b, r in enumerate(rows)]
+
+    def _binding(self, graph: GraphName, ids: np.ndarray, pos: np.ndarray, mask: np.ndarray) -> tuple[Any, list[str]]:
+        """A fresh IO binding with the feed on the host and the heads to come back to it."""
+        binding = self.sessions[graph].io_binding()
+        binding.bind_cpu_input("input_ids", ids)
+        binding.bind_cpu_input("position_ids", pos)
+        binding.bind_cpu_input("attention_mask", np.ascontiguousarray(mask))
         wanted = self._outputs[graph]
         for name in wanted:  # bound first, so they come first in get_outputs()
             binding.bind_output(name, "cpu")
-        self._bind_kv(binding, past_length, write_at, input_ids.shape[1])
-        session.run_with_iobinding(binding)
+        return binding, wanted
+
+    def _run_bound(self, graph: GraphName, binding: Any, wanted: list[str]) -> dict[str, np.ndarray]:
+        self.sessions[graph].run_with_iobinding(binding)
         outputs = binding.get_outputs()
         return {name: outputs[j].numpy() for j, name in enumerate(wanted)}
 
-    def _bind_kv(self, binding: Any, past_length: int, write_at: int | None, seq: int) -> None:
-        """Past and present as addresses inside the device cache."""
-        m, t = self.manifest, self._token_bytes
-        for i in range(m.num_layers):
-            for past, present, buf in (
-                (f"past_key_values.{i}.key", present_key_name(i), self.device_keys[i]),
-                (f"past_key_values.{i}.value", present_value_name(i), self.device_values[i]),
-            ):
-                binding.bind_input(past, "cuda", 0, self.dtype, [1, past_length, m.kv_heads, m.head_dim], buf.ptr)
-                if write_at is not None:
-                    binding.bind_output(present, "cuda", 0, self.dtype, [1, seq, m.kv_heads, m.head_dim],
-                                        buf.ptr + write_at * t)
+    def _scratch_buffer(self, name: str, nbytes: int) -> Any:
+        """The named device scratch, grown (never shrunk) to `nbytes`. Zeroed when allocated: padded past
+        is masked, but 0 x NaN would still be NaN, so it must hold finite values (zeros or earlier KV)."""
+        from refusion.runtime.runners.cuda import DeviceBuffer
+
+        buf = self._scratch.get(name)
+        if buf is None or buf.nbytes < nbytes:
+            if buf is not None:
+                buf.free()  # its copies were waited for (stream synchronized after each batch)
+            buf = self._scratch[name] = DeviceBuffer(nbytes)
+            buf.zero()
+        return buf
+
+    @cached_property  # names fixed by the export: not rebuilt per forward
+    def _past_names(self) -> list[str]:
+        n = self.manifest.num_layers
+        return [past_key_name(i) for i in range(n)] + [past_value_name(i) for i in range(n)]
+
+    @cached_property
+    def _presents_kv(self) -> list[str]:
+        n = self.manifest.num_layers
+        return [present_key_name(i) for i in range(n)] + [present_value_name(i) for i in range(n)]

@@ -11,6 +11,15 @@ A planner forward runs on the engine's planner profile and returns the planner's
 present KV it also computes goes to a scratch buffer apart from the cache (seq tokens of KV,
 never read), and its input_probs stay on the device.
 
+Several requests: the runner holds `max_slots` KV slots (one per request in flight, each its
+own buffers per layer) and runs up to `max_batch` (engines.json's `--max-batch`) of their
+forwards in one execution, on a profile whose batch range holds them. TensorRT takes a batch
+tensor as one contiguous [rows, past, H, D], so each row's past is gathered from its slot into
+a batch buffer (device-to-device on the stream, padded to the longest past, padding masked), and
+present comes out as [rows, seq, H, D] into scratch, from which each row's tokens are copied to
+its slot at its write_at. Rows no batched profile holds (prefills) run one at a time; one row
+alone takes the single-request path above, binding its slot in place.
+
 TensorRT wants every tensor address 256-byte aligned. A cache slot is aligned when a
 token's KV per layer is a multiple of 256 bytes (kv_heads x head_dim x itemsize: 2048 for
 Qwen3-8B in fp16); otherwise present is written to an aligned staging area and copied into
@@ -28,6 +37,7 @@ from __future__ import annotations
 
 import mmap
 import re
+from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -46,7 +56,7 @@ from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.core.export_manifest import ExportManifest
 from refusion.runtime.core.profiles import check_request, select_profile
 from refusion.runtime.params import DecodeParams
-from refusion.runtime.runners.base import Runner
+from refusion.runtime.runners.base import PackedRows, RowFeed, Runner, pack_rows
 from refusion.runtime.runners.cuda import DeviceBuffer, Stream, device_info
 
 if TYPE_CHECKING:
@@ -89,7 +99,11 @@ def current_target() -> Target:
 class TensorRTRunner(Runner):
     name = "trt"
 
-    def __init__(self, manifest: ExportManifest, engines: EngineManifest):
+    def __init__(self, manifest: ExportManifest, engines: EngineManifest, max_slots: int | None = None,
+                 max_batch: int | None = None):
+        """`max_batch`: rows one execution packs, at most the engine's --max-batch (the default);
+        `max_slots`: requests held at once (a KV slot each), at least max_batch (default: max_batch)."""
+        self.max_batch, self.max_slots = batch_and_slots(engines, max_slots, max_batch)
         super().__init__(manifest)
         self.engines = engines
         self.limits = engines.limits
@@ -99,16 +113,16 @@ class TensorRTRunner(Runner):
         self._contexts: list[tensorrt.IExecutionContext] = []  # one per profile
         self._activations: DeviceBuffer | None = None
         self._empty: DeviceBuffer | None = None  # where empty tensors (a prefill's past) are bound
-        self._shapes_checked: set[tuple[int, int, int]] = set()  # (profile, seq, past)
+        self._shapes_checked: set[tuple[int, int, int, int]] = set()  # (profile, batch, seq, past)
         self._io: dict[str, DeviceBuffer] = {}  # ids, positions, mask, heads, present staging: grown on demand
-        self._keys: list[DeviceBuffer] = []
-        self._values: list[DeviceBuffer] = []
+        self._keys: list[list[DeviceBuffer]] = [[] for _ in range(self.max_slots)]  # [slot][layer]
+        self._values: list[list[DeviceBuffer]] = [[] for _ in range(self.max_slots)]
 
     @staticmethod
-    def from_dir(path: str | Path) -> TensorRTRunner:
+    def from_dir(path: str | Path, max_slots: int | None = None, max_batch: int | None = None) -> TensorRTRunner:
         """Engines built by `refusion-export build` (the directory also holds refusion.json)."""
         engines = EngineManifest.load(path)
-        return TensorRTRunner(ExportManifest.read(Path(path)), engines)
+        return TensorRTRunner(ExportManifest.read(Path(path)), engines, max_slots, max_batch)
 
     # -- requests ----------------------------------------------------------------------------
     def check_request(self, prompt_length: int, params: DecodeParams) -> None:
@@ -176,9 +190,11 @@ class TensorRTRunner(Runner):
     def _deactivate(self) -> None:
         if self._stream is not None:
             self._stream.synchronize()
-        for buf in [*self._keys, *self._values, *self._io.values()]:
+        for buf in [*self._caches(), *self._io.values()]:
             buf.free()
-        self._keys, self._values, self._io = [], [], {}
+        self._keys = [[] for _ in range(self.max_slots)]
+        self._values = [[] for _ in range(self.max_slots)]
+        self._io = {}
         self._contexts = []  # contexts before the engine, the engine before the runtime
         self._engine = None
         self._shapes_checked.clear()
@@ -197,105 +213,201 @@ class TensorRTRunner(Runner):
         """Bytes of one token's K (or V) in one layer."""
         return self.kv_bytes_per_token // (2 * self.manifest.num_layers)
 
-    def _allocate_kv(self, capacity: int, slot: int) -> None:  # one slot (max_slots 1)
+    def _caches(self, slot: int | None = None) -> list[DeviceBuffer]:
+        """A slot's K buffers then its V buffers, by layer (every slot's when `slot` is None)."""
+        slots = range(self.max_slots) if slot is None else (slot,)
+        return [buf for s in slots for buf in self._keys[s] + self._values[s]]
+
+    def _allocate_kv(self, capacity: int, slot: int) -> None:
         self._active_stream.synchronize()  # queued forwards and moves may still use the old cache
-        for buf in self._keys + self._values:
+        for buf in self._caches(slot):
             buf.free()
         n, size = self.manifest.num_layers, capacity * self._token_bytes
-        self._keys = [DeviceBuffer(size, self._stream) for _ in range(n)]
-        self._values = [DeviceBuffer(size, self._stream) for _ in range(n)]
+        self._keys[slot] = [DeviceBuffer(size, self._stream) for _ in range(n)]
+        self._values[slot] = [DeviceBuffer(size, self._stream) for _ in range(n)]
 
     def _move_kv(self, src: int, dst: int, length: int, slot: int) -> None:
         t = self._token_bytes
-        for buf in self._keys + self._values:
+        for buf in self._caches(slot):
             buf.copy_within(src * t, dst * t, length * t)
 
-    def kv_to_host(self, start: int, length: int) -> dict[str, np.ndarray]:
-        """KV of tokens [start, start + length) per layer, on the host (for checks, not the loop).
-        bfloat16 comes back as its raw uint16 bits."""
+    def kv_to_host(self, start: int, length: int, slot: int = 0) -> dict[str, np.ndarray]:
+        """KV of tokens [start, start + length) per layer of `slot`, on the host (for checks, not the
+        loop). bfloat16 comes back as its raw uint16 bits."""
         self._require_active()
-        self._check_range("KV read", start, length)
+        self._check_slot(slot)
+        self._check_range("KV read", start, length, slot)
         m, t = self.manifest, self._token_bytes
         shape = (1, length, m.kv_heads, m.head_dim)
         host = dtype(m.dtype).numpy
         out = {}
         for i in range(m.num_layers):
-            out[f"present.{i}.key"] = self._keys[i].copy_to_host(shape, host, start * t)
-            out[f"present.{i}.value"] = self._values[i].copy_to_host(shape, host, start * t)
+            out[f"present.{i}.key"] = self._keys[slot][i].copy_to_host(shape, host, start * t)
+            out[f"present.{i}.value"] = self._values[slot][i].copy_to_host(shape, host, start * t)
         return out
 
-    def kv_from_host(self, start: int, past: dict[str, np.ndarray]) -> None:
+    def kv_from_host(self, start: int, past: dict[str, np.ndarray], slot: int = 0) -> None:
         """Write a feed's past KV (`past_key_values.{i}.key|value`, [1, length, kv_heads, head_dim])
-        into the cache at token `start`, all checked before any is written (for checks, not the loop)."""
+        into `slot` at token `start`, all checked before any is written (for checks, not the loop)."""
         self._require_active()
+        self._check_slot(slot)
         m = self.manifest
         host = dtype(m.dtype).numpy
-        caches = {past_key_name(i): self._keys[i] for i in range(m.num_layers)}
-        caches |= {past_value_name(i): self._values[i] for i in range(m.num_layers)}
+        caches = {past_key_name(i): self._keys[slot][i] for i in range(m.num_layers)}
+        caches |= {past_value_name(i): self._values[slot][i] for i in range(m.num_layers)}
         for name in caches:
             array = past[name]
             if array.dtype != host or array.shape[0] != 1 or array.shape[2:] != (m.kv_heads, m.head_dim):
                 raise RefusionError(f"{name} must be {host} [1, length, {m.kv_heads}, {m.head_dim}]; "
                                     f"got {array.dtype} {list(array.shape)}.")
-            self._check_range("KV upload", start, array.shape[1])
+            self._check_range("KV upload", start, array.shape[1], slot)
         for name, cache in caches.items():
             cache.copy_from_host(past[name], start * self._token_bytes)
 
     # -- forwards ----------------------------------------------------------------------------
     def _run(self, graph: GraphName, input_ids: np.ndarray, position_ids: np.ndarray,
              attention_mask: np.ndarray, past_length: int, write_at: int | None, slot: int) -> dict[str, np.ndarray]:
+        """One request's forward: past bound in place in its slot, present written straight into it."""
         seq = input_ids.shape[1]
-        index = select_profile(list(self.engines.engine.profiles), graph, seq, past_length)
-        if index is None:  # before any device work
-            raise RefusionError(self._outside_message(graph, seq, past_length))
+        index = self._profile(graph, seq, past_length)  # before any device work
         context = self._contexts[index]
-        m, t = self.manifest, self._token_bytes
-        for name, array in (("input_ids", input_ids), ("position_ids", position_ids),
-                            ("attention_mask", attention_mask)):
+        self._bind_feed(context, input_ids, position_ids, attention_mask)
+        m, caches = self.manifest, self._caches(slot)
+        kv_shape = (1, past_length, m.kv_heads, m.head_dim)
+        for name, cache in zip(self._past_names, caches):  # the slot's first past_length tokens, in place
+            self._bind_input(context, name, cache.ptr, kv_shape)
+        heads = self._bind_heads(context, index, 1, seq, past_length)
+        staging = self._bind_presents(context, seq, write_at, caches)
+        self._execute(context, graph, 1, seq, past_length)
+        if staging is not None and write_at is not None:
+            buf, stride = staging
+            t = self._token_bytes
+            for j, cache in enumerate(caches):
+                buf.copy_to(cache, seq * t, src_offset=j * stride, dst_offset=write_at * t)
+        return self._fetch(graph, heads)
+
+    def _run_batch(self, graph: GraphName, rows: list[RowFeed]) -> list[dict[str, np.ndarray]]:
+        """Rows grouped by the profile each needs alone, packed up to that profile's batch range: the
+        packed (seq, past) are one row's each, so the group's profile holds them."""
+        groups: dict[int, list[int]] = {}
+        for i, row in enumerate(rows):  # every row checked before any device work
+            groups.setdefault(self._profile(graph, row.input_ids.shape[1], row.past), []).append(i)
+        out: dict[int, dict[str, np.ndarray]] = {}
+        for index, members in groups.items():
+            width = self.engines.engine.profiles[index].batch[2]
+            for start in range(0, len(members), width):
+                chunk = members[start : start + width]
+                if len(chunk) == 1:
+                    r = rows[chunk[0]]
+                    out[chunk[0]] = self._run(graph, r.input_ids, r.position_ids, r.attention_mask, r.past,
+                                              r.write_at, r.slot)
+                else:
+                    out.update(zip(chunk, self._run_packed(graph, index, [rows[i] for i in chunk])))
+        return [out[i] for i in range(len(rows))]
+
+    def _run_packed(self, graph: GraphName, index: int, rows: list[RowFeed]) -> list[dict[str, np.ndarray]]:
+        """Rows of several requests in one execution on profile `index`: pasts gathered, presents scattered."""
+        packed, batch = pack_rows(rows), len(rows)
+        seq, past = packed.seq, packed.past
+        context = self._contexts[index]
+        self._bind_feed(context, packed.input_ids, packed.position_ids, packed.attention_mask)
+        self._gather_past(context, rows, packed)
+        heads = self._bind_heads(context, index, batch, seq, past)
+        buf, stride = self._bind_scratch_presents(context, batch * seq)
+        self._execute(context, graph, batch, seq, past)
+        t = self._token_bytes
+        for b, r in enumerate(rows):  # each row's own tokens into its slot; padding and planner KV stay behind
+            if r.write_at is not None:
+                for j, cache in enumerate(self._caches(r.slot)):
+                    buf.copy_to(cache, r.input_ids.shape[1] * t, src_offset=j * stride + b * seq * t,
+                                dst_offset=r.write_at * t)
+        outputs = self._fetch(graph, heads)
+        return [{name: array[b : b + 1, : r.input_ids.shape[1]] for name, array in outputs.items()}
+                for b, r in enumerate(rows)]
+
+    def _gather_past(self, context: tensorrt.IExecutionContext, rows: list[RowFeed], packed: PackedRows) -> None:
+        """Each row's past copied from its slot into one [rows, past, H, D] buffer per layer. The buffer is
+        zeroed when allocated: a padded position is masked, but 0 x NaN would still be NaN, so padding must
+        hold finite values (zeros, or KV an earlier gather left there)."""
+        m, t, batch, past = self.manifest, self._token_bytes, len(rows), packed.past
+        stride = _aligned(batch * past * t)
+        buf = self._buffer("batch past", len(self._past_names) * stride, zeroed=True)
+        for b, r in enumerate(rows):
+            for j, cache in enumerate(self._caches(r.slot)):
+                cache.copy_to(buf, r.past * t, dst_offset=j * stride + b * past * t)
+        shape = (batch, past, m.kv_heads, m.head_dim)
+        for j, name in enumerate(self._past_names):
+            self._bind_input(context, name, buf.ptr + j * stride, shape)
+
+    def _profile(self, graph: GraphName, seq: int, past: int) -> int:
+        index = select_profile(list(self.engines.engine.profiles), graph, seq, past)
+        if index is None:
+            raise RefusionError(self._outside_message(graph, seq, past))
+        return index
+
+    def _bind_feed(self, context: tensorrt.IExecutionContext, ids: np.ndarray, pos: np.ndarray,
+                   mask: np.ndarray) -> None:
+        for name, array in (("input_ids", ids), ("position_ids", pos), ("attention_mask", mask)):
             buf = self._buffer(name, array.nbytes)
             buf.copy_from_host(array)
             self._bind_input(context, name, buf.ptr, array.shape)
-        kv_shape = (1, past_length, m.kv_heads, m.head_dim)
-        for i in range(m.num_layers):  # past: the cache's first past_length tokens, in place
-            self._bind_input(context, past_key_name(i), self._keys[i].ptr, kv_shape)
-            self._bind_input(context, past_value_name(i), self._values[i].ptr, kv_shape)
-        outputs = {o.name: (_shape(o.axes, seq), dtype(o.dtype).numpy) for o in m.graphs[ENGINE_GRAPH].outputs}
-        if (index, seq, past_length) not in self._shapes_checked:
+
+    def _bind_heads(self, context: tensorrt.IExecutionContext, index: int, batch: int, seq: int,
+                    past: int) -> dict[str, tuple[tuple[int, ...], Any]]:
+        """Bind every output but present to its buffer; returns their (shape, host dtype). The output
+        shapes TensorRT infers are checked once per (profile, batch, seq, past)."""
+        m = self.manifest
+        outputs = {o.name: (_shape(o.axes, seq, batch), dtype(o.dtype).numpy) for o in m.graphs[ENGINE_GRAPH].outputs}
+        if (index, batch, seq, past) not in self._shapes_checked:
             self._check_output_shapes(context, {name: shape for name, (shape, _) in outputs.items()})
-            self._shapes_checked.add((index, seq, past_length))
+            self._shapes_checked.add((index, batch, seq, past))
         heads = {name: out for name, out in outputs.items() if not name.startswith("present.")}
         for name, (shape, host) in heads.items():  # a planner forward's input_probs too, never read back
             nbytes = int(np.prod(shape)) * host.itemsize
             self._bind_output(context, name, self._buffer(name, nbytes).ptr)
-        staging = self._bind_presents(context, seq, write_at)
+        return heads
+
+    def _execute(self, context: tensorrt.IExecutionContext, graph: GraphName, batch: int, seq: int, past: int) -> None:
         if not context.execute_async_v3(self._active_stream.handle):
-            raise RefusionError(f"TensorRT failed to run a {graph} forward (seq {seq}, past {past_length}); "
+            raise RefusionError(f"TensorRT failed to run a {graph} forward ({batch} row(s), seq {seq}, past {past}); "
                                 "see the TensorRT log above.")
-        if staging is not None and write_at is not None:
-            buf, stride = staging
-            for j, cache in enumerate(self._keys + self._values):
-                buf.copy_to(cache, seq * t, src_offset=j * stride, dst_offset=write_at * t)
-        returned = [o.name for o in m.graphs[graph].outputs if o.name in heads]  # not a planner's input_probs
+
+    def _fetch(self, graph: GraphName, heads: dict[str, tuple[tuple[int, ...], Any]]) -> dict[str, np.ndarray]:
+        """The graph's heads on the host (not a planner's input_probs); waits for the stream."""
+        returned = [o.name for o in self.manifest.graphs[graph].outputs if o.name in heads]
         return {name: self._io[name].copy_to_host(*heads[name]) for name in returned}
 
-    def _bind_presents(self, context: tensorrt.IExecutionContext, seq: int,
-                       write_at: int | None) -> tuple[DeviceBuffer, int] | None:
-        """Present KV straight into the cache at write_at. Through an aligned staging buffer when
-        that address is not 256-byte aligned (returned, to be copied in after the run), and for a
+    @cached_property  # names fixed by the export: not rebuilt per forward
+    def _past_names(self) -> list[str]:
+        n = self.manifest.num_layers
+        return [past_key_name(i) for i in range(n)] + [past_value_name(i) for i in range(n)]
+
+    @cached_property
+    def _present_names(self) -> list[str]:
+        n = self.manifest.num_layers
+        return [f"present.{i}.key" for i in range(n)] + [f"present.{i}.value" for i in range(n)]
+
+    def _bind_presents(self, context: tensorrt.IExecutionContext, seq: int, write_at: int | None,
+                       caches: list[DeviceBuffer]) -> tuple[DeviceBuffer, int] | None:
+        """Present KV straight into the slot's `caches` at write_at. Through an aligned staging buffer
+        when that address is not 256-byte aligned (returned, to be copied in after the run), and for a
         planner forward (write_at None), whose present is discarded: the staging buffer is its
         scratch, apart from the cache, so it can overwrite nothing the loop reads."""
-        m, t = self.manifest, self._token_bytes
-        caches = self._keys + self._values
-        names = [f"present.{i}.key" for i in range(m.num_layers)] + [f"present.{i}.value" for i in range(m.num_layers)]
+        t = self._token_bytes
         if write_at is not None and (write_at * t) % ALIGNMENT == 0:
-            for name, cache in zip(names, caches):
+            for name, cache in zip(self._present_names, caches):
                 self._bind_output(context, name, cache.ptr + write_at * t)
             return None
-        stride = -(-seq * t // ALIGNMENT) * ALIGNMENT
-        buf = self._buffer("present staging", len(caches) * stride)
-        for j, name in enumerate(names):
+        staging = self._bind_scratch_presents(context, seq)
+        return staging if write_at is not None else None
+
+    def _bind_scratch_presents(self, context: tensorrt.IExecutionContext, tokens: int) -> tuple[DeviceBuffer, int]:
+        """Every present bound into the staging buffer, `tokens` tokens each at an aligned stride."""
+        stride = _aligned(tokens * self._token_bytes)
+        buf = self._buffer("present staging", len(self._present_names) * stride)
+        for j, name in enumerate(self._present_names):
             self._bind_output(context, name, buf.ptr + j * stride)
-        return (buf, stride) if write_at is not None else None
+        return buf, stride
 
     def _check_output_shapes(self, context: tensorrt.IExecutionContext, expected: dict[str, tuple[int, ...]]) -> None:
         """The shapes TensorRT infers for the outputs must be those of the buffers bound for them."""
@@ -324,14 +436,16 @@ class TensorRTRunner(Runner):
         if not context.set_tensor_address(name, ptr):
             raise RefusionError(f"TensorRT refused the address of {name} (alignment {ptr % ALIGNMENT}).")
 
-    def _buffer(self, name: str, nbytes: int) -> DeviceBuffer:
-        """The named staging buffer, grown (never shrunk) to `nbytes`."""
+    def _buffer(self, name: str, nbytes: int, zeroed: bool = False) -> DeviceBuffer:
+        """The named staging buffer, grown (never shrunk) to `nbytes`; `zeroed`: set to 0 when (re)allocated."""
         buf = self._io.get(name)
         if buf is None or buf.nbytes < nbytes:
             if buf is not None:
                 self._active_stream.synchronize()  # the old buffer may still be read by queued work
                 buf.free()
             buf = self._io[name] = DeviceBuffer(nbytes, self._stream)
+            if zeroed:
+                buf.zero()
         return buf
 
     @property
@@ -353,9 +467,33 @@ class TensorRTRunner(Runner):
         )
 
 
-def _shape(axes: tuple[str | int, ...], seq: int) -> tuple[int, ...]:
-    """A head output's shape for this forward: batch 1, `seq` tokens, fixed trailing dims."""
-    return tuple(1 if a == BATCH else seq if a == SEQ else int(a) for a in axes)
+def _shape(axes: tuple[str | int, ...], seq: int, batch: int) -> tuple[int, ...]:
+    """An output's shape for this forward: `batch` rows, `seq` tokens, fixed trailing dims."""
+    return tuple(batch if a == BATCH else seq if a == SEQ else int(a) for a in axes)
+
+
+def _aligned(nbytes: int) -> int:
+    """`nbytes` rounded up to TensorRT's address alignment (tensors packed in one buffer)."""
+    return -(-nbytes // ALIGNMENT) * ALIGNMENT
+
+
+def batch_and_slots(engines: EngineManifest, max_slots: int | None, max_batch: int | None) -> tuple[int, int]:
+    """(max_batch, max_slots) of a TensorRT runner over `engines`: the batch at most the engine's
+    --max-batch (its default, or the slots if fewer), the slots at least the batch (default: the batch)."""
+    for name, value in (("max_batch", max_batch), ("max_requests", max_slots)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+            raise RefusionError(f"{name}={value!r} must be a positive integer.")
+    built = engines.limits.max_batch
+    batch = max_batch if max_batch is not None else min(built, max_slots or built)
+    slots = max_slots if max_slots is not None else batch
+    if batch > built:
+        raise RefusionError(f"max_batch={batch} exceeds the engine's --max-batch {built}: its profiles take at most "
+                            f"{built} rows. Lower max_batch, or rebuild with --max-batch {batch}: "
+                            f"{engines.rebuild_command}")
+    if slots < batch:
+        raise RefusionError(f"max_requests={slots} is less than max_batch={batch}: a batch packs requests in flight; "
+                            "raise max_requests or lower max_batch.")
+    return batch, slots
 
 
 def _deserialize(runtime: tensorrt.Runtime, path: Path) -> tensorrt.ICudaEngine | None:

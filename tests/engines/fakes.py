@@ -12,7 +12,8 @@ outside the active profile are refused, as TensorRT refuses them. Where the Pyth
 differ from the C++ API they wrap, the fakes do as the bindings do: set_optimization_profile_async
 raises RuntimeError instead of returning False, stream readers are called as the binding calls
 their Python overrides (IStreamReaderV2: read(num_bytes, stream), asked again until all bytes
-came; IStreamReader: read(size), of which at most `size` bytes are copied).
+came; IStreamReader: read(size), of which at most `size` bytes are copied). cudaMalloc'd memory
+starts as 0xFF bytes (NaN as floats), not zeros: the real one is not cleared either.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import numpy as np
 
 from refusion.engines.build import BuildPlan
 from refusion.runtime.core.engines_manifest import ENGINE_GRAPH
+from refusion.runtime.runners.onnxruntime import OrtCudaRunner
 
 
 class FakeCudart:
@@ -49,12 +51,13 @@ class FakeCudart:
         self.pending: dict[int, set[int]] = {}  # allocation -> streams with queued work on it
         self.streams = 0
         self.syncs = 0
+        self.memsets = 0
 
     # memory
     def cudaMalloc(self, nbytes: int):
         if nbytes + self.used > self.memory_limit:
             return (self.cudaError_t.cudaErrorMemoryAllocation, 0)
-        backing = np.zeros(nbytes + 256, np.uint8)
+        backing = np.full(nbytes + 256, 0xFF, np.uint8)  # cudaMalloc does not clear: 0xFF.. is NaN as a float
         ptr = (backing.ctypes.data + 255) // 256 * 256
         self.allocations[ptr] = (backing, nbytes)
         return (self.cudaError_t.cudaSuccess, ptr)
@@ -96,6 +99,12 @@ class FakeCudart:
             raise AssertionError("overlapping device-to-device cudaMemcpy is undefined")
         ctypes.memmove(dst, src, nbytes)
         self.copies.append((kind.name, nbytes))
+        return (self.cudaError_t.cudaSuccess,)
+
+    def cudaMemsetAsync(self, ptr: int, value: int, nbytes: int, stream):
+        self.queue(ptr, nbytes, stream)
+        ctypes.memset(ptr, value, nbytes)
+        self.memsets += 1
         return (self.cudaError_t.cudaSuccess,)
 
     # streams and device
@@ -361,3 +370,12 @@ class _Context:
             ctypes.memmove(ptr, out.ctypes.data, out.nbytes)
         self.runs += 1
         return True
+
+
+class CpuBoundCudaRunner(OrtCudaRunner):
+    """OrtCudaRunner's own code (slots, gathers, scatters, IO binding by address) over the fake
+    cuda-python, whose "device" memory is host memory: onnxruntime's CPU provider reads and writes
+    it through the same bindings, by pointer. What only CUDA shows is tools/gpu_check.py's."""
+
+    provider = "CPUExecutionProvider"
+    device = "cpu"

@@ -32,10 +32,27 @@ def test_check_passes_on_engines_of_the_export(peaky_export, fakes, tmp_path, mo
     assert "12 forwards of 10 cases" in lines[0]  # 16 forwards, less the batch-2 ones
     assert any(line.startswith("  infiller present.*") and line.endswith("ok") for line in lines)
     left_out = [line for line in lines if line.startswith("  left out:")]
-    assert left_out == [
-        "  left out: batch 2 past 0 seq 3 (planner, infiller): batch 2; the TensorRT runner takes batch 1",
-        "  left out: batch 2 past 6 seq 1 (planner, infiller): batch 2; the TensorRT runner takes batch 1",
-    ]
+    held = "batch 2; this TensorRT runner holds 1 request(s) (engines built with --max-batch 1)"
+    assert left_out == [f"  left out: batch 2 past 0 seq 3 (planner, infiller): {held}",
+                        f"  left out: batch 2 past 6 seq 1 (planner, infiller): {held}"]
+
+
+def test_check_runs_batch_cases_on_batched_engines(peaky_export, fakes, tmp_path, monkeypatch):
+    """Engines built with --max-batch 2 run the batch-2 cases too, each row a request of its own: rows
+    packed into one execution of a decode profile, the infiller's prefill rows one by one."""
+    from tests.engines.fakes import _Context
+
+    limits = DecodeLimits(max_prompt=16, gen_length=64, slot_size=4, serial_blocks=2, max_batch=2)
+    ran: list[tuple[int, int]] = []  # (profile, rows) of every execution
+    real = _Context.execute_async_v3
+    monkeypatch.setattr(_Context, "execute_async_v3", lambda self, stream: ran.append(
+        (self.profile, self.shapes["input_ids"][0])) or real(self, stream))
+    lines: list[str] = []
+    assert check.check_engines(fake_engines(peaky_export, tmp_path / "engines", limits), report=lines.append)
+    assert "16 forwards of 10 cases" in lines[0] and not [line for line in lines if line.startswith("  left out:")]
+    assert ran.count((1, 2)) == 1  # the infiller's batch 2 past 6 seq 1, packed; its past-0 case is a prefill
+    assert ran.count((2, 2)) == 2  # the planner's two batch-2 cases, packed (its plan profile takes past 0)
+    assert max(rows for profile, rows in ran if profile == 0) == 1  # prefills stay batch 1
 
 
 def test_check_runs_only_the_cases_inside_the_profiles(peaky_export, fakes, tmp_path):

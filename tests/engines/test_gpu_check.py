@@ -15,6 +15,7 @@ from onnx import numpy_helper
 from refusion.runtime.core.profiles import DecodeLimits
 from refusion.tools import gpu_check
 from tests.engines.conftest import fake_engines
+from tests.engines.fakes import CpuBoundCudaRunner
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -72,3 +73,15 @@ def test_int4_parity_runs_at_the_exact_accuracy_level(peaky_int4, fakes, tmp_pat
     assert gpu_check.parity(peaky_int4[gpu_check.INT4_BLOCK], engines)
     out = capsys.readouterr().out
     assert out.count("PASS: generation parity") == len(gpu_check.PROMPTS) * (len(gpu_check.DECODES) + 1)
+
+
+def test_batched_requests_get_their_tokens_alone(peaky_export, fakes, tmp_path, capsys):
+    """The batched half of the check on the fakes: TensorRT and the onnxruntime CUDA runner's code."""
+    limits = DecodeLimits(max_prompt=64, gen_length=128, slot_size=8, serial_blocks=2, max_batch=4)
+    engines = fake_engines(peaky_export, tmp_path / "engines", limits)
+    assert gpu_check.batched(peaky_export, engines, cuda_runner=CpuBoundCudaRunner)
+    out = capsys.readouterr().out
+    jobs = len(gpu_check.PROMPTS) * (len(gpu_check.DECODES) + 1)
+    assert f"PASS: TensorRT: {jobs} requests together" in out and f"PASS: onnxruntime CUDA: {jobs} requests" in out
+    gpu_check.latency(engines, repeats=1)
+    assert "latency: infiller verify, 4 requests packed" in capsys.readouterr().out

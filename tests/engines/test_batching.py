@@ -1,0 +1,328 @@
+"""Batched forwards on the GPU runners, on the CPU fakes: profiles with a batch dimension
+(`--max-batch`), engines.json v3 and its refusals, the TensorRT runner's gather / scatter of
+several requests' KV, and the onnxruntime CUDA runner's batched IO binding.
+
+The oracle is each request decoded alone on the same runner (one slot, no engine): every
+greedy request served beside others, its forwards packed with theirs, must get those tokens.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from refusion.runtime import masks
+from refusion.runtime.core.engines_manifest import FORMAT_VERSION, EngineManifest
+from refusion.runtime.core.errors import RefusionError
+from refusion.runtime.core.export_manifest import ExportManifest
+from refusion.runtime.core.profiles import DecodeLimits, engine_profiles, select_profile
+from refusion.runtime.decode import DecodeTrace, Tokens, ar_decode, refusion_decode
+from refusion.runtime.generator import Generator
+from refusion.runtime.params import DecodeParams
+from refusion.runtime.runners.base import RowFeed, Runner
+from refusion.runtime.runners.tensorrt import TensorRTRunner
+from tests.engines.conftest import fake_engines
+from tests.engines.fakes import CpuBoundCudaRunner
+from tests.runtime.conftest import chat_jobs
+from tests.runtime.conftest import tiny_export as tiny_export  # noqa: F401  (the fixture, re-exported)
+
+pytest.importorskip("torch")  # chat_jobs' held-out prompts
+
+# The embedded model's chat prompts are 18-51 tokens; blocks up to the whole generation (serial_num_blocks 1).
+LIMITS = DecodeLimits(max_prompt=64, gen_length=64, slot_size=4, serial_blocks=1, max_batch=4)
+SETTINGS = [
+    dict(gen_length=64, slot_size=4, serial_num_blocks=4, slot_threshold=0.5, token_threshold=0.1),
+    dict(gen_length=32, slot_size=8, serial_num_blocks=2, slot_threshold=0.7, token_threshold=0.3),
+    dict(gen_length=48, slot_size=4, serial_num_blocks=1, slot_threshold=0.9, token_threshold=0.6),
+    dict(gen_length=40, mode="ar"),
+    dict(gen_length=8, slot_size=4, serial_num_blocks=2, slot_threshold=0.0, token_threshold=1.0),  # no EOS: length
+]
+
+
+@pytest.fixture(scope="module")
+def jobs(tiny_export) -> list[tuple[list[int], dict]]:
+    return chat_jobs(tiny_export, 12, SETTINGS)
+
+
+def decode_alone(runner: Runner, manifest: ExportManifest, jobs: list[tuple[list[int], dict]]) -> list[list[int]]:
+    """Each job decoded by itself on `runner` (slot 0, no engine): the oracle."""
+    out = []
+    for ids, settings in jobs:
+        params = DecodeParams(**settings)
+        decode = ar_decode if params.mode == "ar" else refusion_decode
+        tokens = Tokens(ids, manifest.mask_token_id, manifest.eos_token_id)
+        committed = {p: t for c in decode(runner, tokens, params, DecodeTrace(), False)
+                     for p, t in zip(c.positions, c.token_ids)}
+        out.append([committed[p] for p in sorted(committed)])
+    return out
+
+
+def count_packed(runner: Runner, method: str) -> list[int]:
+    """Rows of every packed call of `runner.<method>(graph, rows)` (the runner's batched path)."""
+    sizes: list[int] = []
+    real = getattr(runner, method)
+    setattr(runner, method, lambda graph, *args: sizes.append(len(args[-1])) or real(graph, *args))
+    return sizes
+
+
+def serve_together(runner: Runner, manifest: ExportManifest, jobs: list, victim: list[int] | None = None) -> list:
+    """Every job submitted at once to one Generator over `runner`; `victim`: a long AR request
+    submitted first and cancelled after its first commit, while the others run beside it."""
+    gen = Generator(manifest, runner, None)
+    try:
+        cancelled = gen.submit(prompt_ids=victim, gen_length=64, mode="ar") if victim else None
+        requests = [gen.submit(prompt_ids=ids, **settings) for ids, settings in jobs]
+        if cancelled is not None:
+            next(iter(cancelled.events()))
+            cancelled.cancel()
+            assert cancelled.result(timeout=60).finish_reason == "cancelled"
+        results = [r.result(timeout=120) for r in requests]
+        assert gen.engine.in_flight == 0 and sorted(gen.engine._free_slots) == list(range(runner.max_slots))
+        return results
+    finally:
+        gen.engine.close()
+
+
+# -- profiles, the build flag, engines.json --------------------------------------------------------
+def test_profiles_gain_a_batch_dimension_for_decode_forwards():
+    prefill, decode, plan = engine_profiles(DecodeLimits(max_batch=8))
+    assert prefill.batch == (1, 1, 1)  # prefills stay one at a time (the largest activations)
+    assert decode.batch == plan.batch == (1, 4, 8)
+    assert [p.batch for p in engine_profiles(DecodeLimits())] == [(1, 1, 1)] * 3  # the v2 engines, unchanged
+    profiles = engine_profiles(DecodeLimits(max_batch=8))
+    assert select_profile(profiles, "infiller", 32, 1500, batch=8) == 1
+    assert select_profile(profiles, "infiller", 32, 1500, batch=9) is None
+    assert select_profile(profiles, "infiller", 200, 0, batch=2) is None  # a batched prefill has no profile
+    assert select_profile(profiles, "planner", 128, 1500, batch=5) == 2
+    with pytest.raises(RefusionError, match="--max-batch 0 must be a positive integer"):
+        DecodeLimits(max_batch=0)
+
+
+def test_batch_ranges_reach_every_input_and_the_build_plan(exports, tmp_path):
+    from refusion.engines.build import engine_loader, plan_build
+
+    plan = plan_build(exports["fp16"], tmp_path / "engines", LIMITS)
+    assert "--max-batch 4" in plan.command
+    spec = plan.export.graphs["infiller"]
+    config = engine_loader(plan, strongly_typed=False)._config._config
+    for polygraphy_profile, ours in zip(config.profiles, plan.profiles):
+        for name, (lo, opt, hi) in ours.shapes(spec).items():  # every input's first axis is the batch
+            shape = polygraphy_profile[name]
+            assert (shape.min[0], shape.opt[0], shape.max[0]) == ours.batch, name
+            assert (tuple(shape.min), tuple(shape.opt), tuple(shape.max)) == (lo, opt, hi)
+    assert config.profiles[1]["past_key_values.0.key"].max[0] == 4
+
+
+def test_build_flag(exports, tmp_path):
+    from refusion.tools.build_command import build_command
+
+    result = CliRunner().invoke(build_command, [str(exports["fp32"]), "-o", str(tmp_path / "e"), "--max-batch", "0"])
+    assert isinstance(result.exception, RefusionError) and "--max-batch 0" in str(result.exception)
+    assert "--max-batch" in CliRunner().invoke(build_command, ["--help"]).output
+
+
+def test_engines_json_v3_round_trip_and_refusals(peaky_export, tmp_path):
+    engines = fake_engines(peaky_export, tmp_path / "engines", DecodeLimits(max_prompt=16, gen_length=64, slot_size=4,
+                                                                           serial_blocks=2, max_batch=4))
+    file = engines / "engines.json"
+    raw = json.loads(file.read_text())
+    assert raw["format_version"] == FORMAT_VERSION == 3 and raw["limits"]["max_batch"] == 4
+    m = EngineManifest.load(engines)
+    assert m.limits.max_batch == 4 and [p.batch for p in m.engine.profiles] == [(1, 1, 1), (1, 2, 4), (1, 2, 4)]
+    assert "--max-batch 4" in m.rebuild_command
+
+    v2 = json.loads(file.read_text())  # what a v2 build wrote: no batch anywhere, every profile batch 1
+    v2["format_version"] = 2
+    del v2["limits"]["max_batch"]
+    for profile in v2["engine"]["profiles"]:
+        del profile["batch"]
+    file.write_text(json.dumps(v2))
+    old = EngineManifest.load(engines)
+    assert old.limits.max_batch == 1 and all(p.batch == (1, 1, 1) for p in old.engine.profiles)
+
+    v3_without_batch = {**v2, "format_version": 3}
+    file.write_text(json.dumps(v3_without_batch))
+    with pytest.raises(RefusionError, match=r"engines.json is damaged .*v3 records the batch dimension"):
+        EngineManifest.load(engines)
+
+    inconsistent = {**raw, "limits": {**raw["limits"], "max_batch": 8}}
+    file.write_text(json.dumps(inconsistent))
+    with pytest.raises(RefusionError, match=r"inconsistent: its limits say --max-batch 8 but its profiles take at most "
+                                            r"4 rows.*Rebuild with: refusion-export build"):
+        EngineManifest.load(engines)
+    bad_range = json.loads(json.dumps(raw))
+    bad_range["engine"]["profiles"][1]["batch"] = [2, 1, 4]
+    file.write_text(json.dumps(bad_range))
+    with pytest.raises(RefusionError, match=r"damaged .*batch \[2, 1, 4\] is not 1 <= min <= opt <= max"):
+        EngineManifest.load(engines)
+
+
+# -- the TensorRT runner ---------------------------------------------------------------------------
+def test_runner_sizes_come_from_engines_json(peaky_export, fakes, tmp_path):
+    batched = fake_engines(peaky_export, tmp_path / "b", DecodeLimits(max_prompt=16, gen_length=64, slot_size=4,
+                                                                      serial_blocks=2, max_batch=4))
+    runner = TensorRTRunner.from_dir(batched)
+    assert (runner.max_batch, runner.max_slots) == (4, 4)
+    assert (TensorRTRunner.from_dir(batched, max_slots=6, max_batch=2).max_batch, 6) == (2, 6)
+    with pytest.raises(RefusionError, match=r"max_batch=8 exceeds the engine's --max-batch 4.*rebuild with "
+                                            r"--max-batch 8: refusion-export build"):
+        TensorRTRunner.from_dir(batched, max_batch=8)
+    with pytest.raises(RefusionError, match="max_requests=2 is less than max_batch=3"):
+        TensorRTRunner.from_dir(batched, max_slots=2, max_batch=3)
+    assert (TensorRTRunner.from_dir(batched, max_slots=2).max_batch, 2) == (2, 2)  # the batch follows fewer slots
+    with pytest.raises(RefusionError, match="max_batch=0 must be a positive integer"):
+        TensorRTRunner.from_dir(batched, max_batch=0)
+    single = TensorRTRunner.from_dir(fake_engines(peaky_export, tmp_path / "s"))
+    assert (single.max_batch, single.max_slots) == (1, 1)
+
+
+def test_packed_rows_equal_each_row_alone(tiny_export, fakes, tmp_path):
+    """Rows of different lengths, pasts and slots in one execution give each row's own heads and
+    present KV (written at its write_at in its slot, odd offsets included). Within 1e-5, not bit for
+    bit: the fake runs the graph on onnxruntime, which sums a padded batch in another order (as on the
+    CPU runner, tests/runtime/test_concurrency.py). A planner batch leaves every slot untouched. A
+    prefill row beside them runs alone on the batch-1 prefill profile."""
+    _, cudart = fakes
+    engines = fake_engines(tiny_export, tmp_path / "engines", LIMITS)
+    rng = np.random.default_rng(0)
+    with TensorRTRunner.from_dir(engines) as trt:
+        rows = []
+        for slot, (past, seq, write_at) in enumerate([(7, 3, 7), (12, 5, 13), (20, 1, 21)]):
+            trt.allocate_kv(48, slot)
+            trt.run("infiller", rng.integers(0, 100, (1, past)), np.arange(past)[None],
+                    masks.causal_after(0, past), 0, 0, slot)
+            rows.append(RowFeed(rng.integers(0, 100, (1, seq)), np.arange(past, past + seq)[None],
+                                masks.causal_after(past, seq), past, write_at, slot))
+        before = [trt.kv_to_host(0, 48, s) for s in range(3)]
+        alone = [trt.run_batch("infiller", [r])[0] for r in rows]
+        kv_alone = [trt.kv_to_host(0, 48, s) for s in range(3)]
+        for s, kv in enumerate(before):
+            trt.kv_from_host(0, {name.replace("present", "past_key_values"): a for name, a in kv.items()}, s)
+        decode = trt._contexts[1]
+        runs = decode.runs
+        packed = trt.run_batch("infiller", rows)
+        assert decode.runs == runs + 1  # one execution for the three rows
+        assert decode.shapes["past_key_values.0.key"][:2] == (3, 20)  # padded to the longest past
+        for a, b in zip(alone, packed):
+            assert a.keys() == b.keys()
+            for name in a:
+                np.testing.assert_allclose(a[name], b[name], rtol=0, atol=1e-5)
+        for s in range(3):
+            for name, array in trt.kv_to_host(0, 48, s).items():
+                np.testing.assert_allclose(array, kv_alone[s][name], rtol=0, atol=1e-5)
+
+        kv_packed = [trt.kv_to_host(0, 48, s) for s in range(3)]
+        planner_rows = [RowFeed(r.input_ids, r.position_ids, r.attention_mask, r.past, None, r.slot) for r in rows]
+        plan = trt._contexts[2]
+        out = trt.run_batch("planner", planner_rows)
+        assert plan.runs == 1 and [set(o) for o in out] == [{"argmax_ids", "argmax_probs"}] * 3
+        for s in range(3):
+            for name, array in trt.kv_to_host(0, 48, s).items():
+                np.testing.assert_array_equal(array, kv_packed[s][name])
+
+        prefill = RowFeed(rng.integers(0, 100, (1, 30)), np.arange(30)[None], masks.causal_after(0, 30), 0, 0, 3)
+        trt.allocate_kv(48, 3)
+        prefills = trt._contexts[0].runs
+        trt.run_batch("infiller", [*rows[:2], prefill])
+        assert trt._contexts[0].runs == prefills + 1 and decode.runs == runs + 2  # prefill alone, the others packed
+        too_long = RowFeed(np.zeros((1, 70), np.int64), np.arange(5, 75)[None], masks.causal_after(5, 70), 5, None, 3)
+        with pytest.raises(RefusionError, match=r"planner forward of 70 tokens over 5 past tokens lies outside"):
+            trt.run_batch("planner", [planner_rows[0], too_long])
+        assert plan.runs == 1  # refused before any row ran
+    assert cudart.allocations == {}
+
+
+@pytest.mark.parametrize("max_slots, max_batch", [(4, 4), (6, 2)])
+def test_requests_served_together_get_their_tokens_alone_on_tensorrt(tiny_export, jobs, fakes, tmp_path, max_slots,
+                                                                     max_batch):
+    """AR and ReFusion requests of several settings and prompt lengths, EOS early or never, one
+    neighbour cancelled midway: each gets the tokens it gets alone on the same runner."""
+    _, cudart = fakes
+    engines = fake_engines(tiny_export, tmp_path / "engines", LIMITS)
+    manifest = ExportManifest.read(engines)
+    with TensorRTRunner.from_dir(engines, max_slots=1, max_batch=1) as alone_runner:
+        alone = decode_alone(alone_runner, manifest, jobs)
+    runner = TensorRTRunner.from_dir(engines, max_slots=max_slots, max_batch=max_batch)
+    packed = count_packed(runner, "_run_packed")
+    with runner:
+        results = serve_together(runner, manifest, jobs, victim=jobs[0][0])
+    assert [r.token_ids for r in results] == alone
+    assert {r.finish_reason for r in results} == {"eos", "length"}
+    assert packed and 2 <= max(packed) <= max_batch  # batches really ran, no wider than allowed
+    assert cudart.allocations == {}
+
+
+# -- the onnxruntime CUDA runner -------------------------------------------------------------------
+def test_requests_served_together_get_their_tokens_alone_on_ort_cuda(tiny_export, jobs, fakes):
+    _, cudart = fakes
+    manifest = ExportManifest.load(tiny_export)
+    with CpuBoundCudaRunner(manifest, threads=1) as alone_runner:
+        alone = decode_alone(alone_runner, manifest, jobs)
+    runner = CpuBoundCudaRunner(manifest, threads=1, max_slots=4, max_batch=4)
+    packed = count_packed(runner, "_run_batch")
+    with runner:
+        results = serve_together(runner, manifest, jobs, victim=jobs[1][0])
+    assert [r.token_ids for r in results] == alone
+    assert packed and 2 <= max(packed) <= 4
+    assert cudart.allocations == {}
+
+
+def test_ort_cuda_packed_rows_write_each_slot(tiny_export, fakes):
+    """The batched binding on the fakes: rows' presents land in their own slots at write_at, the
+    gathers and scatters run on the runner's stream (one synchronize before the run, one after)."""
+    _, cudart = fakes
+    manifest = ExportManifest.load(tiny_export)
+    rng = np.random.default_rng(1)
+    with CpuBoundCudaRunner(manifest, threads=1, max_slots=2, max_batch=2) as runner:
+        rows = []
+        for slot, (past, seq) in enumerate([(5, 4), (9, 2)]):
+            runner.allocate_kv(32, slot)
+            runner.run("infiller", rng.integers(0, 100, (1, past)), np.arange(past)[None],
+                       masks.causal_after(0, past), 0, 0, slot)
+            rows.append(RowFeed(rng.integers(0, 100, (1, seq)), np.arange(past, past + seq)[None],
+                                masks.causal_after(past, seq), past, past, slot))
+        t = runner._token_bytes
+        alone = [runner.run_batch("infiller", [r])[0] for r in rows]
+        kv_alone = [[buf.copy_to_host((32 * t,), np.uint8) for buf in runner._device_caches(s)] for s in range(2)]
+        runner.run_batch("infiller", rows)  # allocates (and zeroes) the scratch; the second run reuses it
+        syncs = cudart.syncs
+        packed = runner.run_batch("infiller", rows)  # the same presents, written at the same places
+        assert cudart.syncs - syncs == 2
+        for a, b in zip(alone, packed):
+            for name in a:
+                np.testing.assert_allclose(a[name], b[name], rtol=0, atol=1e-5)
+        for s in range(2):
+            for buf, want in zip(runner._device_caches(s), kv_alone[s]):
+                got = buf.copy_to_host((32 * t // 4,), np.float32)
+                np.testing.assert_allclose(got, want.view(np.float32), rtol=0, atol=1e-5)
+    assert cudart.allocations == {}
+
+
+def test_cpu_bound_cuda_runner_is_the_real_class():
+    """The test double overrides only where memory lives, so these tests run OrtCudaRunner's code."""
+    overridden = {k for k, v in vars(CpuBoundCudaRunner).items() if not k.startswith("_")}
+    assert overridden == {"provider", "device"}
+
+
+def test_ordered_copies_and_zero(fakes):
+    """copy_to(stream=) orders a stream-less buffer's copy on the caller's stream without waiting (a
+    gather's many copies cost the caller's one synchronize); zero() clears what cudaMalloc left."""
+    from refusion.runtime.runners import cuda
+
+    _, cudart = fakes
+    stream = cuda.Stream()
+    src, dst = cuda.DeviceBuffer(64), cuda.DeviceBuffer(64, stream)
+    dst.zero()
+    np.testing.assert_array_equal(dst.copy_to_host((64,), np.uint8), np.zeros(64, np.uint8))
+    src.copy_from_host(np.arange(64, dtype=np.uint8))
+    syncs = cudart.syncs
+    for start in (0, 16, 32):
+        src.copy_to(dst, 16, src_offset=start, dst_offset=start + 16, stream=stream)
+    assert cudart.syncs == syncs  # queued, not waited for
+    stream.synchronize()
+    np.testing.assert_array_equal(dst.copy_to_host((64,), np.uint8)[16:], np.arange(48, dtype=np.uint8))
+    src.free(), dst.free(), stream.close()
+    assert cudart.allocations == {}
