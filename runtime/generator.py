@@ -40,9 +40,10 @@ class Generator:
     def from_dir(path: str | Path, backend: str = "auto", threads: int | None = None, verify: bool = False,
                  low_memory: bool = False, max_requests: int | None = None, max_batch: int | None = None) -> Generator:
         """Load an export or engines directory; `verify` also checks every file's sha256 (a full read);
-        `low_memory` (onnxruntime only) holds one resident copy of the weights (no per-session prepacked
-        copies) and no memory arena; multi-token forwards are ~2x slower on large models. `max_requests` run at once (more wait), their forwards packed `max_batch` to a call
-        (default 16 and 16 on onnxruntime CPU, the engine's --max-batch on TensorRT, 1 and 1 on onnxruntime CUDA)."""
+        `low_memory` (onnxruntime only): no memory arena, activations are freed after each forward (the
+        weights are resident once either way). `max_requests` run at once (more wait), their forwards packed
+        `max_batch` to a call (default 16 and 16 on onnxruntime CPU, the engine's --max-batch on TensorRT,
+        1 and 1 on onnxruntime CUDA)."""
         manifest = ExportManifest.read(Path(path))
         manifest.check_files(verify, manifest.tokenizer_files)
         runner = make_runner(manifest, backend, threads, verify, low_memory, max_requests, max_batch)

@@ -120,9 +120,8 @@ _LOAD_OPTIONS = (
                  help="auto: trt if engines are there, else ort-cuda if available, else ort-cpu."),
     click.option("--threads", type=int, default=None, help="onnxruntime intra-op threads (default: all cores)."),
     click.option("--low-memory", is_flag=True,
-                 help="onnxruntime only: one resident copy of the weights (no per-session prepacked copies) and "
-                      "no memory arena: about half the weights' memory, multi-token forwards ~2x slower on large "
-                      "models."),
+                 help="onnxruntime only: no memory arena (activations freed after each forward; the weights are "
+                      "resident once either way)."),
     click.option("--verify", is_flag=True,
                  help="Check every file's sha256 before loading (a full read of the export)."),
 )

@@ -4,6 +4,7 @@ after the imports, after loading both sessions, and after timed generates; token
 (best of REPEATS, the machine being shared). Writes measure.json beside this script.
 
     python results/memory/measure.py NAME=EXPORT_DIR...     (e.g. tiny=/tmp/tiny fp32=/tmp/fp32 int4=/tmp/int4)
+    python results/memory/measure.py --configs runtime,"runtime low_memory" NAME=EXPORT_DIR...   (rerun those only)
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from pathlib import Path
 THREADS, REPEATS, GEN = 2, 2, {"gen_length": 64, "slot_size": 8}
 PROMPT = list(range(5, 21))
 # how the sessions get their weights: (prepacking, initializers) -- "own": onnxruntime maps weights.bin per session;
-# "shared": SharedWeights' one map, handed to both; "runtime": OrtRunner as it is (and with low_memory=True).
+# "shared": SharedWeights' one map, handed to both (these four open a session per graph, as the runner did before
+# it served both roles from one session); "runtime": OrtRunner as it is (and with low_memory=True).
 CANDIDATES = {"own+prepack": (True, "own"), "own": (False, "own"), "shared+prepack": (True, "shared"),
               "shared": (False, "shared"), "runtime": None, "runtime low_memory": None}
 
@@ -90,11 +92,17 @@ def main() -> None:
         return
     out = Path(__file__).with_name("measure.json")
     data = json.loads(out.read_text()) if out.exists() else {}
-    for arg in sys.argv[1:]:
+    args = sys.argv[1:]
+    configs = list(CANDIDATES)
+    if args[0] == "--configs":
+        configs, args = args[1].split(","), args[2:]
+        if not set(configs) <= set(CANDIDATES):
+            raise SystemExit(f"--configs {','.join(configs)!r}: choose among {', '.join(CANDIDATES)}")
+    for arg in args:
         name, _, export = arg.partition("=")
         weights = (Path(export) / "weights.bin").stat().st_size / 2**20
-        rows = {}
-        for candidate in CANDIDATES:
+        rows = data.get(name, {}).get("configs", {}) if configs != list(CANDIDATES) else {}
+        for candidate in configs:
             run = subprocess.run([sys.executable, __file__, "--child", export, candidate], capture_output=True,
                                  text=True, check=True)
             row = json.loads(run.stdout.splitlines()[-1])

@@ -38,7 +38,7 @@ def make_runner(manifest: ExportManifest, backend: str = "auto", threads: int | 
                 verify: bool = False, low_memory: bool = False, max_requests: int | None = None,
                 max_batch: int | None = None) -> Runner:
     """The backend's Runner over `manifest`, its files checked (sizes; sha256 too with `verify`).
-    `low_memory` (onnxruntime only): one resident copy of the weights and no memory arena; slower multi-token forwards.
+    `low_memory` (onnxruntime only): no memory arena (activations freed after each forward).
     `max_requests`: requests in flight at once (a KV slot each); `max_batch`: their forwards packed per call.
     Defaults: CPU_MAX_REQUESTS and CPU_MAX_BATCH on onnxruntime's CPU provider; on TensorRT the engine's
     --max-batch (engines.json) for both; 1 and 1 on onnxruntime CUDA (device memory is the budget)."""
@@ -53,7 +53,7 @@ def make_runner(manifest: ExportManifest, backend: str = "auto", threads: int | 
     if backend == "auto":
         backend = available_backend(manifest.path)
     if backend == "trt" and low_memory:
-        raise RefusionError("low_memory=True (--low-memory) is an onnxruntime option (one resident copy of the weights) "
+        raise RefusionError("low_memory=True (--low-memory) is an onnxruntime option (no memory arena) "
                             "and does not apply to the trt backend; drop it, or choose --backend ort-cpu or ort-cuda.")
     if backend == "trt":  # its sizes default to the engine's --max-batch, and are checked against it
         try:

@@ -1,14 +1,11 @@
 """onnxruntime Runners: CPU (the fallback everywhere) and CUDA (IO binding, KV stays on the device).
 
 Weights in memory (docs/runtime.md, "Weights in memory", has the figures; results/memory/measure.py
-measures them): both sessions read the one weights.bin. Left to itself onnxruntime maps the file
-once per session and prepacks every MatMul weight into a packed copy per session (its Python API
-has no shared prepacked-weights container): the fastest forwards, about two copies of the weights.
-That is the default. `low_memory=True` holds one copy: the runner maps weights.bin once
-(`SharedWeights`) and hands both sessions the same initializers (`SessionOptions.add_initializer`)
-with prepacking off, and turns off the CPU memory arena; multi-token forwards are then about 2x
-slower on large models. int4 exports always prepack: MatMulNBits without it dequantizes every
-weight on every forward (tens of times slower, and no smaller once running).
+measures them): one session of the infiller graph serves both roles, so the weights are resident
+once, prepacked by onnxruntime (its fastest forwards; int4's MatMulNBits needs its packing, without
+it every forward dequantizes every weight). A session per graph would hold a packed copy each, and
+onnxruntime's Python API has no shared prepacked-weights container. `low_memory=True` turns off the
+CPU memory arena: activations are freed after each forward instead of kept for the next.
 
 On the CPU the past is fed as contiguous views of the preallocated cache (no copy) and
 only the new tokens' present KV is copied into its slot: measured as fast as IO binding
@@ -66,7 +63,7 @@ def import_onnxruntime() -> Any:
 
 class SharedWeights:
     """One read-only memory map of weights.bin and an OrtValue over each float tensor's bytes (no copy):
-    every session given it reads the same pages (float exports under low_memory)."""
+    every session given it reads the same pages, unpacked (export validation's sessions)."""
 
     def __init__(self, manifest: ExportManifest):
         ort = import_onnxruntime()
@@ -76,12 +73,6 @@ class SharedWeights:
                 self.map[e.offset : e.offset + e.nbytes].view(dtype(e.dtype).numpy).reshape(e.shape))
             for name, e in manifest.weights.items() if e.dtype != "int4"
         }
-
-
-def one_copy(manifest: ExportManifest, low_memory: bool) -> bool:
-    """Whether the sessions share one unpacked map of the weights: low_memory on a float export (int4
-    exports always prepack, see above)."""
-    return low_memory and manifest.quantization is None
 
 
 def open_session(manifest: ExportManifest, graph: GraphName, providers: Sequence[str], threads: int | None = None,
@@ -180,7 +171,6 @@ class OrtRunner(Runner):
         self.low_memory = low_memory
         self.dtype = dtype(manifest.dtype).numpy.type
         self.sessions: dict[GraphName, Any] = {}
-        self.weights: SharedWeights | None = None  # while active under low_memory: what both sessions read
         self._outputs: dict[GraphName, list[str]] = {}
         self.keys: list[list[np.ndarray]] = [[] for _ in range(max_slots)]  # [slot][layer]
         self.values: list[list[np.ndarray]] = [[] for _ in range(max_slots)]
@@ -192,17 +182,18 @@ class OrtRunner(Runner):
                 f"onnxruntime here has no {self.provider} (available: {', '.join(ort.get_available_providers())}); "
                 "pip install 'refusion-trt[ort-gpu]' on a CUDA machine, or use --backend ort-cpu."
             )
-        self.weights = SharedWeights(self.manifest) if one_copy(self.manifest, self.low_memory) else None
+        # One session serves both roles, as one TensorRT engine does: the infiller graph takes the planner's
+        # inputs and computes every planner output too (its extra outputs are input_probs and the new tokens'
+        # KV, which a planner forward leaves unread). So the weights are loaded, and prepacked, once.
+        session = open_session(self.manifest, "infiller", [self.provider], self.threads, self.low_memory)
         for graph in GRAPH_NAMES:
-            session = open_session(self.manifest, graph, [self.provider], self.threads, self.low_memory,
-                                   weights=self.weights)
             self.sessions[graph] = session
-            self._outputs[graph] = [o.name for o in session.get_outputs() if not o.name.startswith("present.")]
+            self._outputs[graph] = [t.name for t in self.manifest.graphs[graph].outputs
+                                    if not t.name.startswith("present.")]
         self._presents = [name(i) for i in range(self.manifest.num_layers) for name in (present_key_name, present_value_name)]
 
     def _deactivate(self) -> None:
         self.sessions.clear()
-        self.weights = None  # after the sessions that read it
         self.keys = [[] for _ in range(self.max_slots)]
         self.values = [[] for _ in range(self.max_slots)]
 
@@ -262,8 +253,8 @@ class OrtRunner(Runner):
 class OrtCudaRunner(OrtRunner):
     """onnxruntime with CUDA: the KV cache lives in device buffers bound through IO binding,
     so past and present never cross to the host; only ids and probabilities come back.
-    onnxruntime uploads one device copy of the weights per session (TensorRT is the backend
-    that shares them).
+    onnxruntime uploads one device copy of the weights per session, and there is one session
+    (both roles, as on the CPU).
 
     `max_slots` KV slots (device buffers per layer, one slot per request in flight), and up to
     `max_batch` rows per call as the CPU runner packs them: IO binding takes one contiguous

@@ -174,10 +174,10 @@ def test_threads_must_be_positive(export_dir, threads):
         Generator.from_dir(export_dir, backend="ort-cpu", threads=threads)
 
 
-def test_low_memory_turns_off_prepacking_on_onnxruntime_only(export_dir):
+def test_low_memory_turns_off_the_arena_on_onnxruntime_only(export_dir):
     with Generator.from_dir(export_dir, backend="ort-cpu", threads=1, low_memory=True) as g:
         options = g.runner.sessions["planner"].get_session_options()
-        assert options.get_session_config_entry("session.disable_prepacking") == "1"
+        assert not options.enable_cpu_mem_arena
         assert len(g.generate(prompt_ids=[5, 17, 42], **SMALL).token_ids) == 32
     with pytest.raises(RefusionError, match="low_memory=True \\(--low-memory\\) is an onnxruntime option .* "
                                             "does not apply to the trt backend; drop it, or choose --backend"):

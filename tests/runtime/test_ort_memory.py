@@ -1,6 +1,5 @@
-"""Weights in memory (docs/runtime.md, "Weights in memory"): by default the onnxruntime sessions
-prepack (fastest); `low_memory` makes them read one unpacked memory map of a float export's
-weights.bin and drops the memory arena; int4 exports always prepack."""
+"""Weights in memory (docs/runtime.md, "Weights in memory"): one onnxruntime session serves both
+roles, so the weights are resident once, prepacked (fastest); `low_memory` drops the memory arena."""
 
 from __future__ import annotations
 
@@ -48,44 +47,33 @@ def exports(tmp_path_factory) -> dict[str, Path]:
 
 
 def _prepacking(runner) -> list[bool]:
+    assert runner.sessions["planner"] is runner.sessions["infiller"]  # one session, both roles
     return [s.get_session_options().get_session_config_entry("session.disable_prepacking") != "1"
             for s in runner.sessions.values()]
 
 
-def test_low_memory_sessions_read_one_map_of_the_float_weights_unpacked(exports):
+@pytest.mark.parametrize("precision", ["fp32", "int4"])
+def test_one_prepacked_session_serves_both_roles_and_low_memory_drops_the_arena(exports, precision):
     from refusion.runtime.runners.onnxruntime import OrtRunner
 
-    m = ExportManifest.load(exports["fp32"])
-    with OrtRunner(m, threads=1) as runner:
-        assert _prepacking(runner) == [True, True] and runner.weights is None  # the default: fastest
-    with OrtRunner(m, threads=1, low_memory=True) as runner:
-        start = runner.weights.map.ctypes.data
-        assert {name: v.data_ptr() - start for name, v in runner.weights.values.items()} == \
-            {name: e.offset for name, e in m.weights.items()}  # views of the one map, no copy
-        assert _prepacking(runner) == [False, False]
-    assert runner.weights is None
-
-
-def test_int4_sessions_prepack_and_low_memory_drops_the_arena(exports):
-    from refusion.runtime.runners.onnxruntime import OrtRunner
-
-    m = ExportManifest.load(exports["int4"])
+    m = ExportManifest.load(exports[precision])
     for low_memory in (False, True):
         with OrtRunner(m, threads=1, low_memory=low_memory) as runner:
-            assert _prepacking(runner) == [True, True] and runner.weights is None  # packed copies read no map
+            assert _prepacking(runner) == [True, True]
             assert [s.get_session_options().enable_cpu_mem_arena for s in runner.sessions.values()] == \
                 [not low_memory] * 2
 
 
-def test_low_memory_holds_one_copy_of_the_weights(exports):
-    weights = (exports["fp32"] / "weights.bin").stat().st_size
+@pytest.mark.parametrize("precision", ["fp32", "int4"])
+def test_the_weights_are_resident_once(exports, precision):
+    weights = (exports[precision] / "weights.bin").stat().st_size
 
     def grown(low_memory: bool) -> int:
-        run = subprocess.run([sys.executable, "-c", CHILD, str(exports["fp32"]), "1" if low_memory else "0"],
+        run = subprocess.run([sys.executable, "-c", CHILD, str(exports[precision]), "1" if low_memory else "0"],
                              capture_output=True, text=True, cwd=REPO, check=True)
         return int(run.stdout.split()[-1])
 
-    lean = grown(True)
-    assert lean <= 1.3 * weights + 32 * 2**20, \
-        f"RSS grew {lean / 2**20:.0f} MiB for {weights / 2**20:.0f} MiB of weights: more than one copy"
-    assert grown(False) > lean  # the default's packed copies: what low_memory trades for speed
+    for low_memory in (False, True):  # two copies would be 2 x weights: far over the bound
+        rss = grown(low_memory)
+        assert rss <= 1.3 * weights + 32 * 2**20, (f"low_memory={low_memory}: RSS grew {rss / 2**20:.0f} MiB for "
+                                                   f"{weights / 2**20:.0f} MiB of weights: more than one copy")

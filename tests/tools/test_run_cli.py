@@ -38,7 +38,7 @@ def test_help_says_decode_settings_come_from_the_export():
     text = " ".join(CliRunner().invoke(cli, ["generate", "--help"]).stdout.split())
     for flag in ("--gen-length", "--slot-size", "--serial-blocks", "--slot-threshold", "--token-threshold"):
         assert text.split(flag, 1)[1].split("--", 1)[0].count("default: the export's recorded value") == 1, flag
-    assert "--low-memory onnxruntime only: one resident copy of the weights" in text
+    assert "--low-memory onnxruntime only: no memory arena" in text
     assert "--verify Check every file's sha256 before loading" in text
 
 
@@ -50,7 +50,7 @@ def test_help_says_decode_settings_come_from_the_export():
     (["--threads", "0"], "error: threads=0 (--threads) is not a positive number of onnxruntime threads; "
                          "give 1 or more, or leave it out to use every core."),
     (["--backend", "trt", "--low-memory"],
-     "error: low_memory=True (--low-memory) is an onnxruntime option (one resident copy of the weights) and does not "
+     "error: low_memory=True (--low-memory) is an onnxruntime option (no memory arena) and does not "
      "apply to the trt backend; drop it, or choose --backend ort-cpu or ort-cuda."),
 ])
 def test_refused_flags_name_the_flag_and_value(tiny_dir, args, message):
