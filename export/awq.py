@@ -123,9 +123,11 @@ def awq_tensors(ckpt: Checkpoint, prompts: list[list[int]], block: int,
         hidden, inputs = _run_layer(dims, tensors, prefix, hidden)
         alphas = _rewrite_layer(dims, tensors, prefix, inputs, block)
         yield from tensors.items()
+        del tensors, inputs  # this layer's weights and activations, before the next layer's (or the lm_head) load
         line(progress, f"awq: layer {i + 1}/{dims.num_layers} rewritten (alpha qkv {alphas[0]:.2f}, "
                        f"vo {alphas[1]:.2f}, gate/up {alphas[2]:.2f}, down {alphas[3]:.2f})",
              "awq", i + 1, dims.num_layers, "layer")
+    del hidden
     yield from ckpt.tensors([n for n in names if not n.startswith("model.layers.") and n != embed_name])
 
 

@@ -7,6 +7,8 @@ interrupted export never leaves a directory that loads (export/publish.py says h
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import math
 import shutil
 import time
@@ -21,8 +23,9 @@ from refusion.export.publish import clean_leftovers, cleanup_on_signals, make_st
 from refusion.export.quantize import QuantizeOptions, QuantPlan, float_tensors, plan_quantization, write_weight
 from refusion.export.weights_file import WeightsWriter
 from refusion.runtime.core.contract import GRAPH_NAMES, graph_specs
-from refusion.runtime.core.dtypes import dtype as dtype_row, from_flag
 from refusion.runtime.core.dims import expected_weights
+from refusion.runtime.core.dtypes import dtype as dtype_row
+from refusion.runtime.core.dtypes import from_flag
 from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.core.export_manifest import MANIFEST_NAME, PENDING_NAME, ExportManifest, WeightEntry, with_files
 from refusion.runtime.core.quantization import weight_index
@@ -73,6 +76,8 @@ def export_onnx(
             if validate:
                 from refusion.export.validate import validate_export
 
+                _release_freed_memory()
+
                 line(progress, "validating graphs against the torch definition on onnxruntime CPU")
                 report = validate_export(staging, pending=True, progress=progress)
                 line(progress, report.text())
@@ -85,6 +90,18 @@ def export_onnx(
             shutil.rmtree(staging, ignore_errors=True)
             raise
     return output
+
+
+def _release_freed_memory() -> None:
+    """Give the memory the export phase freed back to the OS before validation loads its sessions: glibc keeps
+    freed heap pages, and AWQ's search frees many tensors under its 32 MiB mmap threshold (0.6 GiB stayed
+    resident after one ReFusion-8B layer)."""
+    gc.collect()
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc: its allocator returns memory its own way
+        return
+    libc.malloc_trim(0)
 
 
 def _replaceable(output: Path) -> bool:
@@ -103,13 +120,17 @@ def _write_export(ckpt: Checkpoint, out: Path, dtype: str, logits: bool, eos_id:
     names = list(expected_weights(dims))
     total = sum(dtype_row(d).nbytes(math.prod(shape)) for d, shape in layout.values())
     index = {}
-    done = 0
-    for n, (name, tensor) in enumerate(float_tensors(ckpt, quant_plan, progress), 1):
+    done = n = 0
+    # Not enumerate(): it holds the previous (name, tensor) until the next is made, and AWQ rewrites a whole layer
+    # between two tensors (the embedding's 1.2 GiB stayed resident through layer 0's search on ReFusion-8B).
+    for name, tensor in float_tensors(ckpt, quant_plan, progress):
+        n += 1
         for init in write_weight(writer, name, tensor, quantization):
             ext = {e.key: e.value for e in init.external_data}
             index[init.name] = WeightEntry(layout[init.name][0], tuple(init.dims), int(ext["offset"]),
                                            int(ext["length"]))
             done += int(ext["length"])
+        del tensor  # its checkpoint pages are released before the next tensor is mapped
         if n % max(1, len(names) // 10) == 0 or n == len(names):
             line(progress, f"weights {n}/{len(names)} written ({writer.bytes_written / 2**20:.0f} MiB)",
                  "weights", done, total, "B")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
@@ -16,6 +17,9 @@ from refusion.runtime.core.errors import RefusionError
 from refusion.tools.build_command import build_command, check_engines
 from refusion.tools.cli_common import ErrorReportingGroup, progress, quiet_option, version_option
 from refusion.tools.demo import demo_command
+
+if TYPE_CHECKING:
+    from refusion.runtime.core.quantization import Quantization
 
 
 @click.group(cls=ErrorReportingGroup)
@@ -130,6 +134,7 @@ def inspect_command(export_dir: Path) -> None:
     echo(f"export   {m.path}  ({FORMAT} v{FORMAT_VERSION}, dtype {m.dtype})")
     echo("model    " + "  ".join(f"{k}={v}" for k, v in m.dims.to_json().items()))
     echo(f"tokens   mask_token_id={m.mask_token_id}  eos_token_id={m.eos_token_id}")
+    echo(f"weights  {_quantization(m.quantization)}")
     echo("defaults " + "  ".join(f"{k}={v}" for k, v in m.defaults.to_json().items()))
     if m.source:
         echo(f"source   {m.source.get('checkpoint')} ({m.source.get('dtype')})")
@@ -152,6 +157,19 @@ def inspect_command(export_dir: Path) -> None:
         for problem in problems:
             echo(f"  {problem}")
         raise RefusionError(f"{export_dir}: {len(problems)} mismatch(es) with refusion.json, listed above; {REEXPORT}.")
+
+
+def _quantization(q: Quantization | None) -> str:
+    """refusion.json's quantization section, and the MatMulNBits accuracy levels onnxruntime runs it at
+    (the runner's choice, not recorded in the export: docs/quantization.md)."""
+    if q is None:
+        return "float (not quantized)"
+    from refusion.runtime.runners.onnxruntime import EXACT_ACCURACY_LEVEL, RUNTIME_ACCURACY_LEVEL
+
+    calibration = (f"  calibration={q.calibration_samples} prompts sha256:{q.calibration_sha256}"
+                   if q.calibration_sha256 else "")
+    return (f"{q.method}  bits={q.bits}  block_size={q.block_size}{calibration}  onnxruntime accuracy_level="
+            f"{RUNTIME_ACCURACY_LEVEL} (runners), {EXACT_ACCURACY_LEVEL} (check)")
 
 
 def _size(n: float) -> str:

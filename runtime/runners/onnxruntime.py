@@ -124,26 +124,35 @@ def _check_io(session: Any, spec: GraphSpec, path: Path) -> None:
 
 class OrtSessions(CaseRunner):
     """The export's graphs as plain sessions over explicit feeds (any batch, past as given): the
-    comparator's onnxruntime runner. One graph's session at a time (the comparator goes graph by graph)."""
+    comparator's onnxruntime runner. One graph's session at a time (the comparator goes graph by graph).
+    `unpacked`: the float weights handed over from one map of weights.bin, no prepacking (export
+    validation: it runs too few forwards for packing to pay, and packing holds a second copy while
+    the session loads)."""
 
     name = "onnxruntime"
 
-    def __init__(self, manifest: ExportManifest, providers: Sequence[str] = ("CPUExecutionProvider",)):
+    def __init__(self, manifest: ExportManifest, providers: Sequence[str] = ("CPUExecutionProvider",),
+                 unpacked: bool = False):
         self.manifest = manifest
         self.providers = providers
+        self.unpacked = unpacked
         self._graph: GraphName | None = None
         self._session: Any = None
+        self._weights: SharedWeights | None = None
 
     def __call__(self, graph: GraphName, feed: Feed) -> Outputs:
         if graph != self._graph:
             self.close()  # before the next session loads
-            self._session = open_session(self.manifest, graph, self.providers, accuracy_level=EXACT_ACCURACY_LEVEL)
+            self._weights = SharedWeights(self.manifest) if self.unpacked else None
+            self._session = open_session(self.manifest, graph, self.providers, accuracy_level=EXACT_ACCURACY_LEVEL,
+                                         weights=self._weights)
             self._graph = graph
         names = [o.name for o in self._session.get_outputs()]
         return dict(zip(names, self._session.run(names, feed)))
 
     def close(self) -> None:
         self._session, self._graph = None, None
+        self._weights = None  # after the session that reads it
 
 
 class OrtRunner(Runner):

@@ -75,6 +75,7 @@ def test_inspect(exported):
     assert f"mask_token_id={manifest['tokens']['mask_token_id']}" in text
     assert f"eos_token_id={manifest['tokens']['eos_token_id']}" in text
     assert "dtype float32" in text and "kv_heads=2" in text and "head_dim=16" in text
+    assert "weights  float (not quantized)" in text
     for file in ("planner.onnx", "infiller.onnx", "weights.bin", "refusion.json", "tokenizer.json"):
         assert file in text
     assert "past_key_values.1.value    float32   [batch, past_seq, 2, 16]" in text

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import onnx
 import pytest
 
+from refusion.export.checkpoint import Checkpoint
 from refusion.runtime.core.export_manifest import ExportManifest
 from tests.export.conftest import SPECS
+from tests.fixtures.checkpoints import TinySpec, make_checkpoint
 
 
 def _graph_outputs(path, name: str) -> list[str]:
@@ -106,3 +109,27 @@ def test_validation_runs_torch_once_per_case(store, monkeypatch):
     assert report.ok
     shared = cases(ExportManifest.load(path))
     assert len(forwards) == len(shared) < report.forwards == sum(len(c.graphs) for c in shared)
+
+
+def _mapped_kib(file: Path) -> int:
+    """KiB of `file` resident in this process's mappings (/proc/self/smaps)."""
+    total, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        if "-" in line.split(" ", 1)[0]:  # a mapping's header: address range first, path last
+            inside = line.endswith(str(file))
+        elif inside and line.startswith("Rss:"):
+            total += int(line.split()[1])
+    return total
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").is_file(), reason="reads Linux's /proc/self/smaps")
+def test_checkpoint_tensors_do_not_keep_the_shard_resident(tmp_path):
+    """Each tensor's checkpoint pages leave our RSS with it: the exporter never holds a whole shard's pages."""
+    ckpt = Checkpoint.open(make_checkpoint(tmp_path / "ckpt", TinySpec(vocab_size=16384)))  # 4 MiB embed, lm_head
+    file = ckpt.path / "model.safetensors"
+    largest, peak = 0, 0
+    for _, tensor in ckpt.tensors():
+        float(tensor.float().sum())  # touch every page, as the weight writer does
+        largest, peak = max(largest, tensor.nbytes // 1024), max(peak, _mapped_kib(file))
+    assert file.stat().st_size > 2 * largest * 1024
+    assert peak <= largest + 256, f"{peak} KiB of the checkpoint resident; its largest tensor is {largest} KiB"

@@ -21,7 +21,7 @@ from refusion.export.validate import validate_export
 from refusion.runtime.compare import cases
 from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.core.export_manifest import ExportManifest
-from refusion.runtime.core.quantization import is_quantized_weight, scale_name
+from refusion.runtime.core.quantization import scale_name
 from refusion.runtime.generator import Generator
 from refusion.runtime.weights import map_weights
 from refusion.tools.export_cli import cli
@@ -261,6 +261,34 @@ def test_cli_progress_names_the_method_and_warns_on_untested_blocks(store, tmp_p
     assert result.exit_code == 0, result.output
     assert "(fp32, int4-rtn block 32)" in result.stderr
     assert "note: --block-size 32: TensorRT documents INT4 blocks of 64 and 128 only" in result.stderr
+
+
+def test_inspect_shows_the_quantization_section(rtn, awq_export):
+    for export, method in ((rtn, "int4-rtn"), (awq_export, "int4-awq")):
+        result = CliRunner().invoke(cli, ["inspect", str(export)])
+        assert result.exit_code == 0, result.output
+        section = json.loads((export / "refusion.json").read_text())["quantization"]
+        weights = next(line for line in result.stdout.splitlines() if line.startswith("weights "))
+        assert f"{method}  bits=4  block_size=32" in weights
+        assert "onnxruntime accuracy_level=4 (runners), 1 (check)" in weights
+        calibration = section["calibration"]
+        if calibration:
+            assert f"calibration={calibration['samples']} prompts sha256:{calibration['sha256']}" in weights
+        else:
+            assert "calibration" not in weights
+
+
+def test_api_doc_names_every_export_argument_and_quantize_option():
+    import dataclasses
+    import inspect
+
+    text = (REPO / "docs" / "api.md").read_text()
+    signature = text[text.index("`export_onnx(checkpoint"):]
+    signature = signature[:signature.index(")`")]
+    for name in inspect.signature(export_onnx).parameters:
+        assert f"{name}=" in signature or f"{name}," in signature, f"export_onnx({name}) is not in docs/api.md"
+    for field in dataclasses.fields(QuantizeOptions):
+        assert f"| `{field.name}` |" in text, f"QuantizeOptions.{field.name} is not in docs/api.md"
 
 
 # -- bad requests ------------------------------------------------------------------------------------
