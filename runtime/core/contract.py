@@ -84,6 +84,12 @@ def present_value_name(layer: int) -> str:
     return f"present.{layer}.value"
 
 
+def kv_names(num_layers: int, past: bool) -> list[str]:
+    """Every layer's K name, then every layer's V name: the order the device runners keep a slot's caches in."""
+    key, value = (past_key_name, past_value_name) if past else (present_key_name, present_value_name)
+    return [key(i) for i in range(num_layers)] + [value(i) for i in range(num_layers)]
+
+
 def graph_specs(
     num_layers: int, kv_heads: int, head_dim: int, vocab_size: int, kv_dtype: str, logits: bool
 ) -> dict[GraphName, GraphSpec]:

@@ -28,6 +28,7 @@ from refusion.runtime.core.contract import (
     GRAPH_NAMES,
     GraphName,
     GraphSpec,
+    kv_names,
     past_key_name,
     past_value_name,
     present_key_name,
@@ -397,10 +398,8 @@ class OrtCudaRunner(OrtRunner):
 
     @cached_property  # names fixed by the export: not rebuilt per forward
     def _past_names(self) -> list[str]:
-        n = self.manifest.num_layers
-        return [past_key_name(i) for i in range(n)] + [past_value_name(i) for i in range(n)]
+        return kv_names(self.manifest.num_layers, past=True)
 
     @cached_property
     def _presents_kv(self) -> list[str]:
-        n = self.manifest.num_layers
-        return [present_key_name(i) for i in range(n)] + [present_value_name(i) for i in range(n)]
+        return kv_names(self.manifest.num_layers, past=False)

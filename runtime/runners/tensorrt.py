@@ -47,6 +47,7 @@ from refusion.runtime.core.contract import (
     BATCH,
     SEQ,
     GraphName,
+    kv_names,
     past_key_name,
     past_value_name,
 )
@@ -379,13 +380,11 @@ class TensorRTRunner(Runner):
 
     @cached_property  # names fixed by the export: not rebuilt per forward
     def _past_names(self) -> list[str]:
-        n = self.manifest.num_layers
-        return [past_key_name(i) for i in range(n)] + [past_value_name(i) for i in range(n)]
+        return kv_names(self.manifest.num_layers, past=True)
 
     @cached_property
     def _present_names(self) -> list[str]:
-        n = self.manifest.num_layers
-        return [f"present.{i}.key" for i in range(n)] + [f"present.{i}.value" for i in range(n)]
+        return kv_names(self.manifest.num_layers, past=False)
 
     def _bind_presents(self, context: tensorrt.IExecutionContext, seq: int, write_at: int | None,
                        caches: list[DeviceBuffer]) -> tuple[DeviceBuffer, int] | None:

@@ -19,45 +19,21 @@ from refusion.runtime.core.engines_manifest import FORMAT_VERSION, EngineManifes
 from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.core.export_manifest import ExportManifest
 from refusion.runtime.core.profiles import DecodeLimits, engine_profiles, select_profile
-from refusion.runtime.decode import DecodeTrace, Tokens, ar_decode, refusion_decode
 from refusion.runtime.generator import Generator
-from refusion.runtime.params import DecodeParams
 from refusion.runtime.runners.base import RowFeed, Runner
 from refusion.runtime.runners.tensorrt import TensorRTRunner
 from tests.engines.conftest import fake_engines
 from tests.engines.fakes import CpuBoundCudaRunner
-from tests.runtime.conftest import chat_jobs
+from tests.runtime.conftest import MIXED_SETTINGS, chat_jobs, decode_alone_on
 from tests.runtime.conftest import tiny_export as tiny_export  # noqa: F401  (the fixture, re-exported)
 
 pytest.importorskip("torch")  # chat_jobs' held-out prompts
 
 # The embedded model's chat prompts are 18-51 tokens; blocks up to the whole generation (serial_num_blocks 1).
 LIMITS = DecodeLimits(max_prompt=64, gen_length=64, slot_size=4, serial_blocks=1, max_batch=4)
-SETTINGS = [
-    dict(gen_length=64, slot_size=4, serial_num_blocks=4, slot_threshold=0.5, token_threshold=0.1),
-    dict(gen_length=32, slot_size=8, serial_num_blocks=2, slot_threshold=0.7, token_threshold=0.3),
-    dict(gen_length=48, slot_size=4, serial_num_blocks=1, slot_threshold=0.9, token_threshold=0.6),
-    dict(gen_length=40, mode="ar"),
-    dict(gen_length=8, slot_size=4, serial_num_blocks=2, slot_threshold=0.0, token_threshold=1.0),  # no EOS: length
-]
-
-
 @pytest.fixture(scope="module")
 def jobs(tiny_export) -> list[tuple[list[int], dict]]:
-    return chat_jobs(tiny_export, 12, SETTINGS)
-
-
-def decode_alone(runner: Runner, manifest: ExportManifest, jobs: list[tuple[list[int], dict]]) -> list[list[int]]:
-    """Each job decoded by itself on `runner` (slot 0, no engine): the oracle."""
-    out = []
-    for ids, settings in jobs:
-        params = DecodeParams(**settings)
-        decode = ar_decode if params.mode == "ar" else refusion_decode
-        tokens = Tokens(ids, manifest.mask_token_id, manifest.eos_token_id)
-        committed = {p: t for c in decode(runner, tokens, params, DecodeTrace(), False)
-                     for p, t in zip(c.positions, c.token_ids)}
-        out.append([committed[p] for p in sorted(committed)])
-    return out
+    return chat_jobs(tiny_export, 12, MIXED_SETTINGS)
 
 
 def count_packed(runner: Runner, method: str) -> list[int]:
@@ -244,7 +220,7 @@ def test_requests_served_together_get_their_tokens_alone_on_tensorrt(tiny_export
     engines = fake_engines(tiny_export, tmp_path / "engines", LIMITS)
     manifest = ExportManifest.read(engines)
     with TensorRTRunner.from_dir(engines, max_slots=1, max_batch=1) as alone_runner:
-        alone = decode_alone(alone_runner, manifest, jobs)
+        alone = decode_alone_on(alone_runner, manifest, jobs)
     runner = TensorRTRunner.from_dir(engines, max_slots=max_slots, max_batch=max_batch)
     packed = count_packed(runner, "_run_packed")
     with runner:
@@ -260,7 +236,7 @@ def test_requests_served_together_get_their_tokens_alone_on_ort_cuda(tiny_export
     _, cudart = fakes
     manifest = ExportManifest.load(tiny_export)
     with CpuBoundCudaRunner(manifest, threads=1) as alone_runner:
-        alone = decode_alone(alone_runner, manifest, jobs)
+        alone = decode_alone_on(alone_runner, manifest, jobs)
     runner = CpuBoundCudaRunner(manifest, threads=1, max_slots=4, max_batch=4)
     packed = count_packed(runner, "_run_batch")
     with runner:

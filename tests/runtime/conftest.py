@@ -39,20 +39,35 @@ def tiny_export(tmp_path_factory) -> Path:
     return export_onnx(REPO / "models" / "refusion-tiny", tmp_path_factory.mktemp("tiny") / "onnx", validate=False)
 
 
+# A mix for the concurrency tests: slot sizes, block counts and thresholds, AR and ReFusion, EOS early or never.
+MIXED_SETTINGS = [
+    dict(gen_length=64, slot_size=4, serial_num_blocks=4, slot_threshold=0.5, token_threshold=0.1),
+    dict(gen_length=32, slot_size=8, serial_num_blocks=2, slot_threshold=0.7, token_threshold=0.3),
+    dict(gen_length=48, slot_size=4, serial_num_blocks=1, slot_threshold=0.9, token_threshold=0.6),
+    dict(gen_length=40, mode="ar"),
+    dict(gen_length=8, slot_size=4, serial_num_blocks=2, slot_threshold=0.0, token_threshold=1.0),  # no EOS: length
+]
+
+
 def decode_alone(export: Path, jobs: list[tuple[list[int], dict]]) -> list[list[int]]:
-    """Each job's tokens decoded by itself, straight on a runner (no engine): the oracle."""
+    """Each job's tokens decoded by itself on onnxruntime CPU (no engine): the oracle."""
     from refusion.runtime.runners.onnxruntime import OrtRunner
 
     manifest = ExportManifest.load(export)
-    out = []
     with OrtRunner(manifest, threads=1) as runner:
-        for ids, settings in jobs:
-            params = DecodeParams(**settings)
-            decode = ar_decode if params.mode == "ar" else refusion_decode
-            tokens = Tokens(ids, manifest.mask_token_id, manifest.eos_token_id)
-            committed = {p: t for c in decode(runner, tokens, params, DecodeTrace(), False)
-                         for p, t in zip(c.positions, c.token_ids)}
-            out.append([committed[p] for p in sorted(committed)])
+        return decode_alone_on(runner, manifest, jobs)
+
+
+def decode_alone_on(runner, manifest: ExportManifest, jobs: list[tuple[list[int], dict]]) -> list[list[int]]:
+    """Each job decoded by itself on `runner` (slot 0, no engine)."""
+    out = []
+    for ids, settings in jobs:
+        params = DecodeParams(**settings)
+        decode = ar_decode if params.mode == "ar" else refusion_decode
+        tokens = Tokens(ids, manifest.mask_token_id, manifest.eos_token_id)
+        committed = {p: t for c in decode(runner, tokens, params, DecodeTrace(), False)
+                     for p, t in zip(c.positions, c.token_ids)}
+        out.append([committed[p] for p in sorted(committed)])
     return out
 
 

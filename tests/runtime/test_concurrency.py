@@ -18,21 +18,12 @@ from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.core.export_manifest import ExportManifest
 from refusion.runtime.generator import Generator
 from refusion.runtime.runners.onnxruntime import OrtRunner
-from tests.runtime.conftest import chat_jobs, decode_alone
+from tests.runtime.conftest import MIXED_SETTINGS, chat_jobs, decode_alone
 
 pytest.importorskip("onnxruntime")
 pytest.importorskip("torch")
 
 REPO = Path(__file__).resolve().parents[2]
-SETTINGS = [
-    dict(gen_length=64, slot_size=4, serial_num_blocks=4, slot_threshold=0.5, token_threshold=0.1),
-    dict(gen_length=32, slot_size=8, serial_num_blocks=2, slot_threshold=0.7, token_threshold=0.3),
-    dict(gen_length=48, slot_size=4, serial_num_blocks=1, slot_threshold=0.9, token_threshold=0.6),
-    dict(gen_length=40, mode="ar"),
-    dict(gen_length=8, slot_size=4, serial_num_blocks=2, slot_threshold=0.0, token_threshold=1.0),  # no EOS: length
-]
-
-
 @pytest.fixture(scope="module")
 def export(tiny_export) -> Path:
     return tiny_export
@@ -40,8 +31,8 @@ def export(tiny_export) -> Path:
 
 @pytest.fixture(scope="module")
 def jobs(export) -> list[tuple[list[int], dict]]:
-    """Chat prompts of several lengths, each with one of SETTINGS."""
-    return chat_jobs(export, 20, SETTINGS)
+    """Chat prompts of several lengths, each with one of MIXED_SETTINGS."""
+    return chat_jobs(export, 20, MIXED_SETTINGS)
 
 
 @pytest.fixture(scope="module")
