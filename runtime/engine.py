@@ -57,6 +57,12 @@ class Engine:
         with self._lock:
             return len(self._waiting) + len(self._active)
 
+    @property
+    def slots_in_use(self) -> int:
+        """KV slots held by running requests (0 once every request has ended: nothing leaked)."""
+        with self._lock:
+            return self.runner.max_slots - len(self._free_slots)
+
     # -- the engine thread ------------------------------------------------------------------------
     def _loop(self) -> None:
         while True:

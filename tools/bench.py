@@ -491,7 +491,7 @@ def make_report(cfg: BenchConfig, methods: list[Method], samples: dict[str, list
             "backend": "ort-cpu", "decoding": "greedy (temperature 0)",
             "tokens": "generated tokens in position order through the first EOS",
             "ratios": "tokens/s over tokens/s from interleaved runs on the same prompts; ci95 = bootstrap over prompts",
-            "host": _host(),
+            "host": host_info(),
             "command": reproduce_command(cfg),
         },
         "methods": rows,
@@ -582,10 +582,11 @@ def reproduce_command(cfg: BenchConfig) -> str:
     return " ".join(parts)
 
 
-def _host() -> dict[str, Any]:
+def host_info(modules: tuple[str, ...] = ("onnxruntime", "torch", "transformers", "numpy")) -> dict[str, Any]:
+    """The machine and the versions of `modules` (those installed), for a report's header."""
     info: dict[str, Any] = {"platform": platform.platform(), "python": platform.python_version(),
                             "cpu_count": os.cpu_count(), "processor": platform.processor() or platform.machine()}
-    for mod in ("onnxruntime", "torch", "transformers", "numpy"):
+    for mod in modules:
         try:
             info[mod] = __import__(mod).__version__
         except Exception:  # noqa: BLE001 - version reporting only

@@ -33,7 +33,6 @@ from __future__ import annotations
 import cProfile
 import json
 import os
-import platform
 import tempfile
 import threading
 import time
@@ -51,7 +50,7 @@ from refusion.runtime.core.export_manifest import MANIFEST_NAME
 from refusion.runtime.generator import Generator
 from refusion.runtime.request import SettledText
 from refusion.tools import tasks as T
-from refusion.tools.bench import profile_report
+from refusion.tools.bench import host_info, profile_report
 from refusion.tools.cli_common import progress as echo_progress
 
 Progress = Callable[[str], None]  # takes a line of text
@@ -295,7 +294,7 @@ def run_concurrency_bench(cfg: ConcurrencyConfig, progress: Progress = echo_prog
             meter = EngineMeter(gen)
             load = [os.getloadavg()[0]]  # other work on the machine skews every number
             progress(f"{gen.runner.name}, {cfg.threads} thread(s), {gen.runner.max_slots} KV slots, forwards packed "
-                     f"{gen.runner.max_batch} at most; {cfg.mode} {_settings_label(asdict(params))}; "
+                     f"{gen.runner.max_batch} at most; {cfg.mode} {settings_label(asdict(params))}; "
                      f"{cfg.requests} requests per level x {cfg.repeats} passes, warm-up {cfg.warmup} at concurrency "
                      f"{max(cfg.levels)}")
             if cfg.warmup:
@@ -440,9 +439,9 @@ def make_report(cfg: ConcurrencyConfig, export_dir: Path, runner_info: dict[str,
             "model": str(cfg.model), "export_dir": str(export_dir) if export_dir == Path(cfg.model) else None,
             "threads": cfg.threads, **runner_info, "mode": cfg.mode, "params": params, "requests": cfg.requests,
             "repeats": cfg.repeats, "warmup": cfg.warmup, "held_out_seed": T.HELD_OUT_SEED,
-            "prompts": "held_out chat prompts", "held_out_sha256": _digest(examples),
+            "prompts": "held_out chat prompts", "held_out_sha256": prompts_digest(examples),
             "decoding": "greedy (temperature 0)", "tokens": "generated tokens in position order through the first EOS",
-            "host": _host(), "load_average": load, "command": reproduce_command(cfg),
+            "host": host_info(("onnxruntime", "numpy")), "load_average": load, "command": reproduce_command(cfg),
         },
         "levels": levels,
         "target": target(levels),
@@ -461,7 +460,7 @@ def target(rows: list[dict[str, Any]]) -> dict[str, Any]:
             "met": bool(row["speedup"] >= TARGET_SPEEDUP and row["identical"] == row["compared"])}
 
 
-def _digest(examples: list[T.Example]) -> str:
+def prompts_digest(examples: list[T.Example]) -> str:
     import hashlib
 
     return hashlib.sha256("\n".join(f"{e.task}\t{e.prompt}\t{e.answer}" for e in examples).encode()).hexdigest()[:16]
@@ -479,15 +478,7 @@ def reproduce_command(cfg: ConcurrencyConfig) -> str:
     return " ".join(parts)
 
 
-def _host() -> dict[str, Any]:
-    info: dict[str, Any] = {"platform": platform.platform(), "python": platform.python_version(),
-                            "cpu_count": os.cpu_count(), "processor": platform.processor() or platform.machine()}
-    for mod in ("onnxruntime", "numpy"):
-        info[mod] = __import__(mod).__version__
-    return info
-
-
-def _settings_label(p: dict[str, Any]) -> str:
+def settings_label(p: dict[str, Any]) -> str:
     if p["mode"] == "ar":
         return f"gen_length {p['gen_length']}"
     return (f"gen_length {p['gen_length']}, slot_size {p['slot_size']}, {p['serial_num_blocks']} blocks, "
@@ -497,7 +488,7 @@ def _settings_label(p: dict[str, Any]) -> str:
 # ----------------------------------------------------------------------------- outputs
 
 
-def _pct(d: dict[str, float] | None) -> str:
+def format_percentiles(d: dict[str, float] | None) -> str:
     return " / ".join(f"{d[f'p{p}']:.1f}" for p in PERCENTILES) if d else "-"
 
 
@@ -510,7 +501,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         (f"Model `{meta['model']}`, {meta['backend']} ({meta['threads']} intra-op thread(s), {meta['max_requests']} KV "
         f"slots, forwards packed {meta['max_batch']} at most), one shared Generator; {meta['requests']} held-out chat "
         f"prompts per level (seed {meta['held_out_seed']}, sha256 {meta['held_out_sha256']}), {meta['mode']} "
-        f"{_settings_label(meta['params'])}, greedy. Closed loop: C client threads, each submits, reads the settled "
+        f"{settings_label(meta['params'])}, greedy. Closed loop: C client threads, each submits, reads the settled "
         f"text, waits for the result and submits the next. {meta['repeats']} passes over the levels, interleaved, "
         f"after a warm-up of {meta['warmup']} requests. {host['processor']}, {host['cpu_count']} CPUs (load average "
         f"{meta['load_average'][0]:.2f} before, {meta['load_average'][1]:.2f} after), onnxruntime "
@@ -530,8 +521,8 @@ def render_markdown(report: dict[str, Any]) -> str:
     for r in rows:
         lo, hi = r["output_tokens_per_second_range"]
         lines.append(f"| {r['concurrency']} | {r['output_tokens_per_second']:.0f} ({lo:.0f}-{hi:.0f}) | "
-                     f"{r['requests_per_second']:.1f} | {r['speedup']:.2f}x | {_pct(r['ttft_ms'])} | "
-                     f"{_pct(r['itl_ms'])} | {_pct(r['latency_ms'])} | {r['tokens_per_piece']:.1f} | "
+                     f"{r['requests_per_second']:.1f} | {r['speedup']:.2f}x | {format_percentiles(r['ttft_ms'])} | "
+                     f"{format_percentiles(r['itl_ms'])} | {format_percentiles(r['latency_ms'])} | {r['tokens_per_piece']:.1f} | "
                      f"{r['identical']}/{r['compared']} | "
                      f"{100 * r['correct'] / r['requests']:.1f}% |")
     lines += [
@@ -612,21 +603,28 @@ def render_plot(report: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
-def write_outputs(report: dict[str, Any], out: Path, stem: str, plot: bool, progress: Progress) -> None:
+def write_report(out: Path, stem: str, markdown: str, data: dict[str, Any], plot: Callable[[Path], None] | None,
+                 progress: Progress, extra: dict[str, str] | None = None) -> None:
+    """OUT/<stem>.md and .json, the `extra` files (suffix -> text), and <stem>.png by `plot` when given
+    (a warning instead where matplotlib is missing). bench-serve writes its reports with it too."""
     out.mkdir(parents=True, exist_ok=True)
-    written = [out / f"{stem}.md", out / f"{stem}.json"]
-    written[0].write_text(render_markdown(report))
-    written[1].write_text(json.dumps({k: v for k, v in report.items() if k != "profile"}, indent=1) + "\n")
-    if "profile" in report:
-        written.append(out / f"{stem}-profile.txt")
-        written[-1].write_text(report["profile"])
-    if plot:
+    files = {".md": markdown, ".json": json.dumps(data, indent=1) + "\n", **(extra or {})}
+    written = [out / f"{stem}{suffix}" for suffix in files]
+    for path, text in zip(written, files.values()):
+        path.write_text(text)
+    if plot is not None:
         try:
-            render_plot(report, out / f"{stem}.png")
+            plot(out / f"{stem}.png")
             written.append(out / f"{stem}.png")
         except ImportError:
             progress(f"warning: matplotlib is not installed; {stem}.png not written (pip install matplotlib)")
     progress(f"wrote {', '.join(map(str, written))}")
+
+
+def write_outputs(report: dict[str, Any], out: Path, stem: str, plot: bool, progress: Progress) -> None:
+    extra = {"-profile.txt": report["profile"]} if "profile" in report else None
+    write_report(out, stem, render_markdown(report), {k: v for k, v in report.items() if k != "profile"},
+                 (lambda path: render_plot(report, path)) if plot else None, progress, extra)
 
 
 # ----------------------------------------------------------------------------- CLI

@@ -5,6 +5,7 @@
                   --slot-threshold X --token-threshold Y --temperature T --seed S]
                  [--backend ...] [--threads N] [--low-memory] [--verify]
     refusion-run chat out/refusion-onnx [the same decode and load options] [--system TEXT] [--no-stats]
+    refusion-run serve out/refusion-onnx [--http-port 8000 --grpc-port 8001 --metrics-port 8002] (docs/serving.md)
 
 Decode settings left out take the values the export recorded for its model (refusion.json "defaults").
 """
@@ -33,6 +34,8 @@ from refusion.tools.cli_common import (
     version_option,
 )
 from refusion.tools.concurrency_bench import bench_concurrency
+from refusion.tools.serve_bench import bench_serve
+from refusion.tools.serve_command import serve
 
 
 @click.group(cls=ErrorReportingGroup)
@@ -103,6 +106,8 @@ def _summary(result: GenerationResult) -> str:
 cli.add_command(chat)
 cli.add_command(bench)
 cli.add_command(bench_concurrency)
+cli.add_command(serve)
+cli.add_command(bench_serve)
 
 
 def main() -> None:

@@ -1,5 +1,6 @@
 """The package layering holds: the core imports only itself, the runtime never imports export/,
-engines/ or tools/, and engines/ never imports tools/ (so there are no cycles between them)."""
+engines/, serve/ or tools/, engines/ never imports tools/, and serve/ only the runtime (so there
+are no cycles between them)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ ALLOWED = {
     "runtime": ("refusion.runtime",),
     "export": ("refusion.runtime", "refusion.export"),
     "engines": ("refusion.runtime", "refusion.export", "refusion.engines"),
+    "serve": ("refusion.runtime", "refusion.serve"),
 }
 
 

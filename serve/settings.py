@@ -1,0 +1,46 @@
+"""What `refusion-run serve` passes to the Triton model: a few strings in config.pbtxt's parameters,
+read back in the backend's process."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+
+from refusion.runtime.core.errors import RefusionError
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    model_dir: str
+    backend: str = "auto"
+    threads: int | None = None
+    max_requests: int | None = None  # running at once, a KV slot each (None: the runner's default)
+    max_batch: int | None = None  # forwards packed per call (None: the runner's default)
+    max_queue: int = 64  # waiting beyond the running ones; more are rejected at once
+    drain_file: str | None = None  # the launcher writes the drain's deadline here on SIGTERM (serve/launcher.py)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_queue, bool) or not isinstance(self.max_queue, int) or self.max_queue < 0:
+            raise RefusionError(f"max_queue={self.max_queue!r} (--max-queue) must be an integer >= 0.")
+
+    def to_parameters(self) -> dict[str, str]:
+        return {f.name: str(getattr(self, f.name)) for f in fields(self) if getattr(self, f.name) is not None}
+
+    @staticmethod
+    def from_parameters(parameters: Mapping[str, str]) -> ServeSettings:
+        if "model_dir" not in parameters:
+            raise RefusionError("the model's config.pbtxt has no model_dir parameter; "
+                                "start it with refusion-run serve.")
+        known = {f.name for f in fields(ServeSettings)}
+        return ServeSettings(**{name: text if name in _TEXT else _integer(name, text)
+                                for name, text in parameters.items() if name in known})
+
+
+_TEXT = ("model_dir", "backend", "drain_file")
+
+
+def _integer(name: str, text: str) -> int:
+    try:
+        return int(text)
+    except ValueError as e:
+        raise RefusionError(f"model parameter {name}={text!r} is not an integer.") from e

@@ -1,0 +1,117 @@
+"""The served model's tensors, declared once as data: Triton's config.pbtxt is written from this
+table and requests are read against it. The names are TensorRT-LLM's (text_input, max_tokens,
+stream -> text_output), so genai-perf and clients written for TensorRT-LLM models talk to it.
+
+`read_request` is pure (numpy in, settings out): the Triton model calls it, tests call it directly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from refusion.runtime.core.errors import RefusionError
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    triton_type: str  # config.pbtxt data_type
+    help: str
+    setting: str | None = None  # the DecodeParams / submit() keyword it feeds
+    optional: bool = True
+
+
+INPUTS = (
+    TensorSpec("text_input", "TYPE_STRING", "the prompt (UTF-8)", optional=False),
+    TensorSpec("max_tokens", "TYPE_INT32", "tokens to generate (the runtime's gen_length)", "gen_length"),
+    TensorSpec("stream", "TYPE_BOOL", "send settled text as it commits, then a final response"),
+    TensorSpec("chat", "TYPE_BOOL", "wrap text_input as a user message in the model's chat template"),
+    TensorSpec("mode", "TYPE_STRING", "refusion (default) or ar", "mode"),
+    TensorSpec("slot_size", "TYPE_INT32", "tokens per slot", "slot_size"),
+    TensorSpec("serial_num_blocks", "TYPE_INT32", "blocks the generation is cut into", "serial_num_blocks"),
+    TensorSpec("slot_threshold", "TYPE_FP32", "slot selection threshold in [0, 1]", "slot_threshold"),
+    TensorSpec("token_threshold", "TYPE_FP32", "token acceptance threshold in [0, 1]", "token_threshold"),
+    TensorSpec("temperature", "TYPE_FP32", "0 is greedy", "temperature"),
+    TensorSpec("seed", "TYPE_INT64", "seed of the sampling noise", "seed"),
+    TensorSpec("timeout_s", "TYPE_FP32", "deadline in seconds: the request ends with finish_reason timeout"),
+)
+OUTPUTS = (
+    TensorSpec("text_output", "TYPE_STRING", "settled text: a piece per streamed response, all of it otherwise"),
+    TensorSpec("token_ids", "TYPE_INT64", "generated ids (final response)"),
+    TensorSpec("finish_reason", "TYPE_STRING", "eos, length, timeout or cancelled (final response)"),
+)
+INPUT_NAMES = tuple(spec.name for spec in INPUTS)
+_KINDS = {"TYPE_STRING": "OSU", "TYPE_BOOL": "b", "TYPE_INT32": "iu", "TYPE_INT64": "iu", "TYPE_FP32": "f"}
+_EXPECTED = {"TYPE_STRING": "a string", "TYPE_BOOL": "a boolean", "TYPE_INT32": "an integer",
+             "TYPE_INT64": "an integer", "TYPE_FP32": "a number"}
+
+
+@dataclass(frozen=True)
+class ServeRequest:
+    prompt: str
+    stream: bool = False
+    chat: bool = False
+    timeout_s: float | None = None
+    settings: dict[str, Any] = field(default_factory=dict)  # decode settings given; the rest: the export's
+
+
+def read_request(tensors: Mapping[str, np.ndarray]) -> ServeRequest:
+    """A request's input tensors as prompt and settings; a RefusionError names the bad tensor."""
+    values = {spec.name: _scalar(spec, tensors[spec.name]) for spec in INPUTS if spec.name in tensors}
+    if "text_input" not in values:
+        raise RefusionError("text_input is missing: send the prompt as text_input (a string).")
+    settings = {spec.setting: values[spec.name] for spec in INPUTS if spec.setting and spec.name in values}
+    timeout_s = values.get("timeout_s")
+    if timeout_s is not None and not timeout_s > 0:
+        raise RefusionError(f"timeout_s={timeout_s!r} must be a positive number of seconds; leave it out for none.")
+    return ServeRequest(values["text_input"], bool(values.get("stream", False)), bool(values.get("chat", False)),
+                        timeout_s, settings)
+
+
+def _scalar(spec: TensorSpec, array: np.ndarray) -> Any:
+    """One value of the declared type (a Triton request is one prompt: the batch is our scheduler's job)."""
+    array = np.asarray(array)
+    if array.size != 1:
+        raise RefusionError(f"{spec.name} holds {array.size} values (shape {list(array.shape)}); send exactly one: "
+                            "each request is one prompt, and concurrent requests are batched by the server.")
+    value = array.reshape(-1)[0]
+    kind = array.dtype.kind
+    if kind not in _KINDS[spec.triton_type] or (kind == "O" and not isinstance(value, (bytes, str))):
+        raise RefusionError(f"{spec.name} is {array.dtype} ({value!r}); it must be {_EXPECTED[spec.triton_type]} "
+                            f"({spec.triton_type}): {spec.help}.")
+    if spec.triton_type == "TYPE_STRING":
+        try:
+            return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+        except UnicodeDecodeError as e:
+            raise RefusionError(f"{spec.name} is not valid UTF-8 ({e.reason} at byte {e.start}).") from e
+    if spec.triton_type == "TYPE_FP32":
+        return float(str(value))  # the shortest decimal of the float32: 0.9 stays 0.9, not 0.8999999761...
+    return bool(value) if spec.triton_type == "TYPE_BOOL" else int(value)
+
+
+def config_pbtxt(model_name: str, parameters: Mapping[str, str]) -> str:
+    """Triton's model configuration: a decoupled (streaming) Python-backend model with these tensors,
+    no Triton batching (max_batch_size 0: requests reach our scheduler one by one, which batches their
+    forwards step by step), and `parameters` for the model's initialize()."""
+    def tensor(spec: TensorSpec) -> str:
+        optional = " optional: true" if spec.optional and spec in INPUTS else ""
+        return f'  {{ name: "{spec.name}" data_type: {spec.triton_type} dims: [ -1 ]{optional} }}'
+
+    params = "\n".join(f'parameters {{ key: "{k}" value: {{ string_value: "{_escape(v)}" }} }}'
+                       for k, v in parameters.items())
+    return "\n".join([
+        f'name: "{model_name}"', 'backend: "python"', "max_batch_size: 0",
+        "model_transaction_policy { decoupled: true }",
+        "input [", ",\n".join(tensor(s) for s in INPUTS), "]",
+        "output [", ",\n".join(tensor(s) for s in OUTPUTS), "]",
+        "instance_group [ { count: 1 kind: KIND_CPU } ]",  # one Generator; its engine thread runs every request
+        params, "",
+    ])
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"')

@@ -1,0 +1,266 @@
+"""Triton serving end to end: a real tritonserver on loopback, HTTP generate and generate_stream,
+gRPC streaming, concurrency, malformed requests, client disconnects, overload and SIGTERM."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from refusion.runtime.generator import Generator
+from refusion.serve.launcher import free_ports
+from tests.serve.conftest import LONG, MODEL, metric, post, wait_idle
+
+pytestmark = pytest.mark.slow
+SHORT = {"max_tokens": 32, "slot_size": 4, "serial_num_blocks": 2}
+PROMPTS = ["sort: 3 1 2", "hello", "count to five", "a b c", "1 2 3"]
+
+
+@pytest.fixture(scope="module")
+def alone(slow_export):
+    """What Generator.generate gives each prompt at the same settings: the oracle."""
+    with Generator.from_dir(slow_export, backend="ort-cpu", threads=1) as gen:
+        def run(prompt: str, **settings) -> tuple[list[int], str]:
+            settings = dict(settings)
+            settings["gen_length"] = settings.pop("max_tokens")
+            result = gen.generate(prompt, **settings)
+            return result.token_ids, result.text
+        yield run
+
+
+def sse(server, body: dict) -> list[dict]:
+    """The events of one HTTP generate_stream request."""
+    conn = http.client.HTTPConnection("127.0.0.1", server.ports.http, timeout=60)
+    conn.request("POST", f"/v2/models/{MODEL}/generate_stream", json.dumps(body))
+    text = conn.getresponse().read().decode()
+    conn.close()
+    return [json.loads(line[len("data: "):]) for line in text.splitlines() if line.startswith("data: ")]
+
+
+def test_http_generate_returns_the_generators_tokens(server, alone):
+    for prompt in PROMPTS[:3]:
+        status, body = post(f"{server.url}/v2/models/{MODEL}/generate", {"text_input": prompt, **SHORT})
+        assert status == 200, body
+        ids, text = alone(prompt, **SHORT)
+        assert body["token_ids"] == ids and body["text_output"] == text
+        assert body["finish_reason"] in ("eos", "length")
+    status, body = post(f"{server.url}/v2/models/{MODEL}/generate",
+                        {"text_input": "hello", "max_tokens": 24, "mode": "ar", "chat": True})
+    with Generator.from_dir(server.model_dir, backend="ort-cpu", threads=1) as gen:
+        assert body["token_ids"] == gen.generate("hello", gen_length=24, mode="ar", chat=True).token_ids
+
+
+def test_http_generate_stream_sends_pieces_then_a_final_response(server, alone):
+    events = sse(server, {"text_input": "count to five", "stream": True, **SHORT})
+    ids, text = alone("count to five", **SHORT)
+    *pieces, final = events
+    assert pieces and all("finish_reason" not in e for e in pieces)
+    assert "".join(e["text_output"] for e in pieces) == text
+    assert final["token_ids"] == ids and final["finish_reason"] in ("eos", "length") and final["text_output"] == ""
+
+
+def grpc_stream(server, prompt: str, settings: dict, cancel_after: int | None = None) -> list:
+    """One gRPC streaming request with tritonclient; with `cancel_after`, the stream is cancelled
+    after that many responses, as a client that goes away."""
+    grpcclient = pytest.importorskip("tritonclient.grpc")
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{server.ports.grpc}")
+    responses: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: responses.put((result, error)))
+    tensors = {"text_input": np.array([prompt.encode()], dtype=np.object_), "stream": np.array([True])}
+    kinds = {"max_tokens": np.int32, "slot_size": np.int32, "serial_num_blocks": np.int32}
+    tensors.update({k: np.array([v], dtype=kinds[k]) if k in kinds else np.array([v.encode()], dtype=np.object_)
+                    for k, v in settings.items()})
+    inputs = []
+    for name, array in tensors.items():
+        datatype = {"O": "BYTES", "b": "BOOL"}.get(array.dtype.kind, "INT32")
+        tensor = grpcclient.InferInput(name, list(array.shape), datatype)
+        tensor.set_data_from_numpy(array)
+        inputs.append(tensor)
+    client.async_stream_infer(MODEL, inputs)
+    got = []
+    try:
+        while True:
+            result, error = responses.get(timeout=60)
+            assert error is None, error
+            got.append(result)
+            if cancel_after is not None and len(got) >= cancel_after:
+                client.stop_stream(cancel_requests=True)
+                return got
+            if result.as_numpy("finish_reason") is not None:
+                return got
+    finally:
+        client.close()
+
+
+def test_grpc_streaming_returns_the_generators_tokens(server, alone):
+    got = grpc_stream(server, "sort: 3 1 2", SHORT)
+    ids, text = alone("sort: 3 1 2", **SHORT)
+    assert "".join(r.as_numpy("text_output")[0].decode() for r in got) == text
+    assert got[-1].as_numpy("token_ids").tolist() == ids
+
+
+def test_32_concurrent_clients_all_complete_with_their_tokens(server, alone):
+    jobs = [(PROMPTS[i % len(PROMPTS)], {**SHORT, "mode": "ar" if i % 3 == 0 else "refusion"}) for i in range(32)]
+    with ThreadPoolExecutor(32) as pool:
+        answers = list(pool.map(lambda job: post(f"{server.url}/v2/models/{MODEL}/generate",
+                                                 {"text_input": job[0], **job[1]}), jobs))
+    assert [status for status, _ in answers] == [200] * 32
+    for (prompt, settings), (_, body) in zip(jobs, answers):
+        assert body["token_ids"] == alone(prompt, **settings)[0]
+    wait_idle(server)
+
+
+@pytest.mark.parametrize("body, named", [
+    ({"max_tokens": 8}, "text_input"),
+    ({"text_input": "hi", "max_tokens": 0}, "max_tokens"),
+    ({"text_input": "hi", "max_tokens": 100000}, "max_tokens"),
+    ({"text_input": "x " * 2000, "max_tokens": 8, "mode": "ar"}, "prompt"),
+    ({"text_input": "hi", "slot_threshold": 1.5}, "slot_threshold"),
+    ({"text_input": "hi", "token_threshold": -0.1}, "token_threshold"),
+    ({"text_input": "hi", "mode": "beam"}, "mode"),
+    ({"text_input": "hi", "timeout_s": 0}, "timeout_s"),
+])
+def test_malformed_requests_get_a_4xx_naming_the_field_and_the_server_stays_ready(server, body, named):
+    status, answer = post(f"{server.url}/v2/models/{MODEL}/generate", body)
+    assert 400 <= status < 500 and named in answer["error"], answer
+    assert server.ready()
+
+
+def test_a_wrong_dtype_is_refused_naming_the_tensor(server):
+    grpcclient = pytest.importorskip("tritonclient.grpc")
+    from tritonclient.utils import InferenceServerException
+
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{server.ports.grpc}")
+    text = grpcclient.InferInput("text_input", [1], "BYTES")
+    text.set_data_from_numpy(np.array([b"hi"], dtype=np.object_))
+    tokens = grpcclient.InferInput("max_tokens", [1], "FP32")
+    tokens.set_data_from_numpy(np.array([8.0], dtype=np.float32))
+    errors: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: errors.put(error))
+    try:
+        with pytest.raises(InferenceServerException, match="max_tokens"):
+            client.async_stream_infer(MODEL, [text, tokens])
+            error = errors.get(timeout=30)
+            if error is not None:
+                raise error
+    finally:
+        client.stop_stream()
+        client.close()
+    assert server.ready()
+
+
+def test_a_client_that_disconnects_mid_stream_is_cancelled_and_its_kv_freed(server):
+    wait_idle(server)
+    # HTTP: read the first event, then close the connection.
+    conn = http.client.HTTPConnection("127.0.0.1", server.ports.http, timeout=60)
+    conn.request("POST", f"/v2/models/{MODEL}/generate_stream",
+                 json.dumps({"text_input": "hello", "stream": True, **LONG}))
+    response = conn.getresponse()
+    assert response.readline().startswith(b"data: ")
+    deadline = time.monotonic() + 2  # the gauge is refreshed every 50 ms
+    while metric(server, "refusion_kv_slots_in_use") != 1:
+        assert time.monotonic() < deadline, "the streaming request holds no KV slot"
+        time.sleep(0.02)
+    t0 = time.monotonic()
+    conn.close()
+    wait_idle(server)
+    # gRPC: cancel the stream after the first response.
+    assert len(grpc_stream(server, "hello", LONG, cancel_after=1)) == 1
+    wait_idle(server)
+    # Both ended well before the ~3 s each would have taken to finish.
+    assert time.monotonic() - t0 < 2.5
+
+
+def test_timeout_s_ends_a_request_with_what_had_settled(server):
+    status, body = post(f"{server.url}/v2/models/{MODEL}/generate", {"text_input": "hello", "timeout_s": 0.3, **LONG})
+    assert status == 200 and body["finish_reason"] == "timeout"
+    assert 0 < len(body["token_ids"]) < LONG["max_tokens"]
+
+
+def start_cli(export, ports: list[int], *args: str) -> subprocess.Popen:
+    http_port, grpc_port, metrics_port = ports
+    process = subprocess.Popen(
+        [sys.executable, "-m", "refusion.tools.run_cli", "serve", str(export), "--address", "127.0.0.1",
+         "--http-port", str(http_port), "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port),
+         "--backend", "ort-cpu", "--threads", "1", *args],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    for line in process.stdout:
+        if line.startswith(b"ready:"):
+            return process
+    raise AssertionError(f"the server did not start (exit code {process.wait()})")
+
+
+def test_overload_past_the_queue_limit_is_rejected_at_once(slow_export):
+    pytest.importorskip("pytriton")
+    ports = free_ports()
+    process = start_cli(slow_export, ports, "--max-requests", "1", "--max-batch", "1", "--max-queue", "1")
+    url = f"http://127.0.0.1:{ports[0]}/v2/models/{MODEL}/generate"
+    try:
+        t0 = time.monotonic()
+        with ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(lambda _: post(url, {"text_input": "hello", "timeout_s": 1.5, **LONG}), range(4)))
+        statuses = sorted(status for status, _ in answers)
+        assert statuses.count(200) == 2 and statuses.count(400) == 2, answers  # 1 running + 1 queued; 2 refused
+        refused = [body["error"] for status, body in answers if status != 200]
+        assert all("limit" in e and "--max-queue" in e for e in refused)
+        assert time.monotonic() - t0 < 10  # the refused ones did not wait for the others
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=60)
+
+
+def test_sigterm_drains_in_flight_requests_and_stops_cleanly(slow_export):
+    pytest.importorskip("pytriton")
+    ports = free_ports()
+    process = start_cli(slow_export, ports, "--drain-timeout", "20")
+    url = f"http://127.0.0.1:{ports[0]}/v2/models/{MODEL}/generate"
+    with ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(post, url, {"text_input": "hello", **LONG})
+        time.sleep(0.5)  # the request is decoding
+        t0 = time.monotonic()
+        process.send_signal(signal.SIGTERM)
+        status, body = pending.result(timeout=60)
+    assert process.wait(timeout=60) == 0
+    assert status == 200 and body["finish_reason"] == "length"  # it finished inside the drain
+    assert time.monotonic() - t0 < 20
+    output = process.stdout.read().decode()
+    assert "SIGTERM: draining" in output and "stopped (tritonserver exit code 0)" in output
+
+
+def test_past_the_drain_timeout_requests_are_cancelled_with_a_final_response(slow_export):
+    pytest.importorskip("pytriton")
+    ports = free_ports()
+    process = start_cli(slow_export, ports, "--drain-timeout", "1")
+    server = SimpleNamespace(ports=SimpleNamespace(http=ports[0]))
+    with ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(sse, server, {"text_input": "hello", "stream": True, **LONG})
+        time.sleep(0.5)
+        process.send_signal(signal.SIGTERM)
+        events = pending.result(timeout=60)
+    assert process.wait(timeout=60) == 0
+    final = events[-1]
+    assert final["finish_reason"] == "cancelled" and 0 < len(final["token_ids"]) < LONG["max_tokens"]
+    assert "".join(e["text_output"] for e in events[:-1])  # what had settled was streamed before
+
+
+def test_the_docs_grpc_example_runs(server, capsys):
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "serving.md").read_text()
+    code = doc.split("```python\n")[1].split("```")[0]
+    assert '"localhost:8001"' in code and "np.array([64]" in code
+    # This server's model records slot_size 32 and 4 blocks: 64 tokens do not divide; 128 do.
+    code = code.replace('"localhost:8001"', f'"127.0.0.1:{server.ports.grpc}"')
+    code = code.replace("np.array([64]", "np.array([128]")
+    exec(compile(code, "docs/serving.md", "exec"), {})
+    assert "finish_reason: " in capsys.readouterr().out
+    wait_idle(server)

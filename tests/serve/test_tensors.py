@@ -1,0 +1,134 @@
+"""The served tensors, the server's settings and the launcher's checks: no Triton needed."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from refusion.runtime.core.errors import RefusionError
+from refusion.serve import launcher
+from refusion.serve.launcher import Ports, TritonInstall, TritonServer
+from refusion.serve.settings import ServeSettings
+from refusion.serve.tensors import INPUTS, OUTPUTS, config_pbtxt, read_request
+from refusion.tools.run_cli import cli
+
+
+def text(value: str) -> np.ndarray:
+    return np.array([value.encode()], dtype=np.object_)
+
+
+def test_a_full_request_reads_into_prompt_and_settings():
+    job = read_request({
+        "text_input": text("héllo"), "max_tokens": np.array([[64]], dtype=np.int32), "stream": np.array([True]),
+        "chat": np.array([True]), "mode": text("ar"), "slot_size": np.array([8], np.int32),
+        "serial_num_blocks": np.array([2], np.int32), "slot_threshold": np.array([0.9], np.float32),
+        "token_threshold": np.array([0.3], np.float32), "temperature": np.array([0.0], np.float32),
+        "seed": np.array([7], np.int64), "timeout_s": np.array([2.5], np.float32)})
+    assert (job.prompt, job.stream, job.chat, job.timeout_s) == ("héllo", True, True, 2.5)
+    # float32 thresholds arrive as the decimals the client wrote, not 0.8999999761...
+    assert job.settings == {"gen_length": 64, "mode": "ar", "slot_size": 8, "serial_num_blocks": 2,
+                            "slot_threshold": 0.9, "token_threshold": 0.3, "temperature": 0.0, "seed": 7}
+    assert all(type(v) in (int, float, str) for v in job.settings.values())
+
+
+def test_settings_left_out_are_left_to_the_export():
+    job = read_request({"text_input": text("hi")})
+    assert (job.stream, job.chat, job.timeout_s, job.settings) == (False, False, None, {})
+
+
+@pytest.mark.parametrize("tensors, message", [
+    ({"max_tokens": np.array([8], np.int32)}, "text_input is missing"),
+    ({"text_input": np.array([b"a", b"b"], dtype=np.object_)}, "text_input holds 2 values"),
+    ({"text_input": text("hi"), "max_tokens": np.array([8.0], np.float32)}, "max_tokens is float32"),
+    ({"text_input": text("hi"), "stream": text("yes")}, "stream is object"),
+    ({"text_input": np.array([1], np.int32)}, "text_input is int32"),
+    ({"text_input": np.array([b"\xff\xfe"], dtype=np.object_)}, "text_input is not valid UTF-8"),
+    ({"text_input": text("hi"), "timeout_s": np.array([0.0], np.float32)}, "timeout_s=0.0 must be a positive"),
+    ({"text_input": text("hi"), "slot_size": np.array([], np.int32)}, "slot_size holds 0 values"),
+])
+def test_bad_tensors_are_refused_naming_the_tensor(tensors, message):
+    with pytest.raises(RefusionError, match=message):
+        read_request(tensors)
+
+
+def test_the_config_is_a_valid_triton_model_config():
+    pytest.importorskip("tritonclient.grpc", reason="the serve extra's tritonclient carries Triton's config proto")
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+
+    parameters = ServeSettings('/models/a "quoted" dir', "ort-cpu", threads=2, max_queue=5).to_parameters()
+    config = text_format.Parse(config_pbtxt("refusion", parameters), model_config_pb2.ModelConfig())
+    assert config.backend == "python" and config.max_batch_size == 0
+    assert config.model_transaction_policy.decoupled
+    assert [i.name for i in config.input] == [s.name for s in INPUTS]
+    assert [i.name for i in config.input if not i.optional] == ["text_input"]
+    assert [o.name for o in config.output] == [s.name for s in OUTPUTS]
+    read = ServeSettings.from_parameters({k: v.string_value for k, v in config.parameters.items()})
+    assert read == ServeSettings('/models/a "quoted" dir', "ort-cpu", threads=2, max_queue=5)
+
+
+def test_settings_refuse_bad_values():
+    with pytest.raises(RefusionError, match="threads='two' is not an integer"):
+        ServeSettings.from_parameters({"model_dir": "x", "threads": "two"})
+    with pytest.raises(RefusionError, match="no model_dir"):
+        ServeSettings.from_parameters({})
+    with pytest.raises(RefusionError, match="max_queue=-1"):
+        ServeSettings("x", max_queue=-1)
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda d: Ports(8000, 8000, 8002), "the ports must differ"),
+    (lambda d: Ports(0, 8001, 8002), "--http-port 0 is not a TCP port"),
+    (lambda d: TritonServer(d, model_name="../x"), "--model-name '../x'"),
+    (lambda d: TritonServer(d, drain_timeout_s=-1), "--drain-timeout -1"),
+])
+def test_launcher_arguments_are_checked(tmp_path, make, message):
+    with pytest.raises(RefusionError, match=message):
+        make(tmp_path)
+
+
+def test_a_directory_without_an_export_fails_before_triton_starts(tmp_path, monkeypatch):
+    monkeypatch.setattr(TritonInstall, "find", lambda: pytest.fail("Triton looked up before the export was checked"))
+    with pytest.raises(RefusionError, match="refusion.json"):
+        TritonServer(tmp_path).start()
+
+
+def test_missing_triton_or_stub_says_what_to_install(tmp_path, monkeypatch):
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(RefusionError, match=r"pip install -e '\.\[serve\]'"):
+        TritonInstall.find()
+    package = tmp_path / "pytriton"
+    (package / "tritonserver" / "python_backend_stubs" / "3.9").mkdir(parents=True)
+    found = SimpleNamespace(submodule_search_locations=[str(package)])
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: found)
+    with pytest.raises(RefusionError, match=r"no Triton Python-backend stub for Python 3\.\d+ \(it has 3\.9\)"):
+        TritonInstall.find()
+
+
+def test_serve_cli_reports_a_bad_directory_in_one_line(tmp_path):
+    result = CliRunner().invoke(cli, ["serve", str(tmp_path), "--http-port", "18000"])
+    assert result.exit_code == 1 and result.output.startswith("error: ") and "refusion.json" in result.output
+    help_text = CliRunner().invoke(cli, ["serve", "--help"]).output
+    for flag in ("--model-name", "--http-port", "--grpc-port", "--metrics-port", "--max-batch", "--max-queue",
+                 "--backend", "--drain-timeout"):
+        assert flag in help_text
+
+
+def test_the_repository_holds_our_model_and_the_stub(tmp_path):
+    install = TritonInstall(Path("/x/tritonserver"), tmp_path / "backend", tmp_path / "stub", tmp_path / "libs")
+    install.python_backend.mkdir()
+    for name in ("libtriton_python.so", "triton_python_backend_utils.py"):
+        (install.python_backend / name).write_text(name)
+    install.stub.write_text("stub")
+    models, backends = launcher.write_repository(tmp_path / "root", "m", ServeSettings("/e"), install)
+    assert "from refusion.serve.triton_model import TritonPythonModel" in (models / "m" / "1" / "model.py").read_text()
+    assert 'key: "model_dir"' in (models / "m" / "config.pbtxt").read_text()
+    assert (backends / "python" / "triton_python_backend_stub").read_text() == "stub"
+    assert json.dumps(sorted(p.name for p in (backends / "python").iterdir())) == json.dumps(
+        ["libtriton_python.so", "triton_python_backend_stub", "triton_python_backend_utils.py"])

@@ -1,0 +1,77 @@
+"""`refusion-run serve`: NVIDIA Triton Inference Server on an export or engines directory.
+
+    refusion-run serve out/refusion-onnx [--model-name refusion] [--http-port 8000] [--grpc-port 8001]
+                 [--metrics-port 8002] [--max-requests N] [--max-batch N] [--max-queue N] [--backend ...]
+
+docs/serving.md has the requests (curl, tritonclient), the tensors and what was measured.
+"""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+from types import FrameType
+
+import click
+
+from refusion.runtime.runners import BACKENDS
+from refusion.serve.launcher import Ports, TritonServer, check_export
+from refusion.serve.settings import ServeSettings
+from refusion.tools.cli_common import progress, quiet_option
+
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+@click.command("serve")
+@click.argument("model_dir", type=click.Path(path_type=Path))
+@click.option("--model-name", default="refusion", show_default=True, help="The model's name in Triton's URLs.")
+@click.option("--http-port", type=int, default=8000, show_default=True)
+@click.option("--grpc-port", type=int, default=8001, show_default=True)
+@click.option("--metrics-port", type=int, default=8002, show_default=True)
+@click.option("--address", default="0.0.0.0", show_default=True,
+              help="Interface to listen on (127.0.0.1: this host only).")
+@click.option("--backend", type=click.Choice(BACKENDS), default="auto", show_default=True)
+@click.option("--threads", type=int, default=None, help="onnxruntime intra-op threads (default: all cores).")
+@click.option("--max-requests", type=int, default=None,
+              help="Requests decoding at once, a KV slot each (default: the backend's; more wait in the queue).")
+@click.option("--max-batch", type=int, default=None, help="Their forwards packed per call (default: the backend's).")
+@click.option("--max-queue", type=int, default=ServeSettings.max_queue, show_default=True,
+              help="Requests waiting beyond those decoding; more are rejected at once (UNAVAILABLE).")
+@click.option("--drain-timeout", type=int, default=30, show_default=True,
+              help="On SIGTERM or Ctrl-C: seconds for requests in flight to finish before they are cancelled.")
+@click.option("--verbose", is_flag=True, help="Triton's info log too.")
+@quiet_option
+def serve(model_dir: Path, model_name: str, http_port: int, grpc_port: int, metrics_port: int, address: str,
+          backend: str, threads: int | None, max_requests: int | None, max_batch: int | None, max_queue: int,
+          drain_timeout: int, verbose: bool) -> None:
+    """Serve the export or engines in MODEL_DIR with NVIDIA Triton: HTTP generate and generate_stream,
+    gRPC streaming, health and metrics. Requests run concurrently, their forwards batched step by step.
+    SIGTERM or Ctrl-C drains and stops."""
+    settings = ServeSettings(str(model_dir.resolve()), backend, threads, max_requests, max_batch, max_queue)
+    server = TritonServer(model_dir, Ports(http_port, grpc_port, metrics_port, address), settings, model_name,
+                          drain_timeout, verbose=verbose)
+    check_export(model_dir)
+    stopped: list[int] = []
+
+    def stop(signum: int, frame: FrameType | None) -> None:
+        stopped.append(signum)
+        progress(f"{signal.Signals(signum).name}: draining (up to {drain_timeout} s), then stopping")
+        server.signal(signal.SIGTERM)
+
+    previous = {signum: signal.signal(signum, stop) for signum in _STOP_SIGNALS}
+    try:
+        progress(f"starting Triton on {model_dir} ({backend})")
+        try:
+            server.start()
+        except Exception:
+            if stopped:  # stopped while loading: not an error
+                raise SystemExit(128 + stopped[0]) from None
+            raise
+        progress(f"ready: POST {server.url}/v2/models/{model_name}/generate (and generate_stream); "
+                 f"gRPC on :{grpc_port}, metrics on :{metrics_port}")
+        code = server.wait()
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    progress(f"stopped (tritonserver exit code {code})")
+    raise SystemExit(code)
