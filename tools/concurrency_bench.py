@@ -589,15 +589,23 @@ def render_plot(report: dict[str, Any], path: Path) -> None:
         bottom += values
     ax3.set_ylabel("engine thread ms per generated token")
     ax3.set_title("where the time goes")
-    for ax in (ax1, ax2):
+    finish_plot(fig, (ax1, ax2, ax3), cs, f"{Path(meta['model']).name}: {meta['mode']}, {meta['backend']}, "
+                f"{meta['threads']} thread(s), {meta['requests']} requests per level x {meta['repeats']} passes", path)
+
+
+def finish_plot(fig: Any, axes: tuple[Any, Any, Any], levels: list[int], title: str, path: Path) -> None:
+    """The concurrency plots' common frame: the first two panels over log2 concurrency with a grid, every
+    panel labelled, the title; written to `path`."""
+    import matplotlib.pyplot as plt
+
+    for ax in axes[:2]:
         ax.set_xscale("log", base=2)
-        ax.set_xticks(cs, [str(c) for c in cs])
+        ax.set_xticks(levels, [str(c) for c in levels])
         ax.grid(True, which="both", alpha=0.3)
-    for ax in (ax1, ax2, ax3):
+    for ax in axes:
         ax.set_xlabel("concurrent clients")
         ax.legend(fontsize=8)
-    fig.suptitle(f"{Path(meta['model']).name}: {meta['mode']}, {meta['backend']}, {meta['threads']} thread(s), "
-                 f"{meta['requests']} requests per level x {meta['repeats']} passes")
+    fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

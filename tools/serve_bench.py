@@ -56,6 +56,7 @@ from refusion.tools.concurrency_bench import (
     LevelRun,
     Progress,
     Timing,
+    finish_plot,
     format_percentiles,
     inter_token_latency,
     parse_levels,
@@ -656,18 +657,9 @@ def render_plot(report: dict[str, Any], path: Path) -> None:
     ax3.axhline(meta["host"]["cpu_count"], color="black", linestyle=":", label="CPU cores")
     ax3.set_ylabel("CPU cores busy (server side)")
     ax3.set_title("where the CPU goes")
-    for ax in (ax1, ax2):
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(cs, [str(c) for c in cs])
-        ax.grid(True, which="both", alpha=0.3)
-    for ax in (ax1, ax2, ax3):
-        ax.set_xlabel("concurrent clients")
-        ax.legend(fontsize=8)
-    fig.suptitle(f"{Path(meta['model']).name}: Triton over HTTP vs in-process, {meta['backend']}, {meta['threads']} "
-                 f"thread(s), {meta['requests']} requests per level x {meta['repeats']} passes")
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    finish_plot(fig, (ax1, ax2, ax3), cs, f"{Path(meta['model']).name}: Triton over HTTP vs in-process, "
+                f"{meta['backend']}, {meta['threads']} thread(s), {meta['requests']} requests per level x "
+                f"{meta['repeats']} passes", path)
 
 
 def write_outputs(report: dict[str, Any], out: Path, stem: str, plot: bool, progress: Progress) -> None:
