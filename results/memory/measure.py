@@ -1,6 +1,7 @@
-"""Resident memory and speed of the onnxruntime CPU runner's two sessions, per way of loading the weights.
-Each configuration runs in a fresh subprocess: RSS (VmRSS, and PSS, which counts a page mapped twice once)
-after the imports, after loading both sessions, and after timed generates; tokens/s of AR and ReFusion
+"""Resident memory and speed of the onnxruntime CPU runner, per way of loading the weights: the runner as it is
+(one session for both roles) and four ways with a session per graph. Each configuration runs in a fresh
+subprocess: RSS (VmRSS, and PSS, which counts a page mapped twice once) after the imports, after loading the
+sessions, and after timed generates; tokens/s of AR and ReFusion
 (best of REPEATS, the machine being shared). Writes measure.json beside this script.
 
     python results/memory/measure.py NAME=EXPORT_DIR...     (e.g. tiny=/tmp/tiny fp32=/tmp/fp32 int4=/tmp/int4)
