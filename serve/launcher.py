@@ -30,6 +30,7 @@ from typing import IO
 
 from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.core.export_manifest import ExportManifest
+from refusion.runtime.runners import runner_options
 from refusion.serve.settings import ServeSettings
 from refusion.serve.tensors import config_pbtxt
 
@@ -125,7 +126,7 @@ class TritonServer:
         return self.ports.local_http
 
     def start(self, ready_timeout_s: float = 600.0) -> TritonServer:
-        check_export(self.model_dir)
+        check_export(self.model_dir, self.settings)
         install = TritonInstall.find()
         self._workdir = tempfile.TemporaryDirectory(prefix="refusion-triton-")
         root = Path(self._workdir.name)
@@ -262,10 +263,13 @@ def server_env(install: TritonInstall) -> dict[str, str]:
     return env
 
 
-def check_export(model_dir: Path) -> None:
-    """Fail here, with our message, rather than in Triton's model load."""
+def check_export(model_dir: Path, settings: ServeSettings | None = None) -> None:
+    """Fail here, with our message, rather than in Triton's model load: the export, and the runner options."""
     manifest = ExportManifest.read(model_dir)
     manifest.check_files(False, manifest.tokenizer_files)
     if not manifest.tokenizer_files:
         raise RefusionError(f"{model_dir} carries no tokenizer files, and the server takes text (text_input); "
                             "export from a checkpoint that has its tokenizer.")
+    if settings is not None:
+        runner_options(manifest, settings.backend, settings.threads, max_requests=settings.max_requests,
+                       max_batch=settings.max_batch)

@@ -50,7 +50,7 @@ def serve(model_dir: Path, model_name: str, http_port: int, grpc_port: int, metr
     settings = ServeSettings(str(model_dir.resolve()), backend, threads, max_requests, max_batch, max_queue)
     server = TritonServer(model_dir, Ports(http_port, grpc_port, metrics_port, address), settings, model_name,
                           drain_timeout, verbose=verbose)
-    check_export(model_dir)
+    check_export(model_dir, settings)
     stopped: list[int] = []
 
     def stop(signum: int, frame: FrameType | None) -> None:

@@ -132,3 +132,12 @@ def test_the_repository_holds_our_model_and_the_stub(tmp_path):
     assert (backends / "python" / "triton_python_backend_stub").read_text() == "stub"
     assert json.dumps(sorted(p.name for p in (backends / "python").iterdir())) == json.dumps(
         ["libtriton_python.so", "triton_python_backend_stub", "triton_python_backend_utils.py"])
+
+
+def test_runner_options_are_checked_before_triton_starts(slow_export, monkeypatch):
+    monkeypatch.setattr(TritonInstall, "find", lambda: pytest.fail("Triton looked up before the options were checked"))
+    result = CliRunner().invoke(cli, ["serve", str(slow_export), "--backend", "ort-cpu", "--max-requests", "4",
+                                      "--max-batch", "32"])
+    assert result.exit_code == 1
+    assert result.output == "error: max_batch=32 exceeds max_requests=4: a forward packs requests in flight; " \
+                            "raise max_requests or lower max_batch.\n"
