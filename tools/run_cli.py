@@ -6,6 +6,7 @@
                  [--backend ...] [--threads N] [--low-memory] [--verify]
     refusion-run chat out/refusion-onnx [the same decode and load options] [--system TEXT] [--no-stats]
     refusion-run serve out/refusion-onnx [--http-port 8000 --grpc-port 8001 --metrics-port 8002] (docs/serving.md)
+    refusion-run client "prompt" [--url http://127.0.0.1:8000] [--chat] [--stream] [--json] [decode options]
 
 Decode settings left out take the values the export recorded for its model (refusion.json "defaults").
 """
@@ -35,7 +36,7 @@ from refusion.tools.cli_common import (
 )
 from refusion.tools.concurrency_bench import bench_concurrency
 from refusion.tools.serve_bench import bench_serve
-from refusion.tools.serve_command import serve
+from refusion.tools.serve_command import client, serve
 
 
 @click.group(cls=ErrorReportingGroup)
@@ -107,6 +108,7 @@ cli.add_command(chat)
 cli.add_command(bench)
 cli.add_command(bench_concurrency)
 cli.add_command(serve)
+cli.add_command(client)
 cli.add_command(bench_serve)
 
 

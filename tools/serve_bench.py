@@ -31,7 +31,6 @@ Writes OUT/serve-threads<T>[-batch<B>].md, .json and .png (needs matplotlib).
 from __future__ import annotations
 
 import http.client
-import json
 import os
 import tempfile
 import threading
@@ -49,6 +48,7 @@ import numpy as np
 
 from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.generator import Generator
+from refusion.serve.client import request_body, stream_events
 from refusion.tools import tasks as T
 from refusion.tools.bench import host_info
 from refusion.tools.cli_common import progress as echo_progress
@@ -124,38 +124,17 @@ class Streamed:
 
 def stream_request(port: int, prompt: str, timeout_s: float = REQUEST_TIMEOUT_S) -> Streamed:
     """POST one chat prompt to generate_stream at the server's decode defaults; read its events."""
-    body = json.dumps({"text_input": prompt, "stream": True, "chat": True})
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout_s)
-    try:
-        t0 = time.perf_counter()
-        conn.request("POST", f"/v2/models/{MODEL_NAME}/generate_stream", body, {"Content-Type": "application/json"})
-        response = conn.getresponse()
-        if response.status != 200:
-            raise RefusionError(f"the server answered {response.status} to {prompt!r}: "
-                                f"{response.read().decode(errors='replace')[:300]}")
-        chars, stamps = 0, []
-        for event in _events(response):
-            now = time.perf_counter() - t0
-            if event.get("text_output"):
-                chars += len(event["text_output"])
-                stamps.append((now, chars))
-            if "finish_reason" in event:  # the final event: stop here, not at the stream's close
-                return Streamed(list(event["token_ids"]), event["finish_reason"], now, stamps)
-        # A connection error, like a reset: the caller (serving) reports it with the server's state and log.
-        raise ConnectionError(f"the stream for {prompt!r} ended without a final event (finish_reason)")
-    finally:
-        conn.close()
-
-
-def _events(response: http.client.HTTPResponse) -> Iterator[dict[str, Any]]:
-    """The server-sent events' JSON, as each line arrives; an error event raises."""
-    for line in response:
-        if not line.startswith(b"data: "):
-            continue
-        event = json.loads(line[len(b"data: "):])
-        if "error" in event:
-            raise RefusionError(f"the server failed a request: {event['error']}")
-        yield event
+    t0 = time.perf_counter()
+    chars, stamps = 0, []
+    for event in stream_events(f"http://127.0.0.1:{port}", MODEL_NAME, request_body(prompt, {}, stream=True, chat=True),
+                               timeout_s):
+        now = time.perf_counter() - t0
+        if event.get("text_output"):
+            chars += len(event["text_output"])
+            stamps.append((now, chars))
+        if "finish_reason" in event:
+            return Streamed(list(event["token_ids"]), event["finish_reason"], now, stamps)
+    raise AssertionError("stream_events ends at the final event or raises")
 
 
 def token_counts(answer: list[int], chars: list[int], decode: Callable[[list[int]], str]) -> list[int]:
@@ -339,7 +318,7 @@ def serving(export_dir: Path, cfg: ServeBenchConfig, log_path: Path, progress: P
         assert server.process is not None
         try:
             yield http_port, server.process.pid
-        except (OSError, http.client.HTTPException) as e:  # the connection, not the bench: say what the server did
+        except (OSError, http.client.HTTPException, RefusionError) as e:  # a request failed: say what the server did
             code = server.process.poll()
             state = "is still running" if code is None else f"exited with code {code}"
             raise RefusionError(f"a request to tritonserver failed ({type(e).__name__}: {e}) and the server {state}; "

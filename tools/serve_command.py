@@ -1,23 +1,30 @@
-"""`refusion-run serve`: NVIDIA Triton Inference Server on an export or engines directory.
+"""`refusion-run serve`: NVIDIA Triton Inference Server on an export or engines directory; and
+`refusion-run client`: one request to such a server over HTTP.
 
     refusion-run serve out/refusion-onnx [--model-name refusion] [--http-port 8000] [--grpc-port 8001]
                  [--metrics-port 8002] [--max-requests N] [--max-batch N] [--max-queue N] [--backend ...]
+    refusion-run client "prompt" [--url http://127.0.0.1:8000] [--chat] [--stream] [--json] [decode options]
 
 docs/serving.md has the requests (curl, tritonclient), the tensors and what was measured.
 """
 
 from __future__ import annotations
 
+import json
 import signal
+import sys
+import time
 from pathlib import Path
 from types import FrameType
 
 import click
 
+from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.runners import BACKENDS
+from refusion.serve.client import generate, request_body, stream_events
 from refusion.serve.launcher import Ports, TritonServer, check_export
 from refusion.serve.settings import ServeSettings
-from refusion.tools.cli_common import progress, quiet_option
+from refusion.tools.cli_common import decode_options, decode_settings, progress, quiet_option
 
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
@@ -75,3 +82,41 @@ def serve(model_dir: Path, model_name: str, http_port: int, grpc_port: int, metr
             signal.signal(signum, handler)
     progress(f"stopped (tritonserver exit code {code})")
     raise SystemExit(code)
+
+
+@click.command("client")
+@click.argument("prompt")
+@click.option("--url", default="http://127.0.0.1:8000", show_default=True, help="The server's HTTP address.")
+@click.option("--model-name", default="refusion", show_default=True)
+@click.option("--chat", is_flag=True, help="Wrap PROMPT as a user message in the model's chat template.")
+@click.option("--stream", is_flag=True, help="Print text as it settles (generate_stream).")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print the final response as JSON: text, token_ids, finish_reason.")
+@click.option("--timeout", "timeout_s", type=float, default=None, help="The request's deadline on the server, seconds.")
+@decode_options
+def client(prompt: str, url: str, model_name: str, chat: bool, stream: bool, as_json: bool, timeout_s: float | None,
+           mode: str, gen_length: int | None, slot_size: int | None, serial_blocks: int | None,
+           slot_threshold: float | None, token_threshold: float | None, temperature: float, seed: int | None) -> None:
+    """Send PROMPT to a server started with `refusion-run serve` and print the answer. Decode settings
+    left out take the values the served export recorded (--gen-length is the request's max_tokens)."""
+    if stream and as_json:
+        raise RefusionError("--stream and --json do not combine; choose one.")
+    settings = decode_settings(mode, gen_length, slot_size, serial_blocks, slot_threshold, token_threshold,
+                               temperature, seed)
+    body = request_body(prompt, settings, chat=chat, stream=stream, timeout_s=timeout_s)
+    t0 = time.perf_counter()
+    if stream:
+        for event in stream_events(url, model_name, body):
+            click.echo(event.get("text_output", ""), nl=False)
+            sys.stdout.flush()
+        click.echo()
+        final = event
+    else:
+        final = generate(url, model_name, body)
+        if as_json:
+            click.echo(json.dumps({"text": final["text_output"], "token_ids": final["token_ids"],
+                                   "finish_reason": final["finish_reason"]}))
+        else:
+            click.echo(final["text_output"])
+    progress(f"{len(final['token_ids'])} tokens, finish_reason {final['finish_reason']}, "
+             f"{time.perf_counter() - t0:.3f} s")

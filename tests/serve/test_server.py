@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from refusion.runtime.generator import Generator
+from refusion.serve.client import stream_events
 from refusion.serve.launcher import free_ports
 from tests.serve.conftest import LONG, MODEL, metric, post, wait_idle
 
@@ -41,11 +42,7 @@ def alone(slow_export):
 
 def sse(server, body: dict) -> list[dict]:
     """The events of one HTTP generate_stream request."""
-    conn = http.client.HTTPConnection("127.0.0.1", server.ports.http, timeout=60)
-    conn.request("POST", f"/v2/models/{MODEL}/generate_stream", json.dumps(body))
-    text = conn.getresponse().read().decode()
-    conn.close()
-    return [json.loads(line[len("data: "):]) for line in text.splitlines() if line.startswith("data: ")]
+    return list(stream_events(server.url, MODEL, body, timeout_s=60))
 
 
 def test_http_generate_returns_the_generators_tokens(server, alone):
@@ -242,7 +239,7 @@ def test_past_the_drain_timeout_requests_are_cancelled_with_a_final_response(slo
     pytest.importorskip("pytriton")
     ports = free_ports()
     process = start_cli(slow_export, ports, "--drain-timeout", "1")
-    server = SimpleNamespace(ports=SimpleNamespace(http=ports[0]))
+    server = SimpleNamespace(url=f"http://127.0.0.1:{ports[0]}")
     with ThreadPoolExecutor(1) as pool:
         pending = pool.submit(sse, server, {"text_input": "hello", "stream": True, **LONG})
         time.sleep(0.5)
@@ -264,3 +261,23 @@ def test_the_docs_grpc_example_runs(server, capsys):
     exec(compile(code, "docs/serving.md", "exec"), {})
     assert "finish_reason: " in capsys.readouterr().out
     wait_idle(server)
+
+
+def test_the_client_command_prints_the_answer_streamed_or_whole(server, alone):
+    from click.testing import CliRunner
+
+    from refusion.tools.run_cli import cli
+
+    ids, text = alone("count to five", **SHORT)
+    args = ["client", "count to five", "--url", server.url, "--gen-length", "32", "--slot-size", "4",
+            "--serial-blocks", "2"]
+    for extra in ([], ["--stream"]):
+        result = CliRunner().invoke(cli, args + extra)
+        assert result.exit_code == 0 and result.stdout == text + "\n", result.output
+    answer = json.loads(CliRunner().invoke(cli, args + ["--json"]).stdout)
+    assert answer["token_ids"] == ids and answer["text"] == text
+    refused = CliRunner().invoke(cli, args + ["--slot-threshold", "1.5"])
+    assert refused.exit_code == 1 and refused.output.startswith(
+        "error: the server refused the request (400): slot_threshold=1.5 is outside [0, 1]")
+    nobody = CliRunner().invoke(cli, ["client", "hi", "--url", f"http://127.0.0.1:{free_ports(1)[0]}"])
+    assert nobody.exit_code == 1 and "no server answered at 127.0.0.1:" in nobody.output
