@@ -363,20 +363,19 @@ def time_split(counters: dict[str, float], wall: float) -> dict[str, float]:
             "idle": wall - counters["busy"]}
 
 
-def summarize_level(concurrency: int, runs: list[LevelRun], baseline: list[LevelRun]) -> dict[str, Any]:
-    """A level over its repeats: throughput from the median repeat (its range beside it), latencies over
-    every request of every repeat, identical tokens against the first pass at concurrency 1 (each request
-    alone), the engine's time pooled."""
+def median_run(runs: list[LevelRun]) -> LevelRun:
+    return sorted(runs, key=lambda run: run.tokens_per_second)[len(runs) // 2]
+
+
+def summarize_timings(concurrency: int, runs: list[LevelRun], baseline: list[LevelRun],
+                      oracle: list[Timing]) -> dict[str, Any]:
+    """A level over its repeats as its clients saw it: throughput from the median repeat (its range beside
+    it), latencies over every request of every repeat, identical tokens against `oracle` (each request
+    alone), and the median repeat's requests. bench-serve summarizes each side's levels with it too."""
     timings = [t for run in runs for t in run.timings]
-    alone = baseline[0].timings
     tps = [run.tokens_per_second for run in runs]
-    median = sorted(runs, key=lambda run: run.tokens_per_second)[len(runs) // 2]
+    median = median_run(runs)
     base = float(np.median([run.tokens_per_second for run in baseline]))
-    wall = sum(run.wall for run in runs)
-    counters = {k: sum(run.counters[k] for run in runs) for k in runs[0].counters}
-    tokens = sum(t.tokens for t in timings)
-    split = time_split(counters, wall)
-    calls = counters["calls"]
     return {
         "concurrency": concurrency,
         "requests": len(median.timings),
@@ -387,14 +386,34 @@ def summarize_level(concurrency: int, runs: list[LevelRun], baseline: list[Level
         "output_tokens_per_second_range": [min(tps), max(tps)],
         "requests_per_second": len(median.timings) / median.wall,
         "speedup": float(np.median(tps)) / base,
-        "identical": sum(t.token_ids == a.token_ids for run in runs for t, a in zip(run.timings, alone, strict=True)),
+        "identical": sum(t.token_ids == o.token_ids for run in runs for t, o in zip(run.timings, oracle, strict=True)),
         "compared": len(timings),
-        "correct": sum(t.correct for t in median.timings),
         "ttft_ms": percentiles([t.ttft for t in timings if t.ttft is not None]),
         "itl_ms": percentiles([t.itl for t in timings if t.itl is not None]),
         "itl_requests": sum(t.itl is not None for t in timings),
         "latency_ms": percentiles([t.latency for t in timings]),
         "tokens_per_piece": sum(t.settled for t in timings) / max(1, sum(t.pieces for t in timings)),
+        "per_request": {  # the median repeat's
+            "tokens": [t.tokens for t in median.timings],
+            "latency_ms": [round(1000 * t.latency, 3) for t in median.timings],
+            "ttft_ms": [None if t.ttft is None else round(1000 * t.ttft, 3) for t in median.timings]},
+    }
+
+
+def summarize_level(concurrency: int, runs: list[LevelRun], baseline: list[LevelRun]) -> dict[str, Any]:
+    """summarize_timings against the first pass at concurrency 1 (each request alone), with the median
+    repeat's correct answers and ITLs, and the engine's time pooled."""
+    level = summarize_timings(concurrency, runs, baseline, baseline[0].timings)
+    median = median_run(runs)
+    level["per_request"]["itl_ms"] = [None if t.itl is None else round(1000 * t.itl, 4) for t in median.timings]
+    wall = sum(run.wall for run in runs)
+    counters = {k: sum(run.counters[k] for run in runs) for k in runs[0].counters}
+    tokens = sum(t.tokens for run in runs for t in run.timings)
+    split = time_split(counters, wall)
+    calls = counters["calls"]
+    return {
+        **level,
+        "correct": sum(t.correct for t in median.timings),
         "engine": {
             "forwards": int(calls),
             "rows_per_forward": counters["rows"] / calls if calls else 0.0,
@@ -407,11 +426,6 @@ def summarize_level(concurrency: int, runs: list[LevelRun], baseline: list[Level
             "share": {k: v / wall for k, v in split.items()},
             "ms_per_token": {k: 1000 * v / tokens for k, v in split.items()} if tokens else {},
         },
-        "per_request": {  # the median repeat's
-            "tokens": [t.tokens for t in median.timings],
-            "latency_ms": [round(1000 * t.latency, 3) for t in median.timings],
-            "ttft_ms": [None if t.ttft is None else round(1000 * t.ttft, 3) for t in median.timings],
-            "itl_ms": [None if t.itl is None else round(1000 * t.itl, 4) for t in median.timings]},
     }
 
 

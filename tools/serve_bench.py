@@ -65,6 +65,7 @@ from refusion.tools.concurrency_bench import (
     resolve_model,
     run_request,
     settings_label,
+    summarize_timings,
     write_report,
 )
 
@@ -355,35 +356,10 @@ def _pass_line(concurrency: int, server: LevelRun, local: LevelRun, oracle: list
 
 
 def summarize(concurrency: int, runs: list[LevelRun], base: list[LevelRun], oracle: list[Timing]) -> dict[str, Any]:
-    """A side's level over its passes, as bench-concurrency's summarize_level without the engine's split:
-    throughput of the median pass, latencies over every pass, cores used by each process."""
-    timings = [t for run in runs for t in run.timings]
-    tps = [run.tokens_per_second for run in runs]
-    median = sorted(runs, key=lambda run: run.tokens_per_second)[len(runs) // 2]
+    """A side's level over its passes (bench-concurrency's summarize_timings), with the cores each process used."""
     wall = sum(run.wall for run in runs)
-    return {
-        "concurrency": concurrency,
-        "requests": len(median.timings),
-        "repeats": len(runs),
-        "wall_seconds": median.wall,
-        "tokens": sum(t.tokens for t in median.timings),
-        "output_tokens_per_second": median.tokens_per_second,
-        "output_tokens_per_second_range": [min(tps), max(tps)],
-        "requests_per_second": len(median.timings) / median.wall,
-        "speedup": float(np.median(tps)) / float(np.median([run.tokens_per_second for run in base])),
-        "identical": sum(t.token_ids == o.token_ids for run in runs for t, o in zip(run.timings, oracle, strict=True)),
-        "compared": len(timings),
-        "ttft_ms": percentiles([t.ttft for t in timings if t.ttft is not None]),
-        "itl_ms": percentiles([t.itl for t in timings if t.itl is not None]),
-        "itl_requests": sum(t.itl is not None for t in timings),
-        "latency_ms": percentiles([t.latency for t in timings]),
-        "tokens_per_piece": sum(t.settled for t in timings) / max(1, sum(t.pieces for t in timings)),
-        "cpu_cores": {k: sum(run.counters[k] for run in runs) / wall for k in runs[0].counters},
-        "per_request": {  # the median pass's
-            "tokens": [t.tokens for t in median.timings],
-            "latency_ms": [round(1000 * t.latency, 3) for t in median.timings],
-            "ttft_ms": [None if t.ttft is None else round(1000 * t.ttft, 3) for t in median.timings]},
-    }
+    return {**summarize_timings(concurrency, runs, base, oracle),
+            "cpu_cores": {k: sum(run.counters[k] for run in runs) / wall for k in runs[0].counters}}
 
 
 def overhead(server: list[LevelRun], local: list[LevelRun]) -> dict[str, Any]:
