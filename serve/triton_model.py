@@ -74,14 +74,16 @@ class TritonPythonModel:
             tensors = {name: t.as_numpy() for name in INPUT_NAMES
                        if (t := pb_utils.get_input_tensor_by_name(triton_request, name)) is not None}
             job = read_request(tensors)
+            if self.stopping.is_set() or self.drain_deadline is not None:
+                raise _Unavailable("the server is shutting down; send the request to another instance.")
+            held = len(self.live)  # only this thread (Triton's execute) adds: it cannot grow before the insert
+            if held >= self.limit:
+                raise _Unavailable(
+                    f"the server holds {held} requests, its limit ({self.gen.runner.max_slots} running "
+                    f"+ {self.settings.max_queue} queued, --max-queue); retry later or add instances.")
+            # Tokenizing and submitting stay outside the lock that the watcher and final responses take.
+            request = self.gen.submit(job.prompt, chat=job.chat, timeout_s=job.timeout_s, **job.settings)
             with self.lock:
-                if self.stopping.is_set() or self.drain_deadline is not None:
-                    raise _Unavailable("the server is shutting down; send the request to another instance.")
-                if len(self.live) >= self.limit:
-                    raise _Unavailable(
-                        f"the server holds {len(self.live)} requests, its limit ({self.gen.runner.max_slots} running "
-                        f"+ {self.settings.max_queue} queued, --max-queue); retry later or add instances.")
-                request = self.gen.submit(job.prompt, chat=job.chat, timeout_s=job.timeout_s, **job.settings)
                 self.live[request] = triton_request
         except _Unavailable as e:
             _send_error(sender, str(e), pb_utils.TritonError.UNAVAILABLE)
