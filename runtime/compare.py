@@ -1,7 +1,7 @@
 """One comparator: runners over shared cases, one report (Polygraphy's Comparator pattern).
 
 A *case* is one forward as explicit feeds (input_ids, position_ids, attention_mask and every
-layer's past KV), built with runtime/masks.py. A *runner* maps (graph, feed) to that graph's
+layer's past KV), built with runtime/decode/masks.py. A *runner* maps (graph, feed) to that graph's
 outputs: onnxruntime (`OrtSessions`), the torch definition (export/validate.py) and TensorRT
 (engines/check.py). `compare_runners` runs the cases on one runner, closes it, runs them on the
 other, and reports per graph and output the largest difference, NaN and inf as such.
@@ -24,7 +24,7 @@ from refusion.runtime.core.contract import GRAPH_NAMES, GraphName, past_key_name
 from refusion.runtime.core.dtypes import dtype
 from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.core.export_manifest import ExportManifest
-from refusion.runtime.masks import causal_after, rows_over_prefix
+from refusion.runtime.decode.masks import causal_after, rows_over_prefix
 
 Feed = dict[str, np.ndarray]
 Outputs = dict[str, np.ndarray]

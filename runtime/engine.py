@@ -19,7 +19,7 @@ from collections import deque
 from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.request import FinishReason, Request
 from refusion.runtime.runners.base import RowFeed, Runner
-from refusion.runtime.steps import Forward, KVMove
+from refusion.runtime.decode.steps import Forward, KVMove
 
 
 class Engine:

@@ -20,7 +20,7 @@ from refusion.runtime.params import DecodeParams
 from refusion.runtime.request import GenerationResult, GenerationStats, Request
 from refusion.runtime.runners import make_runner
 from refusion.runtime.runners.base import Runner
-from refusion.runtime.steps import Commit
+from refusion.runtime.decode.steps import Commit
 from refusion.runtime.tokenizer import Tokenizer
 
 __all__ = ["GenerationResult", "GenerationStats", "Generator"]

@@ -19,9 +19,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 from refusion.runtime.core.errors import RefusionError
-from refusion.runtime.decode import DecodeTrace
+from refusion.runtime.decode.steps import DecodeTrace
 from refusion.runtime.params import DecodeParams
-from refusion.runtime.steps import Commit, Outputs, Step, StepMachine
+from refusion.runtime.decode.steps import Commit, Outputs, Step, StepMachine
 
 FinishReason = Literal["eos", "length", "timeout", "cancelled"]
 Detokenize = Callable[[list[int]], str]

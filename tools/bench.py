@@ -9,7 +9,7 @@ threads = torch threads), it measures exact-match accuracy, tokens/forward, upst
 tokens/s, wall time and the engine's share of it for
   (a) autoregressive decoding (runtime, onnxruntime CPU),
   (b) ReFusion decoding at each `--settings` entry (runtime, onnxruntime CPU),
-  (c) LLaDA-style token-level masked diffusion without KV reuse (`diffusion_baseline`, same
+  (c) LLaDA-style token-level masked diffusion without KV reuse (`runtime/decode/llada.py`, same
       runner and graphs) at each `--diffusion` entry,
   (d) the independent PyTorch reference loop (`tests/reference/refusion_reference.py`, HF
       transformers) on the same checkpoint: ReFusion at every setting (or the first, with
@@ -55,7 +55,7 @@ from refusion.runtime.params import DecodeParams
 from refusion.tools import tasks as T
 from refusion.tools.cli_common import progress as echo_progress
 from refusion.tools.cli_common import quiet_option
-from refusion.tools.diffusion_baseline import DiffusionParams, diffusion_decode
+from refusion.runtime.decode.llada import DiffusionParams, diffusion_decode
 
 # slot_size, serial_num_blocks, slot_threshold, token_threshold
 DEFAULT_SETTINGS = "8,1,0.9,0.4;8,2,0.9,0.4;4,4,0.9,0.4;4,4,0.7,0.2;8,4,0.7,0.2;4,4,0.5,0.1"

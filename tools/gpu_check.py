@@ -139,7 +139,7 @@ def long_positions(export16: Path, export32: Path, engines: Path) -> bool:
     from refusion.runtime.core.contract import GRAPH_NAMES, past_key_name, past_value_name
     from refusion.runtime.core.export_manifest import ExportManifest
     from refusion.runtime.core.profiles import DecodeLimits
-    from refusion.runtime.masks import causal_after
+    from refusion.runtime.decode.masks import causal_after
     from refusion.runtime.runners.onnxruntime import OrtSessions
     from refusion.runtime.runners.tensorrt import TensorRTRunner
 
@@ -301,7 +301,7 @@ def latency(engines: Path, repeats: int = 50) -> None:
 def packed_latency(runner: Any, limits: Any, past: int, repeats: int) -> None:
     """Median wall time of one slot's verify for each of max_batch requests packed into one forward
     (pasts gathered, presents scattered): against the single verify line above, what a row costs."""
-    from refusion.runtime.masks import causal_after
+    from refusion.runtime.decode.masks import causal_after
     from refusion.runtime.runners.base import RowFeed
 
     n, k = runner.max_batch, limits.slot_size

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from refusion.runtime.core.export_manifest import ExportManifest
-from refusion.runtime.masks import causal_after
+from refusion.runtime.decode.masks import causal_after
 from refusion.runtime.runners import onnxruntime as ort_runner
 
 PAST, SEQS, REPEATS = 48, (1, 8, 32), 60

@@ -2,7 +2,7 @@
 
 Every forward the decode loop issues is a (graph, seq, past) point; `forward_boxes` lists,
 for one request, the box of points each kind of forward can reach (the loop's shapes:
-docs/decoding.md and runtime/decode.py). The engines' profiles are derived from the
+docs/decoding.md and runtime/decode/). The engines' profiles are derived from the
 same boxes evaluated at the build limits, so a request whose boxes fit the limits is served
 by construction, and `check_request` refuses one that does not before any GPU work, naming
 the limit and the `refusion-export build` flag that raises it.

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from refusion.runtime import masks
+from refusion.runtime.decode import masks
 from refusion.runtime.core.engines_manifest import FORMAT_VERSION, EngineManifest
 from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.core.export_manifest import ExportManifest

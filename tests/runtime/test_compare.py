@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from refusion.runtime import masks
+from refusion.runtime.decode import masks
 from refusion.runtime.compare import CaseRunner, ComparisonReport, Tolerance, cases, compare_runners, feed_shape
 from refusion.runtime.core.contract import GRAPH_NAMES
 from refusion.runtime.core.errors import RefusionError

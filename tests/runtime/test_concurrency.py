@@ -175,7 +175,7 @@ def test_batched_rows_equal_single_rows_on_the_runner(export):
     """The runner alone: rows of different lengths and pasts packed into one call give each row's
     own outputs and present KV. Not bit for bit: onnxruntime's kernels sum a padded batch in another
     order (3e-7 seen), which could flip an exact near-tie; the token tests above show it does not."""
-    from refusion.runtime import masks
+    from refusion.runtime.decode import masks
     from refusion.runtime.runners.base import RowFeed
 
     manifest = ExportManifest.load(export)

@@ -16,7 +16,7 @@ from refusion.runtime.core.errors import RefusionError  # noqa: E402
 from refusion.runtime.generator import Generator  # noqa: E402
 from refusion.tools import bench as B  # noqa: E402
 from refusion.tools.cli_common import ErrorReportingGroup  # noqa: E402
-from refusion.tools.diffusion_baseline import (  # noqa: E402
+from refusion.runtime.decode.llada import (  # noqa: E402
     FORWARD_KIND,
     DiffusionParams,
     diffusion_decode,

@@ -1,6 +1,6 @@
 """What a decode strategy hands out, one step at a time: forwards to run, KV to move, commits.
 
-The strategies (runtime/decode.py) are step machines: generators that yield a `Forward` and
+The strategies (runtime/decode/) are step machines: generators that yield a `Forward` and
 receive its outputs back through `send`, yield a `KVMove` for the runner to do, or yield a
 `Commit` when tokens become final. All coordinates are request-local (KV token 0 is the
 request's first prompt token), so whoever drives them decides where the request's KV lives
@@ -10,7 +10,8 @@ and may gather forwards from many requests into one call (runtime/engine.py).
 from __future__ import annotations
 
 from collections.abc import Generator
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -53,3 +54,25 @@ class Commit:
 Step = Forward | KVMove | Commit
 Outputs = dict[str, np.ndarray]
 StepMachine = Generator[Step, Outputs | None, None]
+
+
+@dataclass
+class DecodeTrace:
+    """Counters the loop keeps: forwards by kind, upstream's TPF terms, branches taken."""
+
+    forwards: Counter = field(default_factory=Counter)
+    branches: Counter = field(default_factory=Counter)
+    tpf_sum: float = 0.0
+    iterations: int = 0
+
+    @property
+    def tpf(self) -> float:
+        """upstream's tokens per forward: the mean over iterations of tokens / forwards."""
+        return self.tpf_sum / self.iterations if self.iterations else 0.0
+
+
+@dataclass(frozen=True)
+class Tokens:
+    prompt: list[int]
+    mask_id: int
+    eos_id: int

@@ -35,11 +35,10 @@ from typing import Literal
 
 import numpy as np
 
-from refusion.runtime import masks
 from refusion.runtime.core.errors import RefusionError
-from refusion.runtime.decode import DecodeTrace, run_on
+from refusion.runtime.decode import masks, run_on
+from refusion.runtime.decode.steps import Commit, DecodeTrace, Forward, StepMachine
 from refusion.runtime.runners.base import Runner
-from refusion.runtime.steps import Commit, Forward, StepMachine
 
 Order = Literal["position", "clean_first"]
 FORWARD_KIND = "diffusion_step"

@@ -6,7 +6,7 @@ The committed prefix is always contiguous and starts at 0, so feeding it as past
 view. Slots commit out of order in position, but in order in the buffer, each token with
 its true position id: this is ReFusion's "reorder", and why every forward is causal.
 The device work (writes, moves) is the runner's; this class only decides where, and hands
-out the moves it needs as `KVMove` steps (runtime/steps.py), in request-local coordinates.
+out the moves it needs as `KVMove` steps (decode/steps.py), in request-local coordinates.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from refusion.runtime.core.errors import RefusionError
-from refusion.runtime.steps import KVMove
+from refusion.runtime.decode.steps import KVMove
 
 
 class KVCache:

@@ -1,0 +1,36 @@
+"""Autoregressive decoding on the infiller, as a step machine: the baseline ReFusion is measured against."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from refusion.runtime.decode import masks
+from refusion.runtime.decode.forwards import Forwards
+from refusion.runtime.decode.kv_cache import KVCache
+from refusion.runtime.decode.steps import Commit, DecodeTrace, StepMachine, Tokens
+from refusion.runtime.params import DecodeParams
+
+
+def kv_capacity(prompt_length: int, params: DecodeParams) -> int:
+    """KV tokens a request needs: the prompt and every generated token."""
+    return prompt_length + params.gen_length
+
+
+def ar_steps(tokens: Tokens, params: DecodeParams, trace: DecodeTrace, logits: bool) -> StepMachine:
+    """Greedy (or sampled) autoregressive decoding on the infiller: the baseline."""
+    prompt = np.asarray(tokens.prompt, dtype=np.int64)
+    p0, gen_len = len(prompt), params.gen_length
+    cache = KVCache(kv_capacity(p0, params))
+    fwd = Forwards(cache, trace, params, logits)
+    ids, pos, kind = prompt, np.arange(p0), "prefill"
+    for step in range(1, gen_len + 1):
+        c = cache.length
+        out = yield from fwd.run(kind, "infiller", ids, pos, masks.causal_after(c, len(ids)), c, c)
+        cache.commit(len(ids))
+        token, _ = fwd.draft({k: v[:, -1:] for k, v in out.items()}, sample=True)
+        ids, pos, kind = token.astype(np.int64), np.array([p0 + step - 1]), "decode"
+        trace.tpf_sum += 1.0
+        trace.iterations += 1
+        yield Commit(step, (int(token[0]),), (p0 + step - 1,), "ar")
+        if int(token[0]) == tokens.eos_id:
+            break

@@ -1,0 +1,77 @@
+"""The graph calls a strategy makes, named by what they are for and counted in its trace."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+
+from refusion.runtime.core.contract import GraphName
+from refusion.runtime.core.errors import RefusionError
+from refusion.runtime.decode import masks, policy
+from refusion.runtime.decode.kv_cache import KVCache
+from refusion.runtime.decode.steps import DecodeTrace, Forward
+from refusion.runtime.params import DecodeParams
+
+
+class Forwards:
+    """The graph calls of the loop, named by what they are for, counted in the trace; each is a
+    generator that hands out its Forward and returns what the loop needs from the outputs."""
+
+    def __init__(self, cache: KVCache, trace: DecodeTrace, params: DecodeParams, logits: bool):
+        self.cache, self.trace, self.params = cache, trace, params
+        self.sampling = params.temperature > 0
+        self.rng = np.random.default_rng(params.seed) if self.sampling else None
+        if self.sampling and not logits:
+            raise RefusionError(
+                f"temperature={params.temperature} needs the graphs' logits output; re-export with "
+                "`refusion-export onnx ... --logits`, or use temperature 0."
+            )
+
+    def run(self, kind: str, graph: GraphName, ids: np.ndarray, pos: np.ndarray, mask: np.ndarray, past: int,
+            write_at: int | None = None) -> Iterator[Forward]:
+        self.trace.forwards[kind] += 1
+        out = yield Forward(kind, graph, ids[None].astype(np.int64), pos[None].astype(np.int64), mask, past, write_at)
+        return out
+
+    def draft(self, out: dict[str, np.ndarray], sample: bool) -> tuple[np.ndarray, np.ndarray]:
+        """(token ids, softmax probability of each) from a forward's heads."""
+        if sample and self.rng is not None:
+            ids = policy.gumbel_argmax(out["logits"][0], self.params.temperature, self.rng)
+            return ids, policy.softmax_prob_of(out["logits"][0], ids)
+        return out["argmax_ids"][0], out["argmax_probs"][0]
+
+    def prefill_plan(self, prompt: np.ndarray, masks_ids: np.ndarray, mask_pos: np.ndarray):
+        """The first plan: prompt and masks in one infiller pass; the prompt's KV is kept."""
+        ids = np.concatenate([prompt, masks_ids])
+        pos = np.concatenate([np.arange(len(prompt)), mask_pos])
+        out = yield from self.run("prefill_plan", "infiller", ids, pos, masks.causal_after(0, len(ids)), 0, 0)
+        self.cache.commit(len(prompt))
+        return self.draft({k: v[:, len(prompt):] for k, v in out.items()}, sample=True)
+
+    def plan(self, masks_ids: np.ndarray, mask_pos: np.ndarray):
+        c = self.cache.length
+        out = yield from self.run("plan", "planner", masks_ids, mask_pos, masks.causal_after(c, len(masks_ids)), c)
+        return self.draft(out, sample=True)
+
+    def verify(self, ids: np.ndarray, pos: np.ndarray):
+        """Drafted slots after the prefix, causally; their KV lands right after the prefix."""
+        c = self.cache.length
+        out = yield from self.run("verify", "infiller", ids, pos, masks.causal_after(c, len(ids)), c, c)
+        return out["input_probs"][0]
+
+    def infill_pass(self, kind: str, rows: np.ndarray, pos: np.ndarray, a: int, scratch_rows: int):
+        """One pass over every row's window [a, k): draft (planner) or verify (infiller)."""
+        k = self.params.slot_size
+        n, window = rows.shape[0], k - a
+        mask = masks.rows_over_prefix(self.cache.length, scratch_rows, k, a, n, window)
+        past = mask.shape[2] - n * window
+        if kind == "infill_draft":
+            out = yield from self.run(kind, "planner", rows.reshape(-1), pos.reshape(-1), mask, past)
+            return out["argmax_ids"][0].reshape(n, window)
+        # First pass: the windows are whole rows, written in place; later: staged, then moved.
+        write_at = self.cache.length if a == 0 else self.cache.staging(scratch_rows, k)
+        out = yield from self.run(kind, "infiller", rows.reshape(-1), pos.reshape(-1), mask, past, write_at)
+        if a:
+            yield from self.cache.place_windows(scratch_rows, n, k, a, window)
+        return out["input_probs"][0].reshape(n, window)
