@@ -1,6 +1,6 @@
 """`refusion-export check ENGINES_DIR`: the TensorRT engines against onnxruntime on the same inputs.
 
-Both run the shared cases of refusion.runtime.compare (the decode loop's forwards: prefill +
+Both run the shared cases of refusion.export.compare (the decode loop's forwards: prefill +
 plan, plan, verify, slot rows with private scratch over a shared prefix, an AR step; and the
 validation's shapes) through the one comparator. TensorRT takes each case's past KV uploaded
 into its cache, writes present after it and reads it back, so the check also covers the
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from refusion.runtime.compare import (
+from refusion.export.compare import (
     CaseRunner,
     ComparisonReport,
     Feed,
@@ -39,7 +39,8 @@ from refusion.runtime.core.export_manifest import ExportManifest
 from refusion.runtime.core.files import sha256_file
 from refusion.runtime.core.profiles import DecodeLimits, select_profile
 from refusion.runtime.runners.base import RowFeed
-from refusion.runtime.runners.onnxruntime import OrtSessions, import_onnxruntime
+from refusion.export.compare import OrtSessions
+from refusion.runtime.runners.ort_session import import_onnxruntime
 from refusion.runtime.runners.tensorrt import TensorRTRunner
 
 TOLERANCE = {"float32": Tolerance(1e-3, 1e-3, 0.02), "float16": Tolerance(2e-2, 2e-2, 0.02)}  # by engine precision

@@ -1,6 +1,6 @@
 """Export validation: onnxruntime (CPU) outputs against our torch definition on the same weights.
 
-Runs both graphs on the shared cases of refusion.runtime.compare (batch 1 and 2, past 0 and
+Runs both graphs on the shared cases of refusion.export.compare (batch 1 and 2, past 0 and
 > 0, several sequence lengths, out-of-order position ids, slot rows over a shared past, and
 the decode loop's forwards) and reports the largest difference per output, NaN and inf as
 such. Used after every export and by `refusion-export check`.
@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from refusion.export.progress import Progress, line, silent, tick
-from refusion.runtime.compare import (
+from refusion.export.compare import (
     CaseRunner,
     ComparisonReport,
     Feed,
@@ -23,8 +23,8 @@ from refusion.runtime.compare import (
 )
 from refusion.runtime.core.contract import GraphName, past_key_name, past_value_name
 from refusion.runtime.core.export_manifest import ExportManifest
-from refusion.runtime.runners.onnxruntime import OrtSessions
-from refusion.runtime.weights import map_weights
+from refusion.export.compare import OrtSessions
+from refusion.export.weights_file import map_weights
 
 TOLERANCE = {"float32": Tolerance(1e-4), "float16": Tolerance(2e-2)}
 # int4 exports: torch runs the dequantized weights, onnxruntime's MatMulNBits (accuracy level 1) computes in

@@ -1,4 +1,4 @@
-"""One weight file shared by both graphs, written one tensor at a time.
+"""One weight file shared by both graphs, written one tensor at a time, and mapped back for validation.
 
 Each tensor is converted to the export dtype (or arrives packed, as int4 weights do),
 appended to `weights.bin` at a page-aligned offset (so backends can memory-map it), and
@@ -15,6 +15,7 @@ import numpy as np
 from onnx import TensorProto
 
 from refusion.runtime.core.dtypes import dtype
+from refusion.runtime.core.export_manifest import ExportManifest
 
 if TYPE_CHECKING:
     import torch
@@ -80,3 +81,15 @@ class WeightsWriter:
         self._file.flush()
         self._file.close()
         return self._offset
+
+
+def map_weights(manifest: ExportManifest) -> dict[str, np.ndarray]:
+    """name -> read-only view into weights file; nothing is copied or read until touched."""
+    manifest.check_files(names=(manifest.weights_file,))  # the index lies inside the recorded size
+    file = manifest.path / manifest.weights_file
+    blob = np.memmap(file, dtype=np.uint8, mode="c")  # copy-on-write: writable views for torch, pages still shared
+    views = {}
+    for name, e in manifest.weights.items():  # bf16 tensors come as their raw uint16 bits, int4 as packed bytes
+        row = dtype(e.dtype)
+        views[name] = blob[e.offset : e.offset + e.nbytes].view(row.numpy).reshape(row.storage_shape(e.shape))
+    return views

@@ -164,7 +164,7 @@ def _quantization(q: Quantization | None) -> str:
     (the runner's choice, not recorded in the export: docs/quantization.md)."""
     if q is None:
         return "float (not quantized)"
-    from refusion.runtime.runners.onnxruntime import EXACT_ACCURACY_LEVEL, RUNTIME_ACCURACY_LEVEL
+    from refusion.runtime.runners.ort_session import EXACT_ACCURACY_LEVEL, RUNTIME_ACCURACY_LEVEL
 
     calibration = (f"  calibration={q.calibration_samples} prompts sha256:{q.calibration_sha256}"
                    if q.calibration_sha256 else "")

@@ -45,7 +45,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))  # tests.fixtures, when run from a checkout
 
-from refusion.runtime.compare import CaseRunner, Feed, Outputs  # noqa: E402  (numpy only)
+from refusion.export.compare import CaseRunner, Feed, Outputs  # noqa: E402  (numpy only)
 from refusion.runtime.core.contract import GraphName  # noqa: E402
 
 # Positions up to max_prompt + gen_length + a block (64) - 1 = 1023, the fixture's last (max_position_embeddings 1024).
@@ -135,12 +135,12 @@ def long_positions(export16: Path, export32: Path, engines: Path) -> bool:
     a prefill of the longest prompt plus a block, and a block over the longest past, the last
     token at position max_prompt + gen_length + block - 1 (random tokens and past KV)."""
     from refusion.engines.check import TensorRTCases
-    from refusion.runtime.compare import Case, Tolerance, compare_runners
+    from refusion.export.compare import Case, Tolerance, compare_runners
     from refusion.runtime.core.contract import GRAPH_NAMES, past_key_name, past_value_name
     from refusion.runtime.core.export_manifest import ExportManifest
     from refusion.runtime.core.profiles import DecodeLimits
     from refusion.runtime.decode.masks import causal_after
-    from refusion.runtime.runners.onnxruntime import OrtSessions
+    from refusion.export.compare import OrtSessions
     from refusion.runtime.runners.tensorrt import TensorRTRunner
 
     limits = DecodeLimits(**LIMITS)
@@ -194,14 +194,14 @@ def parity(export: Path, engines: Path) -> bool:
 
     from refusion.runtime.core.export_manifest import ExportManifest
     from refusion.runtime.generator import Generator
-    from refusion.runtime.runners import onnxruntime
+    from refusion.runtime.runners import onnxruntime, ort_session
     from refusion.runtime.runners.tensorrt import TensorRTRunner
 
-    level = onnxruntime.EXACT_ACCURACY_LEVEL
+    level = ort_session.EXACT_ACCURACY_LEVEL
     ort = Generator(ExportManifest.load(export), onnxruntime.OrtRunner(ExportManifest.load(export)), None)
     trt = Generator(ExportManifest.read(engines), TensorRTRunner.from_dir(engines), None)  # no graphs there
     ok = True
-    with mock.patch.object(onnxruntime, "RUNTIME_ACCURACY_LEVEL", level), ort.runner, trt.runner:
+    with mock.patch.object(ort_session, "RUNTIME_ACCURACY_LEVEL", level), ort.runner, trt.runner:
         runs = [dict(gen_length=g, slot_size=k, serial_num_blocks=b, slot_threshold=st, token_threshold=tt)
                 for g, k, b, st, tt in DECODES] + [dict(gen_length=32, mode="ar")]
         for prompt in PROMPTS:
@@ -221,7 +221,8 @@ def batched(export: Path, engines: Path, cuda_runner: Any = None) -> bool:
     export; `cuda_runner`: its class, for the CPU fakes' test). Fails if no forward packed two rows."""
     from refusion.runtime.core.engines_manifest import EngineManifest
     from refusion.runtime.core.export_manifest import ExportManifest
-    from refusion.runtime.runners.onnxruntime import OrtCudaRunner, import_onnxruntime
+    from refusion.runtime.runners.onnxruntime import OrtCudaRunner
+    from refusion.runtime.runners.ort_session import import_onnxruntime
     from refusion.runtime.runners.tensorrt import TensorRTRunner
 
     n = EngineManifest.load(engines).limits.max_batch

@@ -43,17 +43,18 @@ def child(export: str, candidate: str) -> dict:
     from refusion.runtime.core.export_manifest import ExportManifest
     from refusion.runtime.generator import Generator
     from refusion.runtime.runners import onnxruntime as runners
+    from refusion.runtime.runners import ort_session
     from refusion.runtime.tokenizer import Tokenizer
 
     class Candidate(runners.OrtRunner):
         def _activate(self) -> None:
             prepack, source = CANDIDATES[candidate]
-            self.weights = runners.SharedWeights(self.manifest) if source == "shared" else None
+            self.weights = ort_session.SharedWeights(self.manifest) if source == "shared" else None
             for graph in ("planner", "infiller"):
                 opts = ort.SessionOptions()
                 opts.intra_op_num_threads = THREADS
                 opts.add_session_config_entry("session.disable_prepacking", "0" if prepack else "1")
-                level = str(runners.RUNTIME_ACCURACY_LEVEL)
+                level = str(ort_session.RUNTIME_ACCURACY_LEVEL)
                 opts.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", level)
                 for name, value in (self.weights.values.items() if self.weights else ()):
                     opts.add_initializer(name, value)

@@ -16,7 +16,7 @@ import numpy as np
 
 from refusion.runtime.core.export_manifest import ExportManifest
 from refusion.runtime.decode.masks import causal_after
-from refusion.runtime.runners import onnxruntime as ort_runner
+from refusion.runtime.runners import ort_session
 
 PAST, SEQS, REPEATS = 48, (1, 8, 32), 60
 
@@ -38,7 +38,7 @@ def main() -> None:
         m = ExportManifest.load(path)
         for level in ((1, 4) if m.quantization else (1,)):
             label = f"{path.name}" + (f" level {level}" if m.quantization else "")
-            session = ort_runner.open_session(m, "infiller", ["CPUExecutionProvider"], threads=1, accuracy_level=level)
+            session = ort_session.open_session(m, "infiller", ["CPUExecutionProvider"], threads=1, accuracy_level=level)
             sessions[label] = (session, m)
     times: dict[str, dict[int, list[float]]] = {label: {s: [] for s in SEQS} for label in sessions}
     feeds = {label: {s: feed(m, s) for s in SEQS} for label, (_, m) in sessions.items()}

@@ -17,7 +17,7 @@ from pathlib import Path
 from refusion.export.exporter import export_onnx
 from refusion.export.quantize import QuantizeOptions
 from refusion.runtime.generator import Generator
-from refusion.runtime.runners import onnxruntime as ort_runner
+from refusion.runtime.runners import ort_session
 from refusion.tools import tasks as T
 
 REPO = Path(__file__).resolve().parents[2]
@@ -46,7 +46,7 @@ def main() -> None:
             runs[f"{name} level {level}"] = (exports[name], level)
     gens = {}
     for label, (path, level) in runs.items():
-        ort_runner.RUNTIME_ACCURACY_LEVEL = level  # read when the sessions open: at the first generation
+        ort_session.RUNTIME_ACCURACY_LEVEL = level  # read when the sessions open: at the first generation
         gen = Generator.from_dir(path, backend="ort-cpu", threads=args.threads)
         gen.generate(prompt_ids=[5, 6, 7], mode="ar", gen_length=8)
         gens[label] = gen

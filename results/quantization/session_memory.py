@@ -31,9 +31,9 @@ def peak_mib() -> float:
 def child(export: str, config: str) -> dict:
     import onnxruntime as ort
 
-    from refusion.runtime.compare import cases
+    from refusion.export.compare import cases
     from refusion.runtime.core.export_manifest import ExportManifest
-    from refusion.runtime.runners.onnxruntime import EXACT_ACCURACY_LEVEL, SharedWeights
+    from refusion.runtime.runners.ort_session import EXACT_ACCURACY_LEVEL, SharedWeights
 
     level, prepack = CONFIGS[config]
     manifest = ExportManifest.load(export)

@@ -1,7 +1,7 @@
 """The one dtype table: each element type under every name the project's formats and backends use.
 
 refusion.json and the graph contract name types as numpy does ("float16"); the CLIs say
-"fp16"; ONNX, TensorRT, torch and safetensors each have their own spelling. Everything
+"fp16"; ONNX, onnxruntime, TensorRT, torch and safetensors each have their own spelling. Everything
 converts through this table, so adding a type (int4 weights, say) is one row here.
 numpy has no bfloat16: its bytes live in a same-width unsigned integer (`storage`), and
 whoever hands them to torch or a device reinterprets them. int4 (quantized linear weights)
@@ -25,6 +25,7 @@ class DType:
     trt: str  # tensorrt.DataType member name
     torch: str  # torch attribute name
     safetensors: str | None  # dtype string in a safetensors header
+    onnxruntime: str  # onnxruntime's type string of a session input or output
     storage: str  # numpy dtype that holds the bytes on the host
     per_item: int = 1  # elements per storage item: int4 packs two to a byte (ONNX order: first in the low nibble)
 
@@ -52,13 +53,14 @@ class DType:
 
 
 _TABLE = (
-    DType("float32", "fp32", 1, "FLOAT", "float32", "F32", "float32"),
-    DType("float16", "fp16", 10, "HALF", "float16", "F16", "float16"),
-    DType("bfloat16", "bf16", 16, "BF16", "bfloat16", "BF16", "uint16"),
-    DType("int64", None, 7, "INT64", "int64", "I64", "int64"),
-    DType("int32", None, 6, "INT32", "int32", "I32", "int32"),
-    DType("bool", None, 9, "BOOL", "bool", "BOOL", "bool"),
-    DType("int4", None, 22, "INT4", "int4", None, "uint8", per_item=2),  # quantized weights (docs/quantization.md)
+    DType("float32", "fp32", 1, "FLOAT", "float32", "F32", "tensor(float)", "float32"),
+    DType("float16", "fp16", 10, "HALF", "float16", "F16", "tensor(float16)", "float16"),
+    DType("bfloat16", "bf16", 16, "BF16", "bfloat16", "BF16", "tensor(bfloat16)", "uint16"),
+    DType("int64", None, 7, "INT64", "int64", "I64", "tensor(int64)", "int64"),
+    DType("int32", None, 6, "INT32", "int32", "I32", "tensor(int32)", "int32"),
+    DType("bool", None, 9, "BOOL", "bool", "BOOL", "tensor(bool)", "bool"),
+    # quantized weights (docs/quantization.md)
+    DType("int4", None, 22, "INT4", "int4", None, "tensor(int4)", "uint8", per_item=2),
 )
 _BY_NAME = {d.name: d for d in _TABLE}
 
@@ -90,3 +92,7 @@ def from_trt(member: str) -> DType | None:
 
 def from_safetensors(name: str) -> DType | None:
     return next((d for d in _TABLE if d.safetensors == name), None)
+
+
+def from_onnxruntime(type_string: str) -> DType | None:
+    return next((d for d in _TABLE if d.onnxruntime == type_string), None)

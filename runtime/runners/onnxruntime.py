@@ -1,33 +1,20 @@
 """onnxruntime Runners: CPU (the fallback everywhere) and CUDA (IO binding, KV stays on the device).
 
-Weights in memory (docs/runtime.md, "Weights in memory", has the figures; results/memory/measure.py
-measures them): one session of the infiller graph serves both roles, so the weights are resident
-once, prepacked by onnxruntime (its fastest forwards; int4's MatMulNBits needs its packing, without
-it every forward dequantizes every weight). A session per graph would hold a packed copy each, and
-onnxruntime's Python API has no shared prepacked-weights container. `low_memory=True` turns off the
-CPU memory arena: activations are freed after each forward instead of kept for the next.
-
-On the CPU the past is fed as contiguous views of the preallocated cache (no copy) and
-only the new tokens' present KV is copied into its slot: measured as fast as IO binding
-(0.39 vs 0.41 ms per 1-token forward on the tiny model), with less Python per call. On CUDA,
-IO binding keeps past and present on the device.
+One session of the infiller graph serves both roles, so the weights are resident once, prepacked
+(docs/runtime.md, "Weights in memory"). On the CPU the past is fed as views of the KV cache and only
+the new tokens' present KV is copied in; on CUDA, IO binding keeps past and present on the device.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from functools import cached_property
-from itertools import zip_longest
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from refusion.runtime.compare import CaseRunner, Feed, Outputs
 from refusion.runtime.core.contract import (
     GRAPH_NAMES,
     GraphName,
-    GraphSpec,
     kv_names,
     past_key_name,
     past_value_name,
@@ -36,124 +23,12 @@ from refusion.runtime.core.contract import (
 )
 from refusion.runtime.core.dtypes import dtype
 from refusion.runtime.core.errors import RefusionError
-from refusion.runtime.core.export_manifest import REEXPORT, ExportManifest
+from refusion.runtime.core.export_manifest import ExportManifest
 from refusion.runtime.runners.base import Runner, pack_rows
+from refusion.runtime.runners.ort_session import import_onnxruntime, open_session
 
 # onnxruntime's CPU provider has no bfloat16 MatMul.
 ORT_DTYPES = ("float32", "float16")
-# int4 graphs run their DequantizeLinear -> MatMul as onnxruntime's MatMulNBits, whose accuracy level says how:
-# 1 computes in fp32 on the dequantized weights (exactly the graphs' math), 4 quantizes the activations to int8
-# per block. Measured (docs/quantization.md): 4 is 1.6-2.9x faster per forward than 1 at hidden 1024 (1 is slower
-# than fp32 beyond one token) and leaves held-out accuracy unchanged (97-99.5% of greedy outputs identical), so
-# runners use 4; the comparator's runner (OrtSessions: validation, `check`, TensorRT checks) uses 1, so the graphs
-# are compared with torch on the dequantized weights exactly. No effect on float graphs.
-RUNTIME_ACCURACY_LEVEL = 4
-EXACT_ACCURACY_LEVEL = 1
-
-
-def import_onnxruntime() -> Any:
-    try:
-        import onnxruntime
-    except ImportError as e:
-        raise RefusionError(
-            "the onnxruntime backend needs onnxruntime: pip install 'refusion-trt[ort]' "
-            "(or '[ort-gpu]' for CUDA)."
-        ) from e
-    return onnxruntime
-
-
-class SharedWeights:
-    """One read-only memory map of weights.bin and an OrtValue over each float tensor's bytes (no copy):
-    every session given it reads the same pages, unpacked (export validation's sessions)."""
-
-    def __init__(self, manifest: ExportManifest):
-        ort = import_onnxruntime()
-        self.map = np.memmap(manifest.path / manifest.weights_file, np.uint8, "r")
-        self.values = {
-            name: ort.OrtValue.ortvalue_from_numpy(
-                self.map[e.offset : e.offset + e.nbytes].view(dtype(e.dtype).numpy).reshape(e.shape))
-            for name, e in manifest.weights.items() if e.dtype != "int4"
-        }
-
-
-def open_session(manifest: ExportManifest, graph: GraphName, providers: Sequence[str], threads: int | None = None,
-                 low_memory: bool = False, accuracy_level: int | None = None,
-                 weights: SharedWeights | None = None) -> Any:
-    """The one place an onnxruntime session is made for an export graph: options, onnxruntime's own
-    exceptions as a RefusionError, and the graph's inputs and outputs checked against refusion.json.
-    `low_memory`: no CPU memory arena (activations are freed after each forward, not kept). `accuracy_level`:
-    of int4 MatMulNBits (None: RUNTIME_ACCURACY_LEVEL). `weights`: initializers shared with the other
-    sessions given the same, unpacked (they must outlive the session)."""
-    ort = import_onnxruntime()
-    opts = ort.SessionOptions()
-    if threads:
-        opts.intra_op_num_threads = threads
-    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    opts.enable_cpu_mem_arena = not low_memory
-    opts.add_session_config_entry("session.disable_prepacking", "1" if weights is not None else "0")
-    level = RUNTIME_ACCURACY_LEVEL if accuracy_level is None else accuracy_level
-    opts.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", str(level))
-    for name, value in (weights.values.items() if weights else ()):
-        opts.add_initializer(name, value)
-    path = manifest.graph_path(graph)
-    try:
-        session = ort.InferenceSession(str(path), opts, providers=list(providers))
-    except Exception as e:  # onnxruntime raises its own exception types
-        raise RefusionError(f"{path} could not be loaded by onnxruntime ({e}); {REEXPORT}.") from e
-    _check_io(session, manifest.graphs[graph], path)
-    return session
-
-
-_ORT_TYPES = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor(bfloat16)": "bfloat16",
-              "tensor(int64)": "int64", "tensor(int32)": "int32", "tensor(bool)": "bool"}
-
-
-def _check_io(session: Any, spec: GraphSpec, path: Path) -> None:
-    """The session's inputs and outputs must be the contract's, in order: names (and so the layer
-    count), element types and axes (fixed sizes such as kv_heads and head_dim, symbolic ones by name)."""
-    for kind, args, tensors in (("input", session.get_inputs(), spec.inputs),
-                                ("output", session.get_outputs(), spec.outputs)):
-        found = [f"{a.name} {_ORT_TYPES.get(a.type, a.type)} {list(a.shape)}" for a in args]
-        wanted = [f"{t.name} {t.dtype} {list(t.axes)}" for t in tensors]
-        for i, (got, want) in enumerate(zip_longest(found, wanted, fillvalue="nothing")):
-            if got != want:
-                raise RefusionError(
-                    f"{path} does not match refusion.json beside it: its {kind} {i} is {got}, the contract says "
-                    f"{want}; the graph and refusion.json come from different exports: {REEXPORT}."
-                )
-
-
-class OrtSessions(CaseRunner):
-    """The export's graphs as plain sessions over explicit feeds (any batch, past as given): the
-    comparator's onnxruntime runner. One graph's session at a time (the comparator goes graph by graph).
-    `unpacked`: the float weights handed over from one map of weights.bin, no prepacking (export
-    validation: it runs too few forwards for packing to pay, and packing holds a second copy while
-    the session loads)."""
-
-    name = "onnxruntime"
-
-    def __init__(self, manifest: ExportManifest, providers: Sequence[str] = ("CPUExecutionProvider",),
-                 unpacked: bool = False):
-        self.manifest = manifest
-        self.providers = providers
-        self.unpacked = unpacked
-        self._graph: GraphName | None = None
-        self._session: Any = None
-        self._weights: SharedWeights | None = None
-
-    def __call__(self, graph: GraphName, feed: Feed) -> Outputs:
-        if graph != self._graph:
-            self.close()  # before the next session loads
-            self._weights = SharedWeights(self.manifest) if self.unpacked else None
-            self._session = open_session(self.manifest, graph, self.providers, accuracy_level=EXACT_ACCURACY_LEVEL,
-                                         weights=self._weights)
-            self._graph = graph
-        names = [o.name for o in self._session.get_outputs()]
-        return dict(zip(names, self._session.run(names, feed)))
-
-    def close(self) -> None:
-        self._session, self._graph = None, None
-        self._weights = None  # after the session that reads it
 
 
 class OrtRunner(Runner):

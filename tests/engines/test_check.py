@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from refusion.engines import check
-from refusion.runtime import compare
+from refusion.export import compare
 from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.core.export_manifest import ExportManifest
 from refusion.runtime.core.profiles import DecodeLimits

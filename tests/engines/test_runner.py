@@ -73,9 +73,9 @@ def test_int4_engine_decodes_as_the_ort_runner(peaky_int4, fakes, tmp_path, monk
     """An int4 export (block 64) builds (plan and op check) and its engine decodes token for token as the ORT
     Runner, both computing fp32 over the dequantized weights (the fake as TensorRT's float GEMM does; the ORT
     Runner's int8-activation level is gpu_check's comparison, not an identity)."""
-    from refusion.runtime.runners import onnxruntime as ort_module
+    from refusion.runtime.runners import ort_session
 
-    monkeypatch.setattr(ort_module, "RUNTIME_ACCURACY_LEVEL", ort_module.EXACT_ACCURACY_LEVEL)
+    monkeypatch.setattr(ort_session, "RUNTIME_ACCURACY_LEVEL", ort_session.EXACT_ACCURACY_LEVEL)
     export = peaky_int4[64]
     engines = fake_engines(export, tmp_path / "engines")
     ort = OrtRunner(ExportManifest.load(export), threads=1)

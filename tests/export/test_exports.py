@@ -99,7 +99,7 @@ def test_nan_weights_fail_validation_and_show_as_nan(store, tmp_path):
 def test_validation_runs_torch_once_per_case(store, monkeypatch):
     """One torch forward serves both graphs of a case (the comparator runs onnxruntime first, then torch)."""
     from refusion.export import validate
-    from refusion.runtime.compare import cases
+    from refusion.export.compare import cases
 
     forwards = []
     forward = validate.TorchRunner._forward

@@ -18,12 +18,12 @@ from refusion.export.calibration import TASK_EXAMPLES
 from refusion.export.exporter import export_onnx
 from refusion.export.quantize import QuantizeOptions, unpack_int4
 from refusion.export.validate import validate_export
-from refusion.runtime.compare import cases
+from refusion.export.compare import cases
 from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.core.export_manifest import ExportManifest
 from refusion.runtime.core.quantization import scale_name
 from refusion.runtime.generator import Generator
-from refusion.runtime.weights import map_weights
+from refusion.export.weights_file import map_weights
 from refusion.tools.export_cli import cli
 from tests.export.test_bad_input import assert_nothing_published
 
@@ -102,7 +102,8 @@ def test_onnx_reads_the_int4_external_data_we_wrote(rtn):
 def test_onnxruntime_fuses_every_linear_into_matmulnbits(rtn, tmp_path):
     import onnxruntime as ort
 
-    from refusion.runtime.runners.onnxruntime import OrtSessions, open_session
+    from refusion.export.compare import OrtSessions
+    from refusion.runtime.runners.ort_session import open_session
 
     def level(session) -> str:
         return session.get_session_options().get_session_config_entry("session.qdq_matmulnbits_accuracy_level")

@@ -1,4 +1,4 @@
-"""The one comparator (refusion.runtime.compare) without any backend: its report, its run order,
+"""The one comparator (refusion.export.compare) without any backend: its report, its run order,
 and the shared cases' feeds."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from refusion.runtime.decode import masks
-from refusion.runtime.compare import CaseRunner, ComparisonReport, Tolerance, cases, compare_runners, feed_shape
+from refusion.export.compare import CaseRunner, ComparisonReport, Tolerance, cases, compare_runners, feed_shape
 from refusion.runtime.core.contract import GRAPH_NAMES
 from refusion.runtime.core.errors import RefusionError
 

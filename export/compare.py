@@ -1,13 +1,9 @@
 """One comparator: runners over shared cases, one report (Polygraphy's Comparator pattern).
 
-A *case* is one forward as explicit feeds (input_ids, position_ids, attention_mask and every
-layer's past KV), built with runtime/decode/masks.py. A *runner* maps (graph, feed) to that graph's
-outputs: onnxruntime (`OrtSessions`), the torch definition (export/validate.py) and TensorRT
-(engines/check.py). `compare_runners` runs the cases on one runner, closes it, runs them on the
-other, and reports per graph and output the largest difference, NaN and inf as such.
-Export validation (onnxruntime vs torch), `refusion-export check` and tools/gpu_check.py
-(TensorRT vs onnxruntime) all go through here; a runner that cannot take a case (batch 2,
-a shape outside its profiles) says why, and the report lists what it left out.
+A *case* is one forward as explicit feeds; a *runner* maps (graph, feed) to that graph's outputs:
+onnxruntime (`OrtSessions`, here), the torch definition (export/validate.py) and TensorRT
+(engines/check.py). Export validation, `refusion-export check` and the GPU check go through
+`compare_runners`, which reports per graph and output the largest difference, NaN and inf as such.
 """
 
 from __future__ import annotations
@@ -17,6 +13,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
+from typing import Any
 
 import numpy as np
 
@@ -25,6 +22,7 @@ from refusion.runtime.core.dtypes import dtype
 from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.core.export_manifest import ExportManifest
 from refusion.runtime.decode.masks import causal_after, rows_over_prefix
+from refusion.runtime.runners.ort_session import EXACT_ACCURACY_LEVEL, SharedWeights, open_session
 
 Feed = dict[str, np.ndarray]
 Outputs = dict[str, np.ndarray]
@@ -77,6 +75,39 @@ class CaseRunner(ABC):
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         self.close()
+
+
+class OrtSessions(CaseRunner):
+    """The export's graphs as plain sessions over explicit feeds (any batch, past as given): the
+    comparator's onnxruntime runner. One graph's session at a time (the comparator goes graph by graph).
+    `unpacked`: the float weights handed over from one map of weights.bin, no prepacking (export
+    validation: it runs too few forwards for packing to pay, and packing holds a second copy while
+    the session loads)."""
+
+    name = "onnxruntime"
+
+    def __init__(self, manifest: ExportManifest, providers: Sequence[str] = ("CPUExecutionProvider",),
+                 unpacked: bool = False):
+        self.manifest = manifest
+        self.providers = providers
+        self.unpacked = unpacked
+        self._graph: GraphName | None = None
+        self._session: Any = None
+        self._weights: SharedWeights | None = None
+
+    def __call__(self, graph: GraphName, feed: Feed) -> Outputs:
+        if graph != self._graph:
+            self.close()  # before the next session loads
+            self._weights = SharedWeights(self.manifest) if self.unpacked else None
+            self._session = open_session(self.manifest, graph, self.providers, accuracy_level=EXACT_ACCURACY_LEVEL,
+                                         weights=self._weights)
+            self._graph = graph
+        names = [o.name for o in self._session.get_outputs()]
+        return dict(zip(names, self._session.run(names, feed)))
+
+    def close(self) -> None:
+        self._session, self._graph = None, None
+        self._weights = None  # after the session that reads it
 
 
 @dataclass

@@ -15,7 +15,7 @@ from refusion.runtime.core.export_manifest import ExportManifest
 
 pytest.importorskip("onnxruntime")
 pytest.importorskip("transformers")
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture(scope="module")
@@ -51,8 +51,9 @@ def test_runner_refuses_a_graph_that_differs_from_the_contract(manifest, change,
 
 
 def test_matching_contract_loads_and_the_comparator_path_checks_too(manifest):
-    from refusion.runtime.compare import cases
-    from refusion.runtime.runners.onnxruntime import OrtRunner, OrtSessions
+    from refusion.export.compare import cases
+    from refusion.export.compare import OrtSessions
+    from refusion.runtime.runners.onnxruntime import OrtRunner
 
     with OrtRunner(manifest):
         pass
@@ -74,5 +75,5 @@ def test_only_open_session_makes_onnxruntime_sessions():
                     name = getattr(call.func, "attr", getattr(call.func, "id", None))
                     if name == "InferenceSession":
                         makers.append(f"{file.relative_to(REPO)}:{function.name}")
-            assert "InferenceSession" not in file.read_text() or file == REPO / "runtime/runners/onnxruntime.py", file
-    assert makers == ["runtime/runners/onnxruntime.py:open_session"]
+            assert "InferenceSession" not in file.read_text() or file == REPO / "runtime/runners/ort_session.py", file
+    assert makers == ["runtime/runners/ort_session.py:open_session"]

@@ -13,7 +13,7 @@ from refusion.runtime.core.export_manifest import ExportManifest
 
 pytest.importorskip("onnxruntime")
 pytest.importorskip("transformers")
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 # ~56 MiB of fp32 weights: two copies clearly exceed the bound below, one is well inside it.
 SPEC = {"num_layers": 4, "hidden_size": 512, "num_heads": 8, "kv_heads": 4, "head_dim": 64,
         "intermediate_size": 1536, "vocab_size": 2048}
