@@ -93,7 +93,7 @@ def compare(runner: TensorRTRunner, export: ExportManifest, limits: DecodeLimits
 class TensorRTCases(CaseRunner):
     """A TensorRTRunner as the comparator's runner: the case's past KV uploaded into the cache, the
     forward run over it (the infiller writing present right after it), present read back. A batch
-    case on engines built with --max-batch: each row a request of its own (its own KV slot), the
+    case on engines built with --max-batch: each row a request of its own (its own KV region), the
     rows run as the engine thread would run them (run_batch: packed where a profile takes them)."""
 
     name = "tensorrt"
@@ -103,8 +103,8 @@ class TensorRTCases(CaseRunner):
 
     def unsupported(self, graph: GraphName, feed: Feed) -> str:
         batch, seq, past = feed_shape(feed)
-        if batch > self.runner.max_slots:
-            return (f"batch {batch}; this TensorRT runner holds {self.runner.max_slots} request(s) "
+        if batch > self.runner.max_requests:
+            return (f"batch {batch}; this TensorRT runner holds {self.runner.max_requests} request(s) "
                     f"(engines built with --max-batch {self.runner.max_batch})")
         if select_profile(list(self.runner.engines.engine.profiles), graph, seq, past) is None:
             return f"seq {seq} over past {past} lies outside the engine's {graph} profiles"

@@ -15,7 +15,7 @@ from typing import Any
 from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.core.export_manifest import ExportManifest
 from refusion.runtime.decode import DecodeTrace, Tokens, kv_capacity, steps_for
-from refusion.runtime.engine import Engine
+from refusion.runtime.scheduler import Scheduler
 from refusion.runtime.params import DecodeParams
 from refusion.runtime.request import GenerationResult, GenerationStats, Request
 from refusion.runtime.runners import make_runner
@@ -27,14 +27,14 @@ __all__ = ["GenerationResult", "GenerationStats", "Generator"]
 
 
 class Generator:
-    """Thread-safe: any number of threads may share one Generator. Requests run on its engine
-    thread (runtime/engine.py), concurrently up to the runner's KV slots, their forwards batched."""
+    """Thread-safe: any number of threads may share one Generator. Requests run on its scheduler
+    thread (runtime/scheduler.py), concurrently up to the runner's KV regions, their forwards batched."""
 
     def __init__(self, manifest: ExportManifest, runner: Runner, tokenizer: Tokenizer | None):
         self.manifest = manifest
         self.runner = runner
         self.tokenizer = tokenizer
-        self.engine = Engine(runner)
+        self.scheduler = Scheduler(runner)
 
     @staticmethod
     def from_dir(path: str | Path, backend: str = "auto", threads: int | None = None, verify: bool = False,
@@ -52,9 +52,14 @@ class Generator:
         return Generator(manifest, runner, tokenizer)
 
     def close(self) -> None:
-        """Cancel what is in flight, stop the engine thread, release the backend."""
-        self.engine.close()
+        """Cancel what is in flight, stop the scheduler thread, release the backend."""
+        self.scheduler.close()
         self.runner.deactivate()
+
+    @property
+    def engine(self) -> Scheduler:
+        """The scheduler's former name, kept for callers that read it."""
+        return self.scheduler
 
     def __enter__(self) -> Generator:
         return self
@@ -146,7 +151,7 @@ class Generator:
         detokenize = self.tokenizer.decode if self.tokenizer else None
         request = Request(ids, params, steps, trace, kv_capacity(len(ids), params), m.eos_token_id, detokenize,
                           self.runner.name, timeout_s)
-        return self.engine.submit(request)
+        return self.scheduler.submit(request)
 
     def decode(self, ids: list[int], params: DecodeParams) -> Iterator[Commit | GenerationResult]:
         """Yield each commit as it happens, then the result."""

@@ -1,7 +1,7 @@
 """A `Request`: one generation in flight, and the thread-safe handle its caller holds.
 
-It owns its state: prompt, decode params, step machine, commits, trace, KV slot (while it
-runs), deadline and cancel flag. The engine thread advances it and finishes it; any other
+It owns its state: prompt, decode params, step machine, commits, trace, KV region (while it
+runs), deadline and cancel flag. The scheduler thread advances it and finishes it; any other
 thread may wait for its result, iterate its settled text, or cancel it.
 
     req = gen.submit("sort: 3 1 2", chat=True, timeout_s=5)
@@ -38,7 +38,7 @@ class GenerationStats:
     forward_count: int
     tokens_per_forward: float  # tokens / forwards
     tpf: float  # upstream's per-iteration TPF
-    wall_seconds: float  # from the request's start on the engine to its end
+    wall_seconds: float  # from the request's start on the scheduler to its end
     engine_seconds: float  # inside the runner (graphs and KV moves; a batched forward counts whole)
     loop_seconds: float  # everything else: policy, masks, bookkeeping, other requests' turns
     tokens_per_second: float
@@ -82,15 +82,15 @@ class Request:
         self._changed = threading.Condition()
         self._result: GenerationResult | None = None
         self._error: BaseException | None = None
-        # engine-side: only the engine thread touches these
-        self.slot: int | None = None  # its KV slot on the runner while it runs
+        # the scheduler's: only its thread touches these
+        self.region: int | None = None  # its KV region on the runner while it runs
         self.inbox: Outputs | None = None  # its last forward's outputs, for the next step
         self.started = 0.0
-        self.engine_seconds = 0.0
+        self.runner_seconds = 0.0
 
     # -- the caller's side -------------------------------------------------------------------
     def cancel(self) -> None:
-        """Stop the request: it ends within one forward, its KV slot is freed, and its result
+        """Stop the request: it ends within one forward, its KV region is freed, and its result
         carries what had settled, with finish_reason "cancelled". Idempotent; no-op once done."""
         self._cancelled.set()
         with self._changed:
@@ -145,12 +145,12 @@ class Request:
         if final.startswith(text.shown) and len(final) > len(text.shown):
             yield final[len(text.shown):]
 
-    # -- the engine's side --------------------------------------------------------------------
+    # -- the scheduler's side -----------------------------------------------------------------
     @property
-    def kv_slot(self) -> int:
-        if self.slot is None:
-            raise RefusionError(f"request {self.id} holds no KV slot (it is not running).")
-        return self.slot
+    def kv_region(self) -> int:
+        if self.region is None:
+            raise RefusionError(f"request {self.id} holds no KV region (it is not running).")
+        return self.region
 
     def send(self, outputs: Outputs | None) -> Step | None:
         """Advance the step machine to its next step (None when it is over)."""
@@ -192,7 +192,7 @@ class Request:
             mode=self.params.mode, backend=self.backend, prompt_tokens=start, tokens=len(upto_eos),
             forwards=dict(self.trace.forwards), forward_count=forwards,
             tokens_per_forward=len(upto_eos) / forwards if forwards else 0.0, tpf=self.trace.tpf,
-            wall_seconds=wall, engine_seconds=self.engine_seconds, loop_seconds=wall - self.engine_seconds,
+            wall_seconds=wall, engine_seconds=self.runner_seconds, loop_seconds=wall - self.runner_seconds,
             tokens_per_second=len(upto_eos) / wall if wall else 0.0, branches=dict(self.trace.branches),
         )
         text = self._detokenize(answer) if self._detokenize else ""

@@ -14,7 +14,7 @@ class ServeSettings:
     model_dir: str
     backend: str = "auto"
     threads: int | None = None
-    max_requests: int | None = None  # running at once, a KV slot each (None: the runner's default)
+    max_requests: int | None = None  # running at once, a KV region each (None: the runner's default)
     max_batch: int | None = None  # forwards packed per call (None: the runner's default)
     max_queue: int = 64  # waiting beyond the running ones; more are rejected at once
     drain_file: str | None = None  # the launcher writes the drain's deadline here on SIGTERM (serve/launcher.py)

@@ -17,7 +17,7 @@ from refusion.runtime.core.errors import RefusionError
 
 
 @dataclass(frozen=True)
-class TensorSpec:
+class ServedTensor:
     name: str
     triton_type: str  # config.pbtxt data_type
     help: str
@@ -26,23 +26,23 @@ class TensorSpec:
 
 
 INPUTS = (
-    TensorSpec("text_input", "TYPE_STRING", "the prompt (UTF-8)", optional=False),
-    TensorSpec("max_tokens", "TYPE_INT32", "tokens to generate (the runtime's gen_length)", "gen_length"),
-    TensorSpec("stream", "TYPE_BOOL", "send settled text as it commits, then a final response"),
-    TensorSpec("chat", "TYPE_BOOL", "wrap text_input as a user message in the model's chat template"),
-    TensorSpec("mode", "TYPE_STRING", "refusion (default) or ar", "mode"),
-    TensorSpec("slot_size", "TYPE_INT32", "tokens per slot", "slot_size"),
-    TensorSpec("serial_num_blocks", "TYPE_INT32", "blocks the generation is cut into", "serial_num_blocks"),
-    TensorSpec("slot_threshold", "TYPE_FP32", "slot selection threshold in [0, 1]", "slot_threshold"),
-    TensorSpec("token_threshold", "TYPE_FP32", "token acceptance threshold in [0, 1]", "token_threshold"),
-    TensorSpec("temperature", "TYPE_FP32", "0 is greedy", "temperature"),
-    TensorSpec("seed", "TYPE_INT64", "seed of the sampling noise", "seed"),
-    TensorSpec("timeout_s", "TYPE_FP32", "deadline in seconds: the request ends with finish_reason timeout"),
+    ServedTensor("text_input", "TYPE_STRING", "the prompt (UTF-8)", optional=False),
+    ServedTensor("max_tokens", "TYPE_INT32", "tokens to generate (the runtime's gen_length)", "gen_length"),
+    ServedTensor("stream", "TYPE_BOOL", "send settled text as it commits, then a final response"),
+    ServedTensor("chat", "TYPE_BOOL", "wrap text_input as a user message in the model's chat template"),
+    ServedTensor("mode", "TYPE_STRING", "refusion (default) or ar", "mode"),
+    ServedTensor("slot_size", "TYPE_INT32", "tokens per slot", "slot_size"),
+    ServedTensor("serial_num_blocks", "TYPE_INT32", "blocks the generation is cut into", "serial_num_blocks"),
+    ServedTensor("slot_threshold", "TYPE_FP32", "slot selection threshold in [0, 1]", "slot_threshold"),
+    ServedTensor("token_threshold", "TYPE_FP32", "token acceptance threshold in [0, 1]", "token_threshold"),
+    ServedTensor("temperature", "TYPE_FP32", "0 is greedy", "temperature"),
+    ServedTensor("seed", "TYPE_INT64", "seed of the sampling noise", "seed"),
+    ServedTensor("timeout_s", "TYPE_FP32", "deadline in seconds: the request ends with finish_reason timeout"),
 )
 OUTPUTS = (
-    TensorSpec("text_output", "TYPE_STRING", "settled text: a piece per streamed response, all of it otherwise"),
-    TensorSpec("token_ids", "TYPE_INT64", "generated ids (final response)"),
-    TensorSpec("finish_reason", "TYPE_STRING", "eos, length, timeout or cancelled (final response)"),
+    ServedTensor("text_output", "TYPE_STRING", "settled text: a piece per streamed response, all of it otherwise"),
+    ServedTensor("token_ids", "TYPE_INT64", "generated ids (final response)"),
+    ServedTensor("finish_reason", "TYPE_STRING", "eos, length, timeout or cancelled (final response)"),
 )
 INPUT_NAMES = tuple(spec.name for spec in INPUTS)
 _KINDS = {"TYPE_STRING": "OSU", "TYPE_BOOL": "b", "TYPE_INT32": "iu", "TYPE_INT64": "iu", "TYPE_FP32": "f"}
@@ -72,7 +72,7 @@ def read_request(tensors: Mapping[str, np.ndarray]) -> ServeRequest:
                         timeout_s, settings)
 
 
-def _scalar(spec: TensorSpec, array: np.ndarray) -> Any:
+def _scalar(spec: ServedTensor, array: np.ndarray) -> Any:
     """One value of the declared type (a Triton request is one prompt: the batch is our scheduler's job)."""
     array = np.asarray(array)
     if array.size != 1:
@@ -97,7 +97,7 @@ def config_pbtxt(model_name: str, parameters: Mapping[str, str]) -> str:
     """Triton's model configuration: a decoupled (streaming) Python-backend model with these tensors,
     no Triton batching (max_batch_size 0: requests reach our scheduler one by one, which batches their
     forwards step by step), and `parameters` for the model's initialize()."""
-    def tensor(spec: TensorSpec) -> str:
+    def tensor(spec: ServedTensor) -> str:
         optional = " optional: true" if spec.optional and spec in INPUTS else ""
         return f'  {{ name: "{spec.name}" data_type: {spec.triton_type} dims: [ -1 ]{optional} }}'
 

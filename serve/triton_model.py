@@ -4,7 +4,7 @@ Triton hands `execute` requests as they arrive; each is read (serve/tensors.py),
 Generator and answered from a thread of its own, so requests run concurrently and their forwards
 are batched step by step by the runtime's engine, not in lockstep by Triton. A watcher polls
 Triton's cancellation flag (a client that went away, a gRPC stream cancelled) and cancels the
-runtime request, which frees its KV slot within one forward. Load this only inside Triton's Python
+runtime request, which frees its KV region within one forward. Load this only inside Triton's Python
 backend stub: `triton_python_backend_utils` exists nowhere else.
 """
 
@@ -37,7 +37,7 @@ class TritonPythonModel:
         s = self.settings
         self.gen = Generator.from_dir(s.model_dir, backend=s.backend, threads=s.threads,
                                       max_requests=s.max_requests, max_batch=s.max_batch)
-        self.limit = self.gen.runner.max_slots + s.max_queue
+        self.limit = self.gen.runner.max_requests + s.max_queue
         self.live: dict[Request, Any] = {}  # runtime request -> its Triton request, until its final response
         self.lock = threading.Condition()
         self.stopping = threading.Event()
@@ -46,7 +46,7 @@ class TritonPythonModel:
         # The families must outlive their metrics (Triton refuses to set a metric of a deleted family).
         self.families = [pb_utils.MetricFamily(name=name, description=text, kind=pb_utils.MetricFamily.GAUGE)
                          for name, text in (("refusion_requests_in_flight", "Requests submitted and not yet ended"),
-                                            ("refusion_kv_slots_in_use", "KV-cache slots held by running requests"))]
+                                            ("refusion_kv_slots_in_use", "KV-cache regions held by running requests"))]
         self.in_flight, self.kv_slots = (family.Metric(labels=labels) for family in self.families)
         self.watcher = threading.Thread(target=self._watch, name="refusion-cancel-watch", daemon=True)
         self.watcher.start()
@@ -79,7 +79,7 @@ class TritonPythonModel:
             held = len(self.live)  # only this thread (Triton's execute) adds: it cannot grow before the insert
             if held >= self.limit:
                 raise _Unavailable(
-                    f"the server holds {held} requests, its limit ({self.gen.runner.max_slots} running "
+                    f"the server holds {held} requests, its limit ({self.gen.runner.max_requests} running "
                     f"+ {self.settings.max_queue} queued, --max-queue); retry later or add instances.")
             # Tokenizing and submitting stay outside the lock that the watcher and final responses take.
             request = self.gen.submit(job.prompt, chat=job.chat, timeout_s=job.timeout_s, **job.settings)
@@ -133,8 +133,8 @@ class TritonPythonModel:
                 self.drain_deadline = float(f.read())
 
     def _update_metrics(self) -> None:
-        self.in_flight.set(float(self.gen.engine.in_flight))
-        self.kv_slots.set(float(self.gen.engine.slots_in_use))
+        self.in_flight.set(float(self.gen.scheduler.in_flight))
+        self.kv_slots.set(float(self.gen.scheduler.regions_in_use))
 
 
 class _Unavailable(Exception):

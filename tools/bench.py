@@ -760,7 +760,7 @@ def profile_refusion(gen: Generator, prompts: list[list[int]], params: DecodePar
     loop, and the loop's hottest functions."""
     engine0 = gen.runner.engine_seconds
     prof = cProfile.Profile()
-    do_round = gen.engine._round
+    do_round = gen.scheduler._round
 
     def profiled_round() -> None:  # cProfile sees only the thread that enables it
         prof.enable()
@@ -769,7 +769,7 @@ def profile_refusion(gen: Generator, prompts: list[list[int]], params: DecodePar
         finally:
             prof.disable()
 
-    gen.engine._round = profiled_round  # type: ignore[method-assign]
+    gen.scheduler._round = profiled_round  # type: ignore[method-assign]
     t0 = time.perf_counter()
     tokens = 0
     try:
@@ -778,7 +778,7 @@ def profile_refusion(gen: Generator, prompts: list[list[int]], params: DecodePar
                 if isinstance(event, GenerationResult):
                     tokens += event.stats.tokens
     finally:
-        del gen.engine._round
+        del gen.scheduler._round
     wall = time.perf_counter() - t0
     engine = gen.runner.engine_seconds - engine0
     return profile_report(prof, f"ReFusion {refusion_label(params)} over {len(prompts)} prompts under cProfile: "

@@ -152,7 +152,7 @@ class EngineMeter:
         self.run_seconds = self.session_seconds = self.move_seconds = self.busy_seconds = 0.0
         self.profiler: cProfile.Profile | None = None
         run_batch, session_run = gen.runner.run_batch, gen.runner._session_run  # type: ignore[attr-defined]
-        move_kv, do_round = gen.runner.move_kv, gen.engine._round
+        move_kv, do_round = gen.runner.move_kv, gen.scheduler._round
 
         def metered_run_batch(graph, rows):
             t0 = time.perf_counter()
@@ -195,7 +195,7 @@ class EngineMeter:
         gen.runner.run_batch = metered_run_batch  # type: ignore[method-assign]
         gen.runner._session_run = metered_session_run  # type: ignore[attr-defined]
         gen.runner.move_kv = metered_move_kv  # type: ignore[method-assign]
-        gen.engine._round = metered_round  # type: ignore[method-assign]
+        gen.scheduler._round = metered_round  # type: ignore[method-assign]
 
     def snapshot(self) -> dict[str, float]:
         return {"calls": self.calls, "rows": self.rows, "fed": self.fed, "padded": self.padded, "rounds": self.rounds,
@@ -293,7 +293,7 @@ def run_concurrency_bench(cfg: ConcurrencyConfig, progress: Progress = echo_prog
             prompts = [gen.prompt_ids(ex.prompt, chat=True) for ex in examples]
             meter = EngineMeter(gen)
             load = [os.getloadavg()[0]]  # other work on the machine skews every number
-            progress(f"{gen.runner.name}, {cfg.threads} thread(s), {gen.runner.max_slots} KV slots, forwards packed "
+            progress(f"{gen.runner.name}, {cfg.threads} thread(s), {gen.runner.max_requests} KV regions, forwards packed "
                      f"{gen.runner.max_batch} at most; {cfg.mode} {settings_label(asdict(params))}; "
                      f"{cfg.requests} requests per level x {cfg.repeats} passes, warm-up {cfg.warmup} at concurrency "
                      f"{max(cfg.levels)}")
@@ -314,7 +314,7 @@ def run_concurrency_bench(cfg: ConcurrencyConfig, progress: Progress = echo_prog
             profile = (profile_level(gen, bench, settings, cfg.profile, meter) if cfg.profile is not None
                        else None)
             load.append(os.getloadavg()[0])
-            runner_info = {"backend": gen.runner.name, "max_requests": gen.runner.max_slots,
+            runner_info = {"backend": gen.runner.name, "max_requests": gen.runner.max_requests,
                            "max_batch": gen.runner.max_batch}
         report = make_report(cfg, export_dir, runner_info, asdict(params), levels, examples[: cfg.requests], load)
     if profile is not None:
@@ -662,7 +662,7 @@ def write_outputs(report: dict[str, Any], out: Path, stem: str, plot: bool, prog
               help="Passes over the levels, interleaved; tokens/s is the median pass's, latencies pool them all.")
 @click.option("--threads", type=int, default=1, show_default=True, help="onnxruntime intra-op threads.")
 @click.option("--max-requests", type=int, default=None,
-              help="KV slots: requests running at once, more wait (default: the CPU runner's 16).")
+              help="KV regions: requests running at once, more wait (default: the CPU runner's 16).")
 @click.option("--max-batch", type=int, default=None,
               help="Forwards packed into one onnxruntime call (default: min(16, max-requests)).")
 @click.option("--mode", type=click.Choice(["refusion", "ar"]), default="refusion", show_default=True,

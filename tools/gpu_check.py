@@ -18,7 +18,7 @@ tenths of a radian. It checks that generation on the TensorRT Runner is token-id
 the onnxruntime Runner (whose planner forwards run the planner graph), that requests served
 together (the engine is built with --max-batch 4: their decode forwards packed into one
 execution, pasts gathered, presents scattered on the device) get the tokens each gets alone, on
-TensorRT and on the onnxruntime CUDA runner with as many KV slots, and prints per-forward
+TensorRT and on the onnxruntime CUDA runner with as many KV regions, and prints per-forward
 latency of both roles. Then the same for an int4 export (int4-rtn, block 64, fp16
 scales: blocked INT4 DequantizeLinear -> MatMul): it builds, matches onnxruntime on the shared
 cases (onnxruntime computing fp32 over the same dequantized weights), and generates the same
@@ -236,7 +236,7 @@ def batched(export: Path, engines: Path, cuda_runner: Any = None) -> bool:
               "pip install 'refusion-trt[ort-gpu]')")
     else:
         manifest = ExportManifest.load(export)
-        runners["onnxruntime CUDA"] = (cuda(manifest), cuda(manifest, max_slots=n, max_batch=n))
+        runners["onnxruntime CUDA"] = (cuda(manifest), cuda(manifest, max_requests=n, max_batch=n))
     ok = True
     for name, (alone, together) in runners.items():
         want = _serve(alone, jobs, [])
@@ -308,10 +308,10 @@ def packed_latency(runner: Any, limits: Any, past: int, repeats: int) -> None:
     n, k = runner.max_batch, limits.slot_size
     if n < 2:
         return
-    for slot in range(1, n):
-        runner.allocate_kv(limits.kv_capacity, slot)
+    for region in range(1, n):
+        runner.allocate_kv(limits.kv_capacity, region)
     feed = (np.zeros((1, k), np.int64), np.arange(past, past + k, dtype=np.int64)[None], causal_after(past, k))
-    rows = [RowFeed(*feed, past, past, slot) for slot in range(n)]
+    rows = [RowFeed(*feed, past, past, region) for region in range(n)]
     times = []
     for _ in range(repeats + 5):
         t0 = time.perf_counter()

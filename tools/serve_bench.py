@@ -285,10 +285,10 @@ def run_serve_bench(cfg: ServeBenchConfig, progress: Progress = echo_progress) -
                                     "checkpoint with its tokenizer files.")
             bench = Bench(gen, port, CpuMeter(pid), prompts, [gen.prompt_ids(p, chat=True) for p in prompts])
             params = asdict(gen.params())
-            runner = {"backend": gen.runner.name, "max_requests": gen.runner.max_slots,
+            runner = {"backend": gen.runner.name, "max_requests": gen.runner.max_requests,
                       "max_batch": gen.runner.max_batch}
             progress(f"tritonserver (pid {pid}, Python-backend stub {bench.meter.stubs}) on :{port} and an in-process "
-                     f"Generator: {runner['backend']}, {cfg.threads} thread(s), {runner['max_requests']} KV slots; "
+                     f"Generator: {runner['backend']}, {cfg.threads} thread(s), {runner['max_requests']} KV regions; "
                      f"refusion {settings_label(params)}; {cfg.requests} requests per level x {cfg.repeats} passes")
             runs = run_levels(bench, cfg, progress)
             load.append(os.getloadavg()[0])
@@ -453,7 +453,7 @@ def _intro(meta: dict[str, Any]) -> list[str]:
         "",
         (f"Model `{meta['model']}`, served by NVIDIA Triton (nvidia-pytriton {host['nvidia_pytriton']}, our decoupled "
          f"Python-backend model) on loopback, and the same Generator in the bench's process: {meta['backend']} "
-         f"({meta['threads']} intra-op thread(s), {meta['max_requests']} KV slots, forwards packed {meta['max_batch']} "
+         f"({meta['threads']} intra-op thread(s), {meta['max_requests']} KV regions, forwards packed {meta['max_batch']} "
          f"at most). {meta['requests']} held-out chat prompts per level (seed {meta['held_out_seed']}, sha256 "
          f"{meta['held_out_sha256']}), {meta['mode']} {settings_label(meta['params'])} (the export's recorded "
          f"settings: the server gets chat=true and no decode settings), greedy. Closed loop: C client threads, each "
@@ -634,7 +634,7 @@ def write_outputs(report: dict[str, Any], out: Path, stem: str, plot: bool, prog
 @click.option("--repeats", type=int, default=DEFAULT_REPEATS, show_default=True,
               help="Passes over the levels, interleaved; tokens/s is the median pass's, latencies pool them all.")
 @click.option("--threads", type=int, default=1, show_default=True, help="onnxruntime intra-op threads, both sides.")
-@click.option("--max-requests", type=int, default=None, help="KV slots, both sides (default: the CPU runner's).")
+@click.option("--max-requests", type=int, default=None, help="KV regions, both sides (default: the CPU runner's).")
 @click.option("--max-batch", type=int, default=None,
               help="Forwards packed per call, both sides (default: the runner's).")
 @click.option("--warmup", type=int, default=32, show_default=True,

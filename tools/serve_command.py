@@ -40,7 +40,7 @@ _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 @click.option("--backend", type=click.Choice(BACKENDS), default="auto", show_default=True)
 @click.option("--threads", type=int, default=None, help="onnxruntime intra-op threads (default: all cores).")
 @click.option("--max-requests", type=int, default=None,
-              help="Requests decoding at once, a KV slot each (default: the backend's; more wait in the queue).")
+              help="Requests decoding at once, a KV region each (default: the backend's; more wait in the queue).")
 @click.option("--max-batch", type=int, default=None, help="Their forwards packed per call (default: the backend's).")
 @click.option("--max-queue", type=int, default=ServeSettings.max_queue, show_default=True,
               help="Requests waiting beyond those decoding; more are rejected at once (UNAVAILABLE).")

@@ -28,7 +28,7 @@ def steps_for(tokens: Tokens, params: DecodeParams, trace: DecodeTrace, logits: 
 
 
 def run_on(runner: Runner, steps: StepMachine, capacity: int, slot: int = 0) -> Iterator[Commit]:
-    """Drive one step machine on `runner`'s KV slot `slot`, yielding its commits."""
+    """Drive one step machine on `runner`'s KV region `slot`, yielding its commits."""
     runner.allocate_kv(capacity, slot)
     sent: Outputs | None = None
     while True:

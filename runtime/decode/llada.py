@@ -165,7 +165,7 @@ def diffusion_decode(runner: Runner, prompt: list[int], mask_id: int, eos_id: in
             f"prompt of {p0} tokens + gen_length {gen} exceeds the model's {runner.manifest.max_positions} positions."
         )
     engine0, t0 = runner.engine_seconds, time.perf_counter()
-    # a KV slot of one token: the runner binds an (empty) past view of it; nothing is cached
+    # a KV region of one token: the runner binds an (empty) past view of it; nothing is cached
     commits = list(run_on(runner, diffusion_steps(prompt, mask_id, params, trace, eos_id), capacity=1))
     wall = time.perf_counter() - t0
     span = np.full(gen, mask_id, dtype=np.int64)

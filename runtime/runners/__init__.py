@@ -11,7 +11,7 @@ from refusion.runtime.core.export_manifest import ExportManifest
 from refusion.runtime.runners.base import Runner
 
 BACKENDS = ("auto", "trt", "ort-cuda", "ort-cpu")
-CPU_MAX_REQUESTS = 16  # KV slots of the CPU runner: requests in flight at once (each slot grows on demand)
+CPU_MAX_REQUESTS = 16  # KV regions of the CPU runner: requests in flight at once (each grows on demand)
 CPU_MAX_BATCH = 16  # of which one forward packs at most this many
 
 
@@ -76,7 +76,7 @@ def make_runner(manifest: ExportManifest, backend: str = "auto", threads: int | 
                 max_batch: int | None = None) -> Runner:
     """The backend's Runner over `manifest`, its files checked (sizes; sha256 too with `verify`).
     `low_memory` (onnxruntime only): no memory arena (activations freed after each forward).
-    `max_requests`: requests in flight at once (a KV slot each); `max_batch`: their forwards packed per call.
+    `max_requests`: requests in flight at once (a KV region each); `max_batch`: their forwards packed per call.
     Defaults: CPU_MAX_REQUESTS and CPU_MAX_BATCH on onnxruntime's CPU provider; on TensorRT the engine's
     --max-batch (engines.json) for both; 1 and 1 on onnxruntime CUDA (device memory is the budget)."""
     options = runner_options(manifest, backend, threads, low_memory, max_requests, max_batch)
@@ -90,4 +90,4 @@ def make_runner(manifest: ExportManifest, backend: str = "auto", threads: int | 
 
     runner = OrtCudaRunner if options.backend == "ort-cuda" else OrtRunner
     return runner(manifest, threads=threads, low_memory=low_memory, verify=verify,
-                  max_slots=options.max_requests or 1, max_batch=options.max_batch or 1)
+                  max_requests=options.max_requests or 1, max_batch=options.max_batch or 1)

@@ -1,10 +1,10 @@
 """The Runner interface: one backend running the planner and infiller graphs of one export.
 
-A Runner owns the device: the sessions or engines, and a pool of KV slots, one per request
+A Runner owns the device: the sessions or engines, and a pool of KV regions, one per request
 in flight, each a preallocated `[1, capacity, kv_heads, head_dim]` tensor per layer for keys
-and values. A decode strategy only ever says *where* in its request's slot a forward reads
+and values. A decode strategy only ever says *where* in its request's region a forward reads
 its past and writes its present; it never sees device memory, nor which backend it runs on.
-`run_batch` packs forwards of several requests (each over its own slot) into one call, on
+`run_batch` packs forwards of several requests (each over its own region) into one call, on
 backends that can (`max_batch` > 1); the others run them one by one.
 """
 
@@ -28,12 +28,12 @@ class Runner(ABC):
     """activate / run / deactivate, usable as a context manager (as Polygraphy's runners are)."""
 
     name: str = "runner"
-    max_slots: int = 1  # requests whose KV the runner holds at once
+    max_requests: int = 1  # requests whose KV the runner holds at once
     max_batch: int = 1  # forwards `run_batch` packs into one call
 
     def __init__(self, manifest: ExportManifest):
         self.manifest = manifest
-        self.kv_capacities = [0] * self.max_slots
+        self.kv_capacities = [0] * self.max_requests
         self.engine_seconds = 0.0  # wall time spent inside `run` and `move_kv`, for stats
         self.is_active = False
 
@@ -47,7 +47,7 @@ class Runner(ABC):
         if self.is_active:
             self._deactivate()
             self.is_active = False
-            self.kv_capacities = [0] * self.max_slots
+            self.kv_capacities = [0] * self.max_requests
 
     def __enter__(self) -> Runner:
         self.activate()
@@ -63,17 +63,17 @@ class Runner(ABC):
     # -- KV cache ----------------------------------------------------------------------
     @property
     def kv_capacity(self) -> int:
-        """Tokens of KV slot 0 (the only slot of a one-request runner)."""
+        """Tokens of KV region 0 (the only region of a one-request runner)."""
         return self.kv_capacities[0]
 
-    def allocate_kv(self, capacity: int, slot: int = 0) -> None:
-        """Make room for `capacity` tokens of KV in `slot` (kept if already that large). Called at
+    def allocate_kv(self, capacity: int, region: int = 0) -> None:
+        """Make room for `capacity` tokens of KV in `region` (kept if already that large). Called at
         the start of a request: growing the buffer does not preserve its contents."""
         self._require_active()
-        self._check_slot(slot)
-        if capacity > self.kv_capacities[slot]:
-            self._allocate_kv(capacity, slot)
-            self.kv_capacities[slot] = capacity
+        self._check_region(region)
+        if capacity > self.kv_capacities[region]:
+            self._allocate_kv(capacity, region)
+            self.kv_capacities[region] = capacity
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -82,17 +82,17 @@ class Runner(ABC):
 
     @property
     def kv_bytes(self) -> int:
-        """Bytes the KV slots hold now: capacity x per-token size, nothing per infill row."""
+        """Bytes the KV regions hold now: capacity x per-token size, nothing per infill row."""
         return sum(self.kv_capacities) * self.kv_bytes_per_token
 
-    def move_kv(self, src: int, dst: int, length: int, slot: int = 0) -> None:
-        """Copy KV of tokens [src, src+length) to [dst, dst+length) in `slot`; overlapping ranges are fine."""
+    def move_kv(self, src: int, dst: int, length: int, region: int = 0) -> None:
+        """Copy KV of tokens [src, src+length) to [dst, dst+length) in `region`; overlapping ranges are fine."""
         if length <= 0 or src == dst:
             return
-        self._check_range("move source", src, length, slot)
-        self._check_range("move destination", dst, length, slot)
+        self._check_range("move source", src, length, region)
+        self._check_range("move destination", dst, length, region)
         t0 = time.perf_counter()
-        self._move_kv(src, dst, length, slot)
+        self._move_kv(src, dst, length, region)
         self.engine_seconds += time.perf_counter() - t0
 
     # -- forwards ----------------------------------------------------------------------
@@ -104,17 +104,17 @@ class Runner(ABC):
         attention_mask: np.ndarray,
         past_length: int,
         write_at: int | None = None,
-        slot: int = 0,
+        region: int = 0,
     ) -> dict[str, np.ndarray]:
-        """One forward of `graph` over KV tokens [0, past_length) of `slot`.
+        """One forward of `graph` over KV tokens [0, past_length) of `region`.
 
         The infiller writes its new tokens' KV to [write_at, write_at + seq); the planner
         keeps none. Returns the graph's other outputs on the host.
         """
-        return self.run_batch(graph, [RowFeed(input_ids, position_ids, attention_mask, past_length, write_at, slot)])[0]
+        return self.run_batch(graph, [RowFeed(input_ids, position_ids, attention_mask, past_length, write_at, region)])[0]
 
     def run_batch(self, graph: GraphName, rows: list[RowFeed]) -> list[dict[str, np.ndarray]]:
-        """Forwards of `graph` for several requests, each over its own slot; packed into one call
+        """Forwards of `graph` for several requests, each over its own region; packed into one call
         where the backend can (max_batch), else one by one. Outputs per row, as `run` gives them."""
         self._require_active()
         for row in rows:
@@ -122,7 +122,7 @@ class Runner(ABC):
         t0 = time.perf_counter()
         if len(rows) == 1:
             r = rows[0]
-            out = [self._run(graph, r.input_ids, r.position_ids, r.attention_mask, r.past, r.write_at, r.slot)]
+            out = [self._run(graph, r.input_ids, r.position_ids, r.attention_mask, r.past, r.write_at, r.region)]
         elif len(rows) <= self.max_batch:
             out = self._run_batch(graph, rows)
         else:
@@ -131,18 +131,18 @@ class Runner(ABC):
         return out
 
     def _check_row(self, graph: GraphName, row: RowFeed) -> None:
-        self._check_slot(row.slot)
-        seq = self._check_feed(graph, row.input_ids, row.position_ids, row.attention_mask, row.past, row.slot)
+        self._check_region(row.region)
+        seq = self._check_feed(graph, row.input_ids, row.position_ids, row.attention_mask, row.past, row.region)
         write_at = row.write_at
         if (graph == "infiller") != (write_at is not None):
             raise RefusionError(f"write_at={write_at!r}: the infiller needs a KV write offset and the planner takes none.")
         if write_at is not None:
             if write_at < row.past:
                 raise RefusionError(f"write_at={write_at} < past_length={row.past}: a forward may not overwrite the past it reads.")
-            self._check_range("KV write", write_at, seq, row.slot)
+            self._check_range("KV write", write_at, seq, row.region)
 
     def _check_feed(self, graph: GraphName, ids: np.ndarray, pos: np.ndarray, mask: np.ndarray, past: int,
-                    slot: int) -> int:
+                    region: int) -> int:
         if ids.ndim != 2 or ids.shape[0] != 1 or ids.dtype != np.int64:
             raise RefusionError(f"input_ids must be int64 [1, seq]; got {ids.dtype} {list(ids.shape)}.")
         seq = ids.shape[1]
@@ -153,7 +153,7 @@ class Runner(ABC):
                 f"attention_mask must be bool [1, {seq}, {past + seq}] (past {past} + seq {seq}); "
                 f"got {mask.dtype} {list(mask.shape)}."
             )
-        self._check_range("past", 0, past, slot)
+        self._check_range("past", 0, past, region)
         if int(pos.max(initial=0)) >= self.manifest.max_positions:
             raise RefusionError(
                 f"position id {int(pos.max())} exceeds the model's max_position_embeddings "
@@ -161,17 +161,17 @@ class Runner(ABC):
             )
         return seq
 
-    def _check_range(self, what: str, start: int, length: int, slot: int = 0) -> None:
-        if start < 0 or start + length > self.kv_capacities[slot]:
+    def _check_range(self, what: str, start: int, length: int, region: int = 0) -> None:
+        if start < 0 or start + length > self.kv_capacities[region]:
             raise RefusionError(
-                f"{what} [{start}, {start + length}) lies outside the KV cache of {self.kv_capacities[slot]} tokens "
-                f"(slot {slot}); "
+                f"{what} [{start}, {start + length}) lies outside the KV cache of {self.kv_capacities[region]} tokens "
+                f"(region {region}); "
                 "allocate_kv() with the request's limit first."
             )
 
-    def _check_slot(self, slot: int) -> None:
-        if not 0 <= slot < self.max_slots:
-            raise RefusionError(f"KV slot {slot} does not exist; this {self.name} runner holds {self.max_slots}.")
+    def _check_region(self, region: int) -> None:
+        if not 0 <= region < self.max_requests:
+            raise RefusionError(f"KV region {region} does not exist; this {self.name} runner holds {self.max_requests}.")
 
     def _require_active(self) -> None:
         if not self.is_active:
@@ -185,15 +185,15 @@ class Runner(ABC):
     def _deactivate(self) -> None: ...
 
     @abstractmethod
-    def _allocate_kv(self, capacity: int, slot: int) -> None: ...
+    def _allocate_kv(self, capacity: int, region: int) -> None: ...
 
     @abstractmethod
-    def _move_kv(self, src: int, dst: int, length: int, slot: int) -> None: ...
+    def _move_kv(self, src: int, dst: int, length: int, region: int) -> None: ...
 
     @abstractmethod
     def _run(
         self, graph: GraphName, input_ids: np.ndarray, position_ids: np.ndarray,
-        attention_mask: np.ndarray, past_length: int, write_at: int | None, slot: int,
+        attention_mask: np.ndarray, past_length: int, write_at: int | None, region: int,
     ) -> dict[str, np.ndarray]: ...
 
     def _run_batch(self, graph: GraphName, rows: list[RowFeed]) -> list[dict[str, np.ndarray]]:
@@ -232,12 +232,12 @@ def pack_rows(rows: list[RowFeed]) -> PackedRows:
 @dataclass(frozen=True)
 class RowFeed:
     """One request's forward in a batch: its feed ([1, seq] ids and positions, [1, seq, past + seq]
-    mask) over KV [0, past) of its slot, writing present at write_at (infiller)."""
+    mask) over KV [0, past) of its region, writing present at write_at (infiller)."""
 
     input_ids: np.ndarray
     position_ids: np.ndarray
     attention_mask: np.ndarray
     past: int
     write_at: int | None
-    slot: int
+    region: int
 

@@ -11,16 +11,16 @@ A planner forward runs on the engine's planner profile and returns the planner's
 present KV it also computes goes to a scratch buffer apart from the cache (seq tokens of KV,
 never read), and its input_probs stay on the device.
 
-Several requests: the runner holds `max_slots` KV slots (one per request in flight, each its
+Several requests: the runner holds `max_requests` KV regions (one per request in flight, each its
 own buffers per layer) and runs up to `max_batch` (engines.json's `--max-batch`) of their
 forwards in one execution, on a profile whose batch range holds them. TensorRT takes a batch
-tensor as one contiguous [rows, past, H, D], so each row's past is gathered from its slot into
+tensor as one contiguous [rows, past, H, D], so each row's past is gathered from its region into
 a batch buffer (device-to-device on the stream, padded to the longest past, padding masked), and
 present comes out as [rows, seq, H, D] into scratch, from which each row's tokens are copied to
-its slot at its write_at. Rows no batched profile holds (prefills) run one at a time; one row
-alone takes the single-request path above, binding its slot in place.
+its region at its write_at. Rows no batched profile holds (prefills) run one at a time; one row
+alone takes the single-request path above, binding its region in place.
 
-TensorRT wants every tensor address 256-byte aligned. A cache slot is aligned when a
+TensorRT wants every tensor address 256-byte aligned. A cache region is aligned when a
 token's KV per layer is a multiple of 256 bytes (kv_heads x head_dim x itemsize: 2048 for
 Qwen3-8B in fp16); otherwise present is written to an aligned staging area and copied into
 the cache on the stream, which only tiny test models need. An empty past (prefill) is bound
@@ -100,11 +100,11 @@ def current_target() -> Target:
 class TensorRTRunner(Runner):
     name = "trt"
 
-    def __init__(self, manifest: ExportManifest, engines: EngineManifest, max_slots: int | None = None,
+    def __init__(self, manifest: ExportManifest, engines: EngineManifest, max_requests: int | None = None,
                  max_batch: int | None = None):
         """`max_batch`: rows one execution packs, at most the engine's --max-batch (the default);
-        `max_slots`: requests held at once (a KV slot each), at least max_batch (default: max_batch)."""
-        self.max_batch, self.max_slots = batch_and_slots(engines, max_slots, max_batch)
+        `max_requests`: requests held at once (a KV region each), at least max_batch (default: max_batch)."""
+        self.max_batch, self.max_requests = batch_and_requests(engines, max_requests, max_batch)
         super().__init__(manifest)
         self.engines = engines
         self.limits = engines.limits
@@ -116,14 +116,14 @@ class TensorRTRunner(Runner):
         self._empty: DeviceBuffer | None = None  # where empty tensors (a prefill's past) are bound
         self._shapes_checked: set[tuple[int, int, int, int]] = set()  # (profile, batch, seq, past)
         self._io: dict[str, DeviceBuffer] = {}  # ids, positions, mask, heads, present staging: grown on demand
-        self._keys: list[list[DeviceBuffer]] = [[] for _ in range(self.max_slots)]  # [slot][layer]
-        self._values: list[list[DeviceBuffer]] = [[] for _ in range(self.max_slots)]
+        self._keys: list[list[DeviceBuffer]] = [[] for _ in range(self.max_requests)]  # [region][layer]
+        self._values: list[list[DeviceBuffer]] = [[] for _ in range(self.max_requests)]
 
     @staticmethod
-    def from_dir(path: str | Path, max_slots: int | None = None, max_batch: int | None = None) -> TensorRTRunner:
+    def from_dir(path: str | Path, max_requests: int | None = None, max_batch: int | None = None) -> TensorRTRunner:
         """Engines built by `refusion-export build` (the directory also holds refusion.json)."""
         engines = EngineManifest.load(path)
-        return TensorRTRunner(ExportManifest.read(Path(path)), engines, max_slots, max_batch)
+        return TensorRTRunner(ExportManifest.read(Path(path)), engines, max_requests, max_batch)
 
     # -- requests ----------------------------------------------------------------------------
     def check_request(self, prompt_length: int, params: DecodeParams) -> None:
@@ -193,8 +193,8 @@ class TensorRTRunner(Runner):
             self._stream.synchronize()
         for buf in [*self._caches(), *self._io.values()]:
             buf.free()
-        self._keys = [[] for _ in range(self.max_slots)]
-        self._values = [[] for _ in range(self.max_slots)]
+        self._keys = [[] for _ in range(self.max_requests)]
+        self._values = [[] for _ in range(self.max_requests)]
         self._io = {}
         self._contexts = []  # contexts before the engine, the engine before the runtime
         self._engine = None
@@ -214,68 +214,68 @@ class TensorRTRunner(Runner):
         """Bytes of one token's K (or V) in one layer."""
         return self.kv_bytes_per_token // (2 * self.manifest.num_layers)
 
-    def _caches(self, slot: int | None = None) -> list[DeviceBuffer]:
-        """A slot's K buffers then its V buffers, by layer (every slot's when `slot` is None)."""
-        slots = range(self.max_slots) if slot is None else (slot,)
-        return [buf for s in slots for buf in self._keys[s] + self._values[s]]
+    def _caches(self, region: int | None = None) -> list[DeviceBuffer]:
+        """A region's K buffers then its V buffers, by layer (every region's when `region` is None)."""
+        regions = range(self.max_requests) if region is None else (region,)
+        return [buf for s in regions for buf in self._keys[s] + self._values[s]]
 
-    def _allocate_kv(self, capacity: int, slot: int) -> None:
+    def _allocate_kv(self, capacity: int, region: int) -> None:
         self._active_stream.synchronize()  # queued forwards and moves may still use the old cache
-        for buf in self._caches(slot):
+        for buf in self._caches(region):
             buf.free()
         n, size = self.manifest.num_layers, capacity * self._token_bytes
-        self._keys[slot] = [DeviceBuffer(size, self._stream) for _ in range(n)]
-        self._values[slot] = [DeviceBuffer(size, self._stream) for _ in range(n)]
+        self._keys[region] = [DeviceBuffer(size, self._stream) for _ in range(n)]
+        self._values[region] = [DeviceBuffer(size, self._stream) for _ in range(n)]
 
-    def _move_kv(self, src: int, dst: int, length: int, slot: int) -> None:
+    def _move_kv(self, src: int, dst: int, length: int, region: int) -> None:
         t = self._token_bytes
-        for buf in self._caches(slot):
+        for buf in self._caches(region):
             buf.copy_within(src * t, dst * t, length * t)
 
-    def kv_to_host(self, start: int, length: int, slot: int = 0) -> dict[str, np.ndarray]:
-        """KV of tokens [start, start + length) per layer of `slot`, on the host (for checks, not the
+    def kv_to_host(self, start: int, length: int, region: int = 0) -> dict[str, np.ndarray]:
+        """KV of tokens [start, start + length) per layer of `region`, on the host (for checks, not the
         loop). bfloat16 comes back as its raw uint16 bits."""
         self._require_active()
-        self._check_slot(slot)
-        self._check_range("KV read", start, length, slot)
+        self._check_region(region)
+        self._check_range("KV read", start, length, region)
         m, t = self.manifest, self._token_bytes
         shape = (1, length, m.kv_heads, m.head_dim)
         host = dtype(m.dtype).numpy
         out = {}
         for i in range(m.num_layers):
-            out[f"present.{i}.key"] = self._keys[slot][i].copy_to_host(shape, host, start * t)
-            out[f"present.{i}.value"] = self._values[slot][i].copy_to_host(shape, host, start * t)
+            out[f"present.{i}.key"] = self._keys[region][i].copy_to_host(shape, host, start * t)
+            out[f"present.{i}.value"] = self._values[region][i].copy_to_host(shape, host, start * t)
         return out
 
-    def kv_from_host(self, start: int, past: dict[str, np.ndarray], slot: int = 0) -> None:
+    def kv_from_host(self, start: int, past: dict[str, np.ndarray], region: int = 0) -> None:
         """Write a feed's past KV (`past_key_values.{i}.key|value`, [1, length, kv_heads, head_dim])
-        into `slot` at token `start`, all checked before any is written (for checks, not the loop)."""
+        into `region` at token `start`, all checked before any is written (for checks, not the loop)."""
         self._require_active()
-        self._check_slot(slot)
+        self._check_region(region)
         m = self.manifest
         host = dtype(m.dtype).numpy
-        caches = {past_key_name(i): self._keys[slot][i] for i in range(m.num_layers)}
-        caches |= {past_value_name(i): self._values[slot][i] for i in range(m.num_layers)}
+        caches = {past_key_name(i): self._keys[region][i] for i in range(m.num_layers)}
+        caches |= {past_value_name(i): self._values[region][i] for i in range(m.num_layers)}
         for name in caches:
             array = past[name]
             if array.dtype != host or array.shape[0] != 1 or array.shape[2:] != (m.kv_heads, m.head_dim):
                 raise RefusionError(f"{name} must be {host} [1, length, {m.kv_heads}, {m.head_dim}]; "
                                     f"got {array.dtype} {list(array.shape)}.")
-            self._check_range("KV upload", start, array.shape[1], slot)
+            self._check_range("KV upload", start, array.shape[1], region)
         for name, cache in caches.items():
             cache.copy_from_host(past[name], start * self._token_bytes)
 
     # -- forwards ----------------------------------------------------------------------------
     def _run(self, graph: GraphName, input_ids: np.ndarray, position_ids: np.ndarray,
-             attention_mask: np.ndarray, past_length: int, write_at: int | None, slot: int) -> dict[str, np.ndarray]:
-        """One request's forward: past bound in place in its slot, present written straight into it."""
+             attention_mask: np.ndarray, past_length: int, write_at: int | None, region: int) -> dict[str, np.ndarray]:
+        """One request's forward: past bound in place in its region, present written straight into it."""
         seq = input_ids.shape[1]
         index = self._profile(graph, seq, past_length)  # before any device work
         context = self._contexts[index]
         self._bind_feed(context, input_ids, position_ids, attention_mask)
-        m, caches = self.manifest, self._caches(slot)
+        m, caches = self.manifest, self._caches(region)
         kv_shape = (1, past_length, m.kv_heads, m.head_dim)
-        for name, cache in zip(self._past_names, caches):  # the slot's first past_length tokens, in place
+        for name, cache in zip(self._past_names, caches):  # the region's first past_length tokens, in place
             self._bind_input(context, name, cache.ptr, kv_shape)
         heads = self._bind_heads(context, index, 1, seq, past_length)
         staging = self._bind_presents(context, seq, write_at, caches)
@@ -301,7 +301,7 @@ class TensorRTRunner(Runner):
                 if len(chunk) == 1:
                     r = rows[chunk[0]]
                     out[chunk[0]] = self._run(graph, r.input_ids, r.position_ids, r.attention_mask, r.past,
-                                              r.write_at, r.slot)
+                                              r.write_at, r.region)
                 else:
                     out.update(zip(chunk, self._run_packed(graph, index, [rows[i] for i in chunk])))
         return [out[i] for i in range(len(rows))]
@@ -317,9 +317,9 @@ class TensorRTRunner(Runner):
         buf, stride = self._bind_scratch_presents(context, batch * seq)
         self._execute(context, graph, batch, seq, past)
         t = self._token_bytes
-        for b, r in enumerate(rows):  # each row's own tokens into its slot; padding and planner KV stay behind
+        for b, r in enumerate(rows):  # each row's own tokens into its region; padding and planner KV stay behind
             if r.write_at is not None:
-                for j, cache in enumerate(self._caches(r.slot)):
+                for j, cache in enumerate(self._caches(r.region)):
                     buf.copy_to(cache, r.input_ids.shape[1] * t, src_offset=j * stride + b * seq * t,
                                 dst_offset=r.write_at * t)
         outputs = self._fetch(graph, heads)
@@ -327,14 +327,14 @@ class TensorRTRunner(Runner):
                 for b, r in enumerate(rows)]
 
     def _gather_past(self, context: tensorrt.IExecutionContext, rows: list[RowFeed], packed: PackedRows) -> None:
-        """Each row's past copied from its slot into one [rows, past, H, D] buffer per layer. The buffer is
+        """Each row's past copied from its region into one [rows, past, H, D] buffer per layer. The buffer is
         zeroed when allocated: a padded position is masked, but 0 x NaN would still be NaN, so padding must
         hold finite values (zeros, or KV an earlier gather left there)."""
         m, t, batch, past = self.manifest, self._token_bytes, len(rows), packed.past
         stride = _aligned(batch * past * t)
         buf = self._buffer("batch past", len(self._past_names) * stride, zeroed=True)
         for b, r in enumerate(rows):
-            for j, cache in enumerate(self._caches(r.slot)):
+            for j, cache in enumerate(self._caches(r.region)):
                 cache.copy_to(buf, r.past * t, dst_offset=j * stride + b * past * t)
         shape = (batch, past, m.kv_heads, m.head_dim)
         for j, name in enumerate(self._past_names):
@@ -388,7 +388,7 @@ class TensorRTRunner(Runner):
 
     def _bind_presents(self, context: tensorrt.IExecutionContext, seq: int, write_at: int | None,
                        caches: list[DeviceBuffer]) -> tuple[DeviceBuffer, int] | None:
-        """Present KV straight into the slot's `caches` at write_at. Through an aligned staging buffer
+        """Present KV straight into the region's `caches` at write_at. Through an aligned staging buffer
         when that address is not 256-byte aligned (returned, to be copied in after the run), and for a
         planner forward (write_at None), whose present is discarded: the staging buffer is its
         scratch, apart from the cache, so it can overwrite nothing the loop reads."""
@@ -476,23 +476,23 @@ def _aligned(nbytes: int) -> int:
     return -(-nbytes // ALIGNMENT) * ALIGNMENT
 
 
-def batch_and_slots(engines: EngineManifest, max_slots: int | None, max_batch: int | None) -> tuple[int, int]:
-    """(max_batch, max_slots) of a TensorRT runner over `engines`: the batch at most the engine's
-    --max-batch (its default, or the slots if fewer), the slots at least the batch (default: the batch)."""
-    for name, value in (("max_batch", max_batch), ("max_requests", max_slots)):
+def batch_and_requests(engines: EngineManifest, max_requests: int | None, max_batch: int | None) -> tuple[int, int]:
+    """(max_batch, max_requests) of a TensorRT runner over `engines`: the batch at most the engine's
+    --max-batch (its default, or the regions if fewer), the regions at least the batch (default: the batch)."""
+    for name, value in (("max_batch", max_batch), ("max_requests", max_requests)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
             raise RefusionError(f"{name}={value!r} must be a positive integer.")
     built = engines.limits.max_batch
-    batch = max_batch if max_batch is not None else min(built, max_slots or built)
-    slots = max_slots if max_slots is not None else batch
+    batch = max_batch if max_batch is not None else min(built, max_requests or built)
+    regions = max_requests if max_requests is not None else batch
     if batch > built:
         raise RefusionError(f"max_batch={batch} exceeds the engine's --max-batch {built}: its profiles take at most "
                             f"{built} rows. Lower max_batch, or rebuild with --max-batch {batch}: "
                             f"{engines.rebuild_command}")
-    if slots < batch:
-        raise RefusionError(f"max_requests={slots} is less than max_batch={batch}: a batch packs requests in flight; "
+    if regions < batch:
+        raise RefusionError(f"max_requests={regions} is less than max_batch={batch}: a batch packs requests in flight; "
                             "raise max_requests or lower max_batch.")
-    return batch, slots
+    return batch, regions
 
 
 def _deserialize(runtime: tensorrt.Runtime, path: Path) -> tensorrt.ICudaEngine | None:

@@ -373,7 +373,7 @@ class _Context:
 
 
 class CpuBoundCudaRunner(OrtCudaRunner):
-    """OrtCudaRunner's own code (slots, gathers, scatters, IO binding by address) over the fake
+    """OrtCudaRunner's own code (KV regions, gathers, scatters, IO binding by address) over the fake
     cuda-python, whose "device" memory is host memory: onnxruntime's CPU provider reads and writes
     it through the same bindings, by pointer. What only CUDA shows is tools/gpu_check.py's."""
 

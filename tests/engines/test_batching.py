@@ -56,10 +56,10 @@ def serve_together(runner: Runner, manifest: ExportManifest, jobs: list, victim:
             cancelled.cancel()
             assert cancelled.result(timeout=60).finish_reason == "cancelled"
         results = [r.result(timeout=120) for r in requests]
-        assert gen.engine.in_flight == 0 and sorted(gen.engine._free_slots) == list(range(runner.max_slots))
+        assert gen.scheduler.in_flight == 0 and sorted(gen.scheduler._free_regions) == list(range(runner.max_requests))
         return results
     finally:
-        gen.engine.close()
+        gen.scheduler.close()
 
 
 # -- profiles, the build flag, engines.json --------------------------------------------------------
@@ -141,37 +141,37 @@ def test_runner_sizes_come_from_engines_json(peaky_export, fakes, tmp_path):
     batched = fake_engines(peaky_export, tmp_path / "b", DecodeLimits(max_prompt=16, gen_length=64, slot_size=4,
                                                                       serial_blocks=2, max_batch=4))
     runner = TensorRTRunner.from_dir(batched)
-    assert (runner.max_batch, runner.max_slots) == (4, 4)
-    assert (TensorRTRunner.from_dir(batched, max_slots=6, max_batch=2).max_batch, 6) == (2, 6)
+    assert (runner.max_batch, runner.max_requests) == (4, 4)
+    assert (TensorRTRunner.from_dir(batched, max_requests=6, max_batch=2).max_batch, 6) == (2, 6)
     with pytest.raises(RefusionError, match=r"max_batch=8 exceeds the engine's --max-batch 4.*rebuild with "
                                             r"--max-batch 8: refusion-export build"):
         TensorRTRunner.from_dir(batched, max_batch=8)
     with pytest.raises(RefusionError, match="max_requests=2 is less than max_batch=3"):
-        TensorRTRunner.from_dir(batched, max_slots=2, max_batch=3)
-    assert (TensorRTRunner.from_dir(batched, max_slots=2).max_batch, 2) == (2, 2)  # the batch follows fewer slots
+        TensorRTRunner.from_dir(batched, max_requests=2, max_batch=3)
+    assert (TensorRTRunner.from_dir(batched, max_requests=2).max_batch, 2) == (2, 2)  # the batch follows fewer regions
     with pytest.raises(RefusionError, match="max_batch=0 must be a positive integer"):
         TensorRTRunner.from_dir(batched, max_batch=0)
     single = TensorRTRunner.from_dir(fake_engines(peaky_export, tmp_path / "s"))
-    assert (single.max_batch, single.max_slots) == (1, 1)
+    assert (single.max_batch, single.max_requests) == (1, 1)
 
 
 def test_packed_rows_equal_each_row_alone(tiny_export, fakes, tmp_path):
     """Rows of different lengths, pasts and slots in one execution give each row's own heads and
-    present KV (written at its write_at in its slot, odd offsets included). Within 1e-5, not bit for
+    present KV (written at its write_at in its region, odd offsets included). Within 1e-5, not bit for
     bit: the fake runs the graph on onnxruntime, which sums a padded batch in another order (as on the
-    CPU runner, tests/runtime/test_concurrency.py). A planner batch leaves every slot untouched. A
+    CPU runner, tests/runtime/test_concurrency.py). A planner batch leaves every region untouched. A
     prefill row beside them runs alone on the batch-1 prefill profile."""
     _, cudart = fakes
     engines = fake_engines(tiny_export, tmp_path / "engines", LIMITS)
     rng = np.random.default_rng(0)
     with TensorRTRunner.from_dir(engines) as trt:
         rows = []
-        for slot, (past, seq, write_at) in enumerate([(7, 3, 7), (12, 5, 13), (20, 1, 21)]):
-            trt.allocate_kv(48, slot)
+        for region, (past, seq, write_at) in enumerate([(7, 3, 7), (12, 5, 13), (20, 1, 21)]):
+            trt.allocate_kv(48, region)
             trt.run("infiller", rng.integers(0, 100, (1, past)), np.arange(past)[None],
-                    masks.causal_after(0, past), 0, 0, slot)
+                    masks.causal_after(0, past), 0, 0, region)
             rows.append(RowFeed(rng.integers(0, 100, (1, seq)), np.arange(past, past + seq)[None],
-                                masks.causal_after(past, seq), past, write_at, slot))
+                                masks.causal_after(past, seq), past, write_at, region))
         before = [trt.kv_to_host(0, 48, s) for s in range(3)]
         alone = [trt.run_batch("infiller", [r])[0] for r in rows]
         kv_alone = [trt.kv_to_host(0, 48, s) for s in range(3)]
@@ -191,7 +191,7 @@ def test_packed_rows_equal_each_row_alone(tiny_export, fakes, tmp_path):
                 np.testing.assert_allclose(array, kv_alone[s][name], rtol=0, atol=1e-5)
 
         kv_packed = [trt.kv_to_host(0, 48, s) for s in range(3)]
-        planner_rows = [RowFeed(r.input_ids, r.position_ids, r.attention_mask, r.past, None, r.slot) for r in rows]
+        planner_rows = [RowFeed(r.input_ids, r.position_ids, r.attention_mask, r.past, None, r.region) for r in rows]
         plan = trt._contexts[2]
         out = trt.run_batch("planner", planner_rows)
         assert plan.runs == 1 and [set(o) for o in out] == [{"argmax_ids", "argmax_probs"}] * 3
@@ -211,17 +211,17 @@ def test_packed_rows_equal_each_row_alone(tiny_export, fakes, tmp_path):
     assert cudart.allocations == {}
 
 
-@pytest.mark.parametrize("max_slots, max_batch", [(4, 4), (6, 2)])
-def test_requests_served_together_get_their_tokens_alone_on_tensorrt(tiny_export, jobs, fakes, tmp_path, max_slots,
+@pytest.mark.parametrize("max_requests, max_batch", [(4, 4), (6, 2)])
+def test_requests_served_together_get_their_tokens_alone_on_tensorrt(tiny_export, jobs, fakes, tmp_path, max_requests,
                                                                      max_batch):
     """AR and ReFusion requests of several settings and prompt lengths, EOS early or never, one
     neighbour cancelled midway: each gets the tokens it gets alone on the same runner."""
     _, cudart = fakes
     engines = fake_engines(tiny_export, tmp_path / "engines", LIMITS)
     manifest = ExportManifest.read(engines)
-    with TensorRTRunner.from_dir(engines, max_slots=1, max_batch=1) as alone_runner:
+    with TensorRTRunner.from_dir(engines, max_requests=1, max_batch=1) as alone_runner:
         alone = decode_alone_on(alone_runner, manifest, jobs)
-    runner = TensorRTRunner.from_dir(engines, max_slots=max_slots, max_batch=max_batch)
+    runner = TensorRTRunner.from_dir(engines, max_requests=max_requests, max_batch=max_batch)
     packed = count_packed(runner, "_run_packed")
     with runner:
         results = serve_together(runner, manifest, jobs, victim=jobs[0][0])
@@ -237,7 +237,7 @@ def test_requests_served_together_get_their_tokens_alone_on_ort_cuda(tiny_export
     manifest = ExportManifest.load(tiny_export)
     with CpuBoundCudaRunner(manifest, threads=1) as alone_runner:
         alone = decode_alone_on(alone_runner, manifest, jobs)
-    runner = CpuBoundCudaRunner(manifest, threads=1, max_slots=4, max_batch=4)
+    runner = CpuBoundCudaRunner(manifest, threads=1, max_requests=4, max_batch=4)
     packed = count_packed(runner, "_run_batch")
     with runner:
         results = serve_together(runner, manifest, jobs, victim=jobs[1][0])
@@ -252,14 +252,14 @@ def test_ort_cuda_packed_rows_write_each_slot(tiny_export, fakes):
     _, cudart = fakes
     manifest = ExportManifest.load(tiny_export)
     rng = np.random.default_rng(1)
-    with CpuBoundCudaRunner(manifest, threads=1, max_slots=2, max_batch=2) as runner:
+    with CpuBoundCudaRunner(manifest, threads=1, max_requests=2, max_batch=2) as runner:
         rows = []
-        for slot, (past, seq) in enumerate([(5, 4), (9, 2)]):
-            runner.allocate_kv(32, slot)
+        for region, (past, seq) in enumerate([(5, 4), (9, 2)]):
+            runner.allocate_kv(32, region)
             runner.run("infiller", rng.integers(0, 100, (1, past)), np.arange(past)[None],
-                       masks.causal_after(0, past), 0, 0, slot)
+                       masks.causal_after(0, past), 0, 0, region)
             rows.append(RowFeed(rng.integers(0, 100, (1, seq)), np.arange(past, past + seq)[None],
-                                masks.causal_after(past, seq), past, past, slot))
+                                masks.causal_after(past, seq), past, past, region))
         t = runner._token_bytes
         alone = [runner.run_batch("infiller", [r])[0] for r in rows]
         kv_alone = [[buf.copy_to_host((32 * t,), np.uint8) for buf in runner._device_caches(s)] for s in range(2)]

@@ -1,7 +1,7 @@
 """Many requests at once on one Generator: threads, submit / cancel / timeouts, batched forwards.
 
 Every greedy request must get exactly the tokens it gets alone (run directly on a runner,
-no engine), whatever runs beside it: other settings, AR and ReFusion mixed, other prompt
+no scheduler), whatever runs beside it: other settings, AR and ReFusion mixed, other prompt
 lengths, early or no EOS, neighbours cancelled midway.
 """
 
@@ -46,7 +46,7 @@ def test_concurrent_and_batched_requests_get_their_tokens_alone(export, jobs, al
                             max_batch=max_batch) as gen:
         requests = [gen.submit(prompt_ids=ids, **settings) for ids, settings in jobs]
         results = [r.result(timeout=120) for r in requests]
-        assert gen.engine.in_flight == 0
+        assert gen.scheduler.in_flight == 0
     assert [r.token_ids for r in results] == alone
     reasons = {r.finish_reason for r in results}
     assert reasons == {"eos", "length"}, reasons  # the mix really has both endings
@@ -87,7 +87,7 @@ def test_cancel_midway_frees_the_slot_and_leaves_the_others_alone(export, jobs, 
         settled = cancelled.token_ids  # the contiguous run from the prompt's end, nothing beyond
         assert settled == [t for t in _full(cancelled)][: len(settled)]
         assert [r.result(timeout=60).token_ids for r in others] == alone[1:6]
-        assert gen.engine.in_flight == 0 and sorted(gen.engine._free_slots) == [0, 1, 2, 3]
+        assert gen.scheduler.in_flight == 0 and sorted(gen.scheduler._free_regions) == [0, 1, 2, 3]
 
 
 def _slow_down(gen: Generator, seconds: float) -> None:
@@ -124,9 +124,9 @@ def test_closing_a_stream_cancels_its_request(export, jobs):
         next(stream)
         stream.close()
         deadline = time.monotonic() + 10
-        while gen.engine.in_flight and time.monotonic() < deadline:
+        while gen.scheduler.in_flight and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert gen.engine.in_flight == 0
+        assert gen.scheduler.in_flight == 0
 
 
 def test_iterating_a_request_gives_its_settled_text(export):
@@ -166,7 +166,7 @@ def test_result_wait_and_closed_generator(export):
     (dict(max_requests=0), r"max_requests=0 must be a positive integer"),
     (dict(max_requests=2, max_batch=4), r"max_batch=4 exceeds max_requests=2"),
 ])
-def test_engine_options_checked(export, kwargs, match):
+def test_runner_options_checked(export, kwargs, match):
     with pytest.raises(RefusionError, match=match):
         Generator.from_dir(export, backend="ort-cpu", **kwargs)
 
@@ -180,15 +180,15 @@ def test_batched_rows_equal_single_rows_on_the_runner(export):
 
     manifest = ExportManifest.load(export)
     rng = np.random.default_rng(0)
-    with OrtRunner(manifest, threads=1, max_slots=3, max_batch=3) as runner:
+    with OrtRunner(manifest, threads=1, max_requests=3, max_batch=3) as runner:
         feeds = []
-        for slot, (past, seq) in enumerate([(0, 7), (5, 3), (11, 1)]):
-            runner.allocate_kv(32, slot)
+        for region, (past, seq) in enumerate([(0, 7), (5, 3), (11, 1)]):
+            runner.allocate_kv(32, region)
             if past:  # some real KV to read: a prefill of `past` tokens first
                 runner.run("infiller", rng.integers(0, 100, (1, past)), np.arange(past)[None],
-                           masks.causal_after(0, past), 0, 0, slot)
+                           masks.causal_after(0, past), 0, 0, region)
             feeds.append(RowFeed(rng.integers(0, 100, (1, seq)), np.arange(past, past + seq)[None],
-                                 masks.causal_after(past, seq), past, past, slot))
+                                 masks.causal_after(past, seq), past, past, region))
         keys_before = [[k.copy() for k in runner.keys[s]] for s in range(3)]
         single = [runner.run_batch("infiller", [f])[0] for f in feeds]
         keys_single = [[k.copy() for k in runner.keys[s]] for s in range(3)]
@@ -228,16 +228,16 @@ def test_a_request_cancelled_while_waiting_ends_at_once(export):
         busy.cancel()
 
 
-def test_an_engine_failure_fails_the_running_requests_instead_of_hanging(export, monkeypatch):
-    from refusion.runtime.engine import Engine
+def test_a_scheduler_failure_fails_the_running_requests_instead_of_hanging(export, monkeypatch):
+    from refusion.runtime.scheduler import Scheduler
 
     def broken(self):
-        raise RuntimeError("engine bug")
+        raise RuntimeError("scheduler bug")
 
     with Generator.from_dir(export, backend="ort-cpu", threads=1) as gen:
-        monkeypatch.setattr(Engine, "_round", broken)
+        monkeypatch.setattr(Scheduler, "_round", broken)
         request = gen.submit(prompt_ids=[5, 6, 7], gen_length=8, mode="ar")
-        with pytest.raises(RuntimeError, match="engine bug"):
+        with pytest.raises(RuntimeError, match="scheduler bug"):
             request.result(timeout=10)
         monkeypatch.undo()
         assert gen.generate(prompt_ids=[5, 6, 7], gen_length=8, mode="ar").finish_reason in ("eos", "length")

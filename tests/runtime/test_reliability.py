@@ -4,7 +4,7 @@ sampling without a logits export at result()), on the embedded model, onnxruntim
 
 Every request that completes has the tokens it gets alone; one that is cancelled or times out has a
 prefix of them; one that fails raises its own RefusionError (naming its own value) and nothing else
-changes. At the end nothing is in flight, every KV slot is free, and RSS is where it was after the
+changes. At the end nothing is in flight, every KV region is free, and RSS is where it was after the
 warm-up.
 
     REFUSION_RELIABILITY_REQUESTS=1000 python -m pytest -q tests/runtime/test_reliability.py   # the issue's count
@@ -51,12 +51,12 @@ SETTINGS = [  # short generations, both modes, early EOS and none
 ]
 # What happens to a request, with its weight in the mix.
 KINDS = {"complete": 50, "cancel": 15, "timeout": 15, "bad_setting": 5, "too_long": 5, "sampling": 10}
-# RSS may grow this much from the warm-up to the end. The warm-up fills every KV slot at the largest
+# RSS may grow this much from the warm-up to the end. The warm-up fills every KV region at the largest
 # capacity of the mix and runs a mix of its own, so the cache, onnxruntime's arena and the threads' malloc
 # arenas have their size. Measured after it: +0.2-0.4 MiB over 300 requests, +1.2-1.3 MiB over 1000,
 # levelling off at ~1.1 MiB over 3000 (allocator settling: tracemalloc sees +0.02 MiB of Python objects).
 # A leak of what a forward handles is far larger: one row's past KV at 40 tokens is ~120 KiB, a request
-# makes ~4 forwards, a KV slot is up to 0.8 MiB. A leaked Request (~5 KiB) is too small for RSS; the test
+# makes ~4 forwards, a KV region is up to 0.8 MiB. A leaked Request (~5 KiB) is too small for RSS; the test
 # looks for live Request objects instead.
 RSS_TOLERANCE = 4 << 20
 
@@ -159,7 +159,7 @@ def test_mixed_load_from_eight_threads(export, jobs, alone):
     manifest = ExportManifest.load(export)
     plans = make_plans(REQUESTS, len(jobs), SEED, manifest.max_positions)
     with Generator.from_dir(export, backend="ort-cpu", threads=1) as gen:
-        slots = gen.runner.max_slots
+        slots = gen.runner.max_requests
         # Warm-up: every slot at the largest capacity of the mix, then a short mix of its own.
         longest = max(range(len(jobs)), key=lambda j: kv_capacity(len(jobs[j][0]), DecodeParams(**jobs[j][1])))
         warm = [gen.submit(prompt_ids=jobs[longest][0], **jobs[longest][1]) for _ in range(slots)]
@@ -170,8 +170,8 @@ def test_mixed_load_from_eight_threads(export, jobs, alone):
         rss_before = rss_bytes()
 
         outcomes = run_mix(gen, plans, jobs)
-        assert gen.engine.in_flight == 0
-        assert sorted(gen.engine._free_slots) == list(range(slots))
+        assert gen.scheduler.in_flight == 0
+        assert sorted(gen.scheduler._free_regions) == list(range(slots))
         gc.collect()
         rss_after = rss_bytes()
         assert not [o for o in gc.get_objects() if type(o) is Request], "finished requests are still referenced"

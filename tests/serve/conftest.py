@@ -58,10 +58,10 @@ def metric(server, name: str) -> float:
 
 
 def wait_idle(server, timeout: float = 10) -> float:
-    """Seconds until no request is in flight and no KV slot is held (fails after `timeout`)."""
+    """Seconds until no request is in flight and no KV region is held (fails after `timeout`)."""
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:
         if metric(server, "refusion_requests_in_flight") == 0 and metric(server, "refusion_kv_slots_in_use") == 0:
             return time.monotonic() - t0
         time.sleep(0.05)
-    raise AssertionError(f"requests or KV slots still held after {timeout} s")
+    raise AssertionError(f"requests or KV regions still held after {timeout} s")

@@ -167,7 +167,7 @@ def test_a_client_that_disconnects_mid_stream_is_cancelled_and_its_kv_freed(serv
     assert response.readline().startswith(b"data: ")
     deadline = time.monotonic() + 2  # the gauge is refreshed every 50 ms
     while metric(server, "refusion_kv_slots_in_use") != 1:
-        assert time.monotonic() < deadline, "the streaming request holds no KV slot"
+        assert time.monotonic() < deadline, "the streaming request holds no KV region"
         time.sleep(0.02)
     t0 = time.monotonic()
     conn.close()

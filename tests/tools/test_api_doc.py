@@ -45,7 +45,7 @@ def test_the_examples_run(tmp_path):
                     "gen_length 10000 exceeds the model's 256 positions", "mode='fast' is not one of"):
         assert message in printed  # each bad setting's RefusionError, naming it
     assert "weights 47/47 written" in printed  # progress=print: the lines the CLI logs
-    assert namespace["gen"].engine._closed
+    assert namespace["gen"].scheduler._closed
 
 
 def test_the_tables_name_every_field_and_option():

@@ -1,13 +1,14 @@
-"""The engine: one thread that owns the Runner and advances every request in flight.
+"""The scheduler: one thread that owns the Runner and advances every request in flight.
 
-Any thread may `submit` a Request; the engine thread alone touches the runner, so a Generator
+Any thread may `submit` a Request; the scheduler thread alone touches the runner, so a Generator
 can be shared by any number of threads. Each round it admits waiting requests into free KV
-slots, advances every active request to its next forward (doing its KV moves and recording
+regions, advances every active request to its next forward (doing its KV moves and recording
 its commits on the way), then runs the pending forwards graph by graph, packing up to the
 runner's `max_batch` of them into one call, and hands each request its outputs.
-A cancelled or expired request is finished before its next forward and its slot freed at
+A cancelled or expired request is finished before its next forward and its region freed at
 once; a request that fails (its own RefusionError) fails alone.
-(nano-vllm's engine/: scheduler, sequence, block manager, model runner, in one small loop.)
+(nano-vllm's engine/: scheduler, sequence, block manager, model runner, in one small loop.) It is the only
+driver of step machines.
 """
 
 from __future__ import annotations
@@ -22,13 +23,13 @@ from refusion.runtime.runners.base import RowFeed, Runner
 from refusion.runtime.decode.steps import Forward, KVMove
 
 
-class Engine:
+class Scheduler:
     def __init__(self, runner: Runner):
         self.runner = runner
         self._lock = threading.Condition()
         self._waiting: deque[Request] = deque()
         self._active: list[Request] = []
-        self._free_slots = list(range(runner.max_slots))[::-1]
+        self._free_regions = list(range(runner.max_requests))[::-1]
         self._thread: threading.Thread | None = None
         self._closed = False
 
@@ -38,13 +39,13 @@ class Engine:
                 raise RefusionError("this Generator is closed; load it again with Generator.from_dir(...).")
             self._waiting.append(request)
             if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name="refusion-engine", daemon=True)
+                self._thread = threading.Thread(target=self._loop, name="refusion-scheduler", daemon=True)
                 self._thread.start()
             self._lock.notify_all()
         return request
 
     def close(self) -> None:
-        """Cancel what is waiting or running, and stop the engine thread."""
+        """Cancel what is waiting or running, and stop the scheduler thread."""
         with self._lock:
             self._closed = True
             self._lock.notify_all()
@@ -58,12 +59,12 @@ class Engine:
             return len(self._waiting) + len(self._active)
 
     @property
-    def slots_in_use(self) -> int:
-        """KV slots held by running requests (0 once every request has ended: nothing leaked)."""
+    def regions_in_use(self) -> int:
+        """KV regions held by running requests (0 once every request has ended: nothing leaked)."""
         with self._lock:
-            return self.runner.max_slots - len(self._free_slots)
+            return self.runner.max_requests - len(self._free_regions)
 
-    # -- the engine thread ------------------------------------------------------------------------
+    # -- the scheduler thread ---------------------------------------------------------------------
     def _loop(self) -> None:
         while True:
             with self._lock:
@@ -80,18 +81,18 @@ class Engine:
             self._finish(request, "cancelled")
 
     def _admit(self) -> None:
-        """Waiting requests into free KV slots, in arrival order (under the lock); those cancelled
+        """Waiting requests into free KV regions, in arrival order (under the lock); those cancelled
         or expired while waiting end at once."""
         now = time.monotonic()
         for request in [r for r in self._waiting if r.cancelled or (r.deadline is not None and now > r.deadline)]:
             self._finish(request, "cancelled" if request.cancelled else "timeout")
-        while self._waiting and self._free_slots:
+        while self._waiting and self._free_regions:
             request = self._waiting.popleft()
-            request.slot = self._free_slots.pop()
+            request.region = self._free_regions.pop()
             request.started = time.perf_counter()
             self._active.append(request)
             try:
-                self.runner.allocate_kv(request.capacity, request.slot)
+                self.runner.allocate_kv(request.capacity, request.region)
             except Exception as e:  # noqa: BLE001 - the request fails alone, with its own error
                 self._finish(request, None, e)
 
@@ -127,13 +128,13 @@ class Engine:
                 return step
             if isinstance(step, KVMove):
                 t0 = time.perf_counter()
-                self.runner.move_kv(step.src, step.dst, step.length, request.kv_slot)
-                request.engine_seconds += time.perf_counter() - t0
+                self.runner.move_kv(step.src, step.dst, step.length, request.kv_region)
+                request.runner_seconds += time.perf_counter() - t0
             else:
                 request.add_commit(step)
 
     def _run(self, graph: str, batch: list[tuple[Request, Forward]]) -> None:
-        rows = [RowFeed(f.input_ids, f.position_ids, f.attention_mask, f.past, f.write_at, r.kv_slot) for r, f in batch]
+        rows = [RowFeed(f.input_ids, f.position_ids, f.attention_mask, f.past, f.write_at, r.kv_region) for r, f in batch]
         t0 = time.perf_counter()
         try:
             outputs = self.runner.run_batch(graph, rows)  # type: ignore[arg-type]
@@ -143,7 +144,7 @@ class Engine:
             return
         seconds = time.perf_counter() - t0
         for (request, _), out in zip(batch, outputs):
-            request.engine_seconds += seconds
+            request.runner_seconds += seconds
             request.inbox = out
 
     def _finish(self, request: Request, reason: FinishReason | None, error: BaseException | None = None) -> None:
@@ -152,7 +153,7 @@ class Engine:
                 self._active.remove(request)
             if request in self._waiting:
                 self._waiting.remove(request)
-            if request.slot is not None:
-                self._free_slots.append(request.slot)
-                request.slot = None
+            if request.region is not None:
+                self._free_regions.append(request.region)
+                request.region = None
         request.finish(reason, error)
