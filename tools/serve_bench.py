@@ -48,7 +48,7 @@ import numpy as np
 
 from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.generator import Generator
-from refusion.serve.client import request_body, stream_events
+from refusion.serve.triton.client import request_body, stream_events
 from refusion.tools import tasks as T
 from refusion.tools.bench import host_info
 from refusion.tools.cli_common import progress as echo_progress
@@ -301,8 +301,8 @@ def run_serve_bench(cfg: ServeBenchConfig, progress: Progress = echo_progress) -
 @contextmanager
 def serving(export_dir: Path, cfg: ServeBenchConfig, log_path: Path, progress: Progress) -> Iterator[tuple[int, int]]:
     """tritonserver on free loopback ports with the bench's settings: (HTTP port, its pid)."""
-    from refusion.serve.launcher import Ports, TritonServer, free_ports
-    from refusion.serve.settings import ServeSettings
+    from refusion.serve.triton.launcher import Ports, TritonServer, free_ports
+    from refusion.serve.triton.settings import ServeSettings
 
     # Room for every client: none may be refused for the queue limit.
     settings = ServeSettings(str(export_dir), backend="ort-cpu", threads=cfg.threads, max_requests=cfg.max_requests,

@@ -21,9 +21,9 @@ import click
 
 from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.runners import BACKENDS
-from refusion.serve.client import generate, request_body, stream_events
-from refusion.serve.launcher import Ports, TritonServer, check_export
-from refusion.serve.settings import ServeSettings
+from refusion.serve.triton.client import generate, request_body, stream_events
+from refusion.serve.triton.launcher import Ports, TritonServer, check_export
+from refusion.serve.triton.settings import ServeSettings
 from refusion.tools.cli_common import decode_options, decode_settings, progress, quiet_option
 
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)

@@ -15,7 +15,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from refusion.runtime.core.errors import RefusionError
-from refusion.serve.tensors import INPUTS
+from refusion.serve.triton.tensors import INPUTS
 
 # The runtime's decode settings by their tensor names on the wire (gen_length is max_tokens).
 TENSOR_OF_SETTING = {spec.setting: spec.name for spec in INPUTS if spec.setting}

@@ -28,8 +28,8 @@ def slow_export(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def server(slow_export, tmp_path_factory) -> Iterator[object]:
     pytest.importorskip("pytriton", reason="serving needs the serve extra: pip install -e '.[serve]'")
-    from refusion.serve.launcher import Ports, TritonServer, free_ports
-    from refusion.serve.settings import ServeSettings
+    from refusion.serve.triton.launcher import Ports, TritonServer, free_ports
+    from refusion.serve.triton.settings import ServeSettings
 
     log = open(tmp_path_factory.mktemp("log") / "triton.log", "wb")
     settings = ServeSettings(str(slow_export), backend="ort-cpu", threads=1, max_requests=8, max_batch=8, max_queue=64)

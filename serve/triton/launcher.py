@@ -3,7 +3,7 @@
 The server is the `tritonserver` that nvidia-pytriton ships (pip, no container). We run it with a
 model repository of our own rather than through PyTriton's callable proxy, because that proxy does
 not pass Triton's request cancellation to the callable: a client that goes away would keep its
-request decoding. Triton's Python backend does (serve/triton_model.py polls it).
+request decoding. Triton's Python backend does (serve/triton/model.py polls it).
 
     with TritonServer(export_dir, Ports(8000, 8001, 8002)) as server:
         ...  # http://127.0.0.1:8000/v2/models/refusion/generate
@@ -31,8 +31,8 @@ from typing import IO
 from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.core.export_manifest import ExportManifest
 from refusion.runtime.runners import runner_options
-from refusion.serve.settings import ServeSettings
-from refusion.serve.tensors import config_pbtxt
+from refusion.serve.triton.settings import ServeSettings
+from refusion.serve.triton.tensors import config_pbtxt
 
 _INSTALL_HINT = "pip install -e '.[serve]' (nvidia-pytriton, which bundles tritonserver)"
 _MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
@@ -239,7 +239,7 @@ def write_repository(root: Path, model_name: str, settings: ServeSettings, insta
     model = root / "models" / model_name
     (model / "1").mkdir(parents=True)
     (model / "config.pbtxt").write_text(config_pbtxt(model_name, settings.to_parameters()))
-    (model / "1" / "model.py").write_text("from refusion.serve.triton_model import TritonPythonModel  # noqa: F401\n")
+    (model / "1" / "model.py").write_text("from refusion.serve.triton.model import TritonPythonModel  # noqa: F401\n")
     backend = root / "backends" / "python"
     backend.mkdir(parents=True)
     for name in ("libtriton_python.so", "triton_python_backend_utils.py"):

@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 
 from refusion.runtime.generator import Generator
-from refusion.serve.client import stream_events
-from refusion.serve.launcher import free_ports
-from tests.serve.conftest import LONG, MODEL, metric, post, wait_idle
+from refusion.serve.triton.client import stream_events
+from refusion.serve.triton.launcher import free_ports
+from tests.serve.triton.conftest import LONG, MODEL, metric, post, wait_idle
 
 pytestmark = pytest.mark.slow
 SHORT = {"max_tokens": 32, "slot_size": 4, "serial_num_blocks": 2}
@@ -252,7 +252,7 @@ def test_past_the_drain_timeout_requests_are_cancelled_with_a_final_response(slo
 
 
 def test_the_docs_grpc_example_runs(server, capsys):
-    doc = (Path(__file__).resolve().parents[2] / "docs" / "serving.md").read_text()
+    doc = (Path(__file__).resolve().parents[3] / "docs" / "serving.md").read_text()
     code = doc.split("```python\n")[1].split("```")[0]
     assert '"localhost:8001"' in code and "np.array([64]" in code
     # This server's model records slot_size 32 and 4 blocks: 64 tokens do not divide; 128 do.

@@ -17,7 +17,7 @@ class ServeSettings:
     max_requests: int | None = None  # running at once, a KV region each (None: the runner's default)
     max_batch: int | None = None  # forwards packed per call (None: the runner's default)
     max_queue: int = 64  # waiting beyond the running ones; more are rejected at once
-    drain_file: str | None = None  # the launcher writes the drain's deadline here on SIGTERM (serve/launcher.py)
+    drain_file: str | None = None  # the launcher writes the drain's deadline here on SIGTERM (serve/triton/launcher.py)
 
     def __post_init__(self) -> None:
         if isinstance(self.max_queue, bool) or not isinstance(self.max_queue, int) or self.max_queue < 0:

@@ -1,6 +1,6 @@
 """The Triton model: a decoupled Python-backend model over one Generator.
 
-Triton hands `execute` requests as they arrive; each is read (serve/tensors.py), submitted to the
+Triton hands `execute` requests as they arrive; each is read (serve/triton/tensors.py), submitted to the
 Generator and answered from a thread of its own, so requests run concurrently and their forwards
 are batched step by step by the runtime's engine, not in lockstep by Triton. A watcher polls
 Triton's cancellation flag (a client that went away, a gRPC stream cancelled) and cancels the
@@ -22,8 +22,8 @@ import triton_python_backend_utils as pb_utils
 from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.generator import Generator
 from refusion.runtime.request import GenerationResult, Request
-from refusion.serve.settings import ServeSettings
-from refusion.serve.tensors import INPUT_NAMES, read_request
+from refusion.serve.triton.settings import ServeSettings
+from refusion.serve.triton.tensors import INPUT_NAMES, read_request
 
 _WATCH_S = 0.05  # how often client cancellation is polled: well under one forward of a real model
 _FINAL_WAIT_S = 30.0  # at unload, for cancelled requests' final responses (each needs at most one forward)

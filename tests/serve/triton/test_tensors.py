@@ -12,10 +12,10 @@ import pytest
 from click.testing import CliRunner
 
 from refusion.runtime.core.errors import RefusionError
-from refusion.serve import launcher
-from refusion.serve.launcher import Ports, TritonInstall, TritonServer
-from refusion.serve.settings import ServeSettings
-from refusion.serve.tensors import INPUTS, OUTPUTS, config_pbtxt, read_request
+from refusion.serve.triton import launcher
+from refusion.serve.triton.launcher import Ports, TritonInstall, TritonServer
+from refusion.serve.triton.settings import ServeSettings
+from refusion.serve.triton.tensors import INPUTS, OUTPUTS, config_pbtxt, read_request
 from refusion.tools.run_cli import cli
 
 
@@ -127,7 +127,7 @@ def test_the_repository_holds_our_model_and_the_stub(tmp_path):
         (install.python_backend / name).write_text(name)
     install.stub.write_text("stub")
     models, backends = launcher.write_repository(tmp_path / "root", "m", ServeSettings("/e"), install)
-    assert "from refusion.serve.triton_model import TritonPythonModel" in (models / "m" / "1" / "model.py").read_text()
+    assert "from refusion.serve.triton.model import TritonPythonModel" in (models / "m" / "1" / "model.py").read_text()
     assert 'key: "model_dir"' in (models / "m" / "config.pbtxt").read_text()
     assert (backends / "python" / "triton_python_backend_stub").read_text() == "stub"
     assert json.dumps(sorted(p.name for p in (backends / "python").iterdir())) == json.dumps(
