@@ -22,10 +22,9 @@ from refusion.runtime.core.profiles import DecodeLimits, engine_profiles, select
 from refusion.runtime.generator import Generator
 from refusion.runtime.runners.base import RowFeed, Runner
 from refusion.runtime.runners.tensorrt import TensorRTRunner
-from tests.engines.conftest import fake_engines
-from tests.engines.fakes import CpuBoundCudaRunner
-from tests.runtime.conftest import MIXED_SETTINGS, chat_jobs, decode_alone_on
-from tests.runtime.conftest import tiny_export as tiny_export  # noqa: F401  (the fixture, re-exported)
+from tests.helpers import fake_engines
+from tests.fakes import CpuBoundCudaRunner
+from tests.helpers import MIXED_SETTINGS, chat_jobs, decode_alone_on
 
 pytest.importorskip("torch")  # chat_jobs' held-out prompts
 

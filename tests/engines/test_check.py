@@ -12,13 +12,13 @@ from refusion.export import compare
 from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.core.export_manifest import ExportManifest
 from refusion.runtime.core.profiles import DecodeLimits
-from tests.engines.conftest import fake_engines
+from tests.helpers import fake_engines
 
 LOOP = {"prefill+plan", "plan", "verify", "ar step", "slot rows"}
 
 
 def test_check_passes_on_engines_of_the_export(peaky_export, fakes, tmp_path, monkeypatch):
-    from tests.engines.fakes import _Context
+    from tests.fakes import _Context
 
     lines: list[str] = []
     engines = fake_engines(peaky_export, tmp_path / "engines")
@@ -40,7 +40,7 @@ def test_check_passes_on_engines_of_the_export(peaky_export, fakes, tmp_path, mo
 def test_check_runs_batch_cases_on_batched_engines(peaky_export, fakes, tmp_path, monkeypatch):
     """Engines built with --max-batch 2 run the batch-2 cases too, each row a request of its own: rows
     packed into one execution of a decode profile, the infiller's prefill rows one by one."""
-    from tests.engines.fakes import _Context
+    from tests.fakes import _Context
 
     limits = DecodeLimits(max_prompt=16, gen_length=64, slot_size=4, serial_blocks=2, max_batch=2)
     ran: list[tuple[int, int]] = []  # (profile, rows) of every execution

@@ -9,7 +9,7 @@ from click.testing import CliRunner
 
 from refusion.runtime.core.errors import RefusionError
 from refusion.tools.build_command import build_command, check_engines
-from tests.engines.conftest import fake_engines
+from tests.helpers import fake_engines
 
 
 def test_build_refuses_before_tensorrt(exports, tmp_path):

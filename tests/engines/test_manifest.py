@@ -11,7 +11,7 @@ from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.core.export_manifest import ExportManifest
 from refusion.runtime.core.profiles import DecodeLimits
 from refusion.runtime.runners.tensorrt import TensorRTRunner
-from tests.engines.conftest import fake_engines
+from tests.helpers import fake_engines
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""The TensorRT-facing modules type-check against tensorrt-stubs (fixed by tools/trt_stubs.py).
+"""The TensorRT-facing modules type-check against tensorrt-stubs (fixed by tools/checks/trt_stubs.py).
 
 Needs the stubs (`pip install --no-deps --target build/tensorrt-stubs tensorrt-stubs==10.13.0.35.1`)
 and mypy; skipped without them.
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from refusion.tools import trt_stubs
+from refusion.tools.checks import trt_stubs
 
 REPO = Path(__file__).resolve().parents[2]
 MODULES = ["refusion.engines.build", "refusion.runtime.core.engines_manifest", "refusion.runtime.core.profiles",

@@ -5,7 +5,7 @@ tests pin the bindings (past as a view of the cache, present written in place at
 staged when unaligned, an empty past apart from present), profile selection and refusal, the
 output-shape check, loading through TensorRT's stream readers, KV moves, the staging of
 overlapping copies, and decode parity with the ORT Runner.
-What only a GPU shows (kernels, precision, timing) is tools/gpu_check.py's.
+What only a GPU shows (kernels, precision, timing) is tools/checks/gpu.py's.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from refusion.runtime.params import DecodeParams
 from refusion.runtime.runners import cuda
 from refusion.runtime.runners.onnxruntime import OrtRunner
 from refusion.runtime.runners.tensorrt import TensorRTRunner
-from tests.engines.conftest import fake_engines
-from tests.runtime.conftest import MASK_ID
+from tests.helpers import fake_engines
+from tests.helpers import MASK_ID
 
 PROMPTS = ([5, 17, 42, 99, 7], [200, 3, 3, 64, 81, 12, 150, 9, 31])
 LAYOUTS = ((4, 32, 2), (8, 48, 3), (32, 64, 2))  # (slot_size, gen_length, serial blocks)
@@ -203,7 +203,7 @@ def test_empty_past_is_bound_apart_from_present(peaky_export, fakes, tmp_path):
 
 def test_profile_refused_by_tensorrt_names_the_rebuild(peaky_export, fakes, tmp_path, monkeypatch):
     """The binding raises RuntimeError where the C++ call returns false (tests/engines/fakes.py)."""
-    from tests.engines.fakes import _Context
+    from tests.fakes import _Context
 
     _, cudart = fakes
     engines = fake_engines(peaky_export, tmp_path / "engines")
@@ -218,7 +218,7 @@ def test_profile_refused_by_tensorrt_names_the_rebuild(peaky_export, fakes, tmp_
 
 
 def test_output_shapes_are_checked_once_per_shape_and_refused_when_wrong(peaky_export, fakes, tmp_path, monkeypatch):
-    from tests.engines.fakes import _Context
+    from tests.fakes import _Context
 
     engines = fake_engines(peaky_export, tmp_path / "engines")
     with TensorRTRunner.from_dir(engines) as trt:

@@ -7,21 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.fixtures.checkpoints import TinySpec, make_checkpoint
+from refusion.tools.checks.fixtures.checkpoints import make_checkpoint
+from tests.helpers import SPECS
 
 pytest.importorskip("transformers")
 pytest.importorskip("onnxruntime")
-
-# One feature per fixture, so a failure names the feature it breaks.
-SPECS: dict[str, TinySpec] = {
-    "gqa1": TinySpec(num_heads=4, kv_heads=4),  # plain multi-head attention
-    "gqa2": TinySpec(num_heads=4, kv_heads=2),
-    "gqa4": TinySpec(num_heads=8, kv_heads=2, head_dim=8, weight_scale=3.0),  # peaky logits too
-    "head_dim": TinySpec(num_heads=4, kv_heads=2, head_dim=24),  # head_dim != hidden / heads (16)
-    "tied": TinySpec(tie_word_embeddings=True),
-    "sharded": TinySpec(shard_size="100KB"),
-    "bf16": TinySpec(dtype="bfloat16"),  # bf16-stored weights, exported to fp32 graphs
-}
 
 
 @dataclass

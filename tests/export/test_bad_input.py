@@ -11,11 +11,7 @@ import pytest
 
 from refusion.export.exporter import export_onnx
 from refusion.runtime.core.errors import RefusionError
-
-
-def assert_nothing_published(out: Path) -> None:
-    assert not (out / "refusion.json").exists(), f"{out} looks like a complete export"
-    assert not list(out.parent.glob(f".{out.name}.partial-*")), "staging directory left behind"
+from tests.helpers import assert_nothing_published
 
 
 @pytest.fixture

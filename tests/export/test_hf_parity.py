@@ -7,7 +7,7 @@ import torch
 
 from refusion.export.checkpoint import Checkpoint
 from refusion.export.model import Qwen3
-from tests.export.conftest import SPECS
+from tests.helpers import SPECS
 
 transformers = pytest.importorskip("transformers")
 TOL = 1e-4

@@ -25,7 +25,7 @@ from refusion.runtime.core.quantization import scale_name
 from refusion.runtime.generator import Generator
 from refusion.export.weights_file import map_weights
 from refusion.tools.export_cli import cli
-from tests.export.test_bad_input import assert_nothing_published
+from tests.helpers import assert_nothing_published
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "models" / "refusion-tiny"

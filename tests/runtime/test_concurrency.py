@@ -18,7 +18,7 @@ from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.core.export_manifest import ExportManifest
 from refusion.runtime.generator import Generator
 from refusion.runtime.runners.onnxruntime import OrtRunner
-from tests.runtime.conftest import MIXED_SETTINGS, chat_jobs, decode_alone
+from tests.helpers import MIXED_SETTINGS, chat_jobs, decode_alone
 
 pytest.importorskip("onnxruntime")
 pytest.importorskip("torch")

@@ -17,7 +17,7 @@ from refusion.runtime.generator import Generator
 from refusion.runtime.params import DecodeParams
 from refusion.runtime.tokenizer import Tokenizer
 from refusion.tools.run_cli import cli
-from tests.runtime.conftest import export_peaky
+from tests.helpers import export_peaky
 
 SMALL = dict(gen_length=32, slot_size=4, serial_num_blocks=2, slot_threshold=0.6, token_threshold=0.3)
 

@@ -32,7 +32,7 @@ from refusion.runtime.decode import kv_capacity
 from refusion.runtime.generator import Generator
 from refusion.runtime.params import DecodeParams
 from refusion.runtime.request import Request
-from tests.runtime.conftest import chat_jobs, decode_alone
+from tests.helpers import chat_jobs, decode_alone
 
 pytest.importorskip("onnxruntime")
 pytest.importorskip("torch")

@@ -13,7 +13,7 @@ import pytest
 
 from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.tokenizer import TOKENIZER_FILES, Tokenizer
-from tests.fixtures.tokenizer_files import write_tokenizer
+from refusion.tools.checks.fixtures.tokenizer_files import write_tokenizer
 
 transformers = pytest.importorskip("transformers")
 

@@ -98,7 +98,7 @@ def test_refusion_tiny_loads_and_matches_its_config():
     transformers = pytest.importorskip("transformers")
     torch = pytest.importorskip("torch")
     if not (TINY / "config.json").is_file():
-        pytest.fail(f"{TINY} is missing; train it with `python tools/train_tiny.py train`")
+        pytest.fail(f"{TINY} is missing; train it with `python tools/train/tiny.py train`")
     config = json.loads((TINY / "config.json").read_text())
     assert config["architectures"] == ["Qwen3ForCausalLM"]
     weights = TINY / "model.safetensors"

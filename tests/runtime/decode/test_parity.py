@@ -11,9 +11,9 @@ from refusion.runtime.core.export_manifest import ExportManifest
 from refusion.runtime.decode import DecodeTrace, Tokens, ar_decode, refusion_decode
 from refusion.runtime.params import DecodeParams
 from refusion.runtime.runners.onnxruntime import OrtRunner
-from tests.reference.models import frequent_tokens
-from tests.reference.refusion_reference import ar_generate, refusion_generate
-from tests.runtime.conftest import MASK_ID, export_peaky
+from tests.tiny_models import frequent_tokens
+from refusion.tools.bench.reference import ar_generate, refusion_generate
+from tests.helpers import MASK_ID, export_peaky
 
 BRANCHES = ("commit_from_verification", "infill_loop", "eos_in_verification", "eos_in_infill", "fallback_single_slot")
 PROMPTS = ([5, 17, 42, 99, 7], [200, 3, 3, 64, 81, 12, 150, 9, 31])

@@ -38,7 +38,7 @@ with Generator.from_dir(sys.argv[1], backend="ort-cpu", threads=1, low_memory=sy
 def exports(tmp_path_factory) -> dict[str, Path]:
     from refusion.export.exporter import export_onnx
     from refusion.export.quantize import QuantizeOptions
-    from tests.fixtures.checkpoints import TinySpec, make_checkpoint
+    from refusion.tools.checks.fixtures.checkpoints import TinySpec, make_checkpoint
 
     tmp = tmp_path_factory.mktemp("memory")
     ckpt = make_checkpoint(tmp / "ckpt", TinySpec(**SPEC))

@@ -3,20 +3,16 @@
 
 from __future__ import annotations
 
-import json
-import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from refusion.export.exporter import export_onnx
-from tests.fixtures.checkpoints import TinySpec, make_checkpoint
+from refusion.tools.checks.fixtures.checkpoints import TinySpec, make_checkpoint
+from tests.serve.triton.server import MODEL
 
-MODEL = "refusion"
 SLOW = TinySpec(num_layers=4, hidden_size=256, num_heads=8, kv_heads=2, head_dim=32, intermediate_size=768, seed=1)
-LONG = {"max_tokens": 960, "mode": "ar"}  # ~3 s of decoding, no EOS on this model
 
 
 @pytest.fixture(scope="session")
@@ -38,30 +34,3 @@ def server(slow_export, tmp_path_factory) -> Iterator[object]:
                       log=log) as running:
         yield running
     log.close()
-
-
-def post(url: str, body: dict, timeout: float = 60) -> tuple[int, dict]:
-    request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST")
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
-
-
-def metric(server, name: str) -> float:
-    with urllib.request.urlopen(f"http://127.0.0.1:{server.ports.metrics}/metrics", timeout=5) as response:
-        for line in response.read().decode().splitlines():
-            if line.startswith(name + "{"):
-                return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"{name} is not among the server's metrics")
-
-
-def wait_idle(server, timeout: float = 10) -> float:
-    """Seconds until no request is in flight and no KV region is held (fails after `timeout`)."""
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        if metric(server, "refusion_requests_in_flight") == 0 and metric(server, "refusion_kv_slots_in_use") == 0:
-            return time.monotonic() - t0
-        time.sleep(0.05)
-    raise AssertionError(f"requests or KV regions still held after {timeout} s")

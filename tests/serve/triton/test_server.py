@@ -21,7 +21,7 @@ import pytest
 from refusion.runtime.generator import Generator
 from refusion.serve.triton.client import stream_events
 from refusion.serve.triton.launcher import free_ports
-from tests.serve.triton.conftest import LONG, MODEL, metric, post, wait_idle
+from tests.serve.triton.server import LONG, MODEL, metric, post, wait_idle
 
 pytestmark = pytest.mark.slow
 SHORT = {"max_tokens": 32, "slot_size": 4, "serial_num_blocks": 2}

@@ -1,0 +1,72 @@
+"""Fixtures the tests share across packages: exports made once per session, the CPU fakes of TensorRT
+and cuda-python. Heavy imports stay inside the fixtures, so collecting a test needs none of them."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+
+from tests.helpers import REPO
+
+if TYPE_CHECKING:
+    from tests.fakes import FakeCudart, FakeTensorRT
+
+
+@pytest.fixture(scope="session")
+def tiny_export(tmp_path_factory) -> Path:
+    """The embedded model (models/refusion-tiny), exported once."""
+    from refusion.export.exporter import export_onnx
+
+    return export_onnx(REPO / "models" / "refusion-tiny", tmp_path_factory.mktemp("tiny") / "onnx", validate=False)
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory) -> Path:
+    from refusion.tools.checks.fixtures.checkpoints import make_checkpoint
+
+    return make_checkpoint(tmp_path_factory.mktemp("trt") / "ckpt")
+
+
+@pytest.fixture(scope="session")
+def exports(tmp_path_factory, checkpoint) -> dict[str, Path]:
+    """The same tiny checkpoint exported at each precision (validation is the exporter's own test)."""
+    from refusion.export.exporter import export_onnx
+
+    root = tmp_path_factory.mktemp("exports")
+    return {d: export_onnx(checkpoint, root / d, dtype=d, validate=False) for d in ("fp32", "fp16", "bf16")}
+
+
+@pytest.fixture(scope="session")
+def peaky_export(tmp_path_factory) -> Path:
+    """A confident tiny model: its decodes reach every branch of the loop."""
+    from tests.helpers import export_peaky
+
+    return export_peaky(tmp_path_factory.mktemp("peaky"), seed=0)[1]
+
+
+@pytest.fixture(scope="session")
+def peaky_int4(peaky_export) -> dict[int, Path]:
+    """The peaky model (hidden 64, intermediate 128) as int4-rtn, by block size."""
+    from refusion.export.exporter import export_onnx
+    from refusion.export.quantize import QuantizeOptions
+
+    ckpt = peaky_export.parent / "ckpt0"  # export_peaky's checkpoint beside its export
+    return {b: export_onnx(ckpt, peaky_export.parent / f"int4-{b}", validate=False,
+                           quantize=QuantizeOptions("int4-rtn", b)) for b in (32, 64)}
+
+
+@pytest.fixture
+def fakes(monkeypatch) -> tuple[FakeTensorRT, FakeCudart]:
+    """Install the fakes where the code imports tensorrt and cuda-python from."""
+    from refusion.runtime.runners import cuda
+    from tests.fakes import FakeCudart, FakeTensorRT
+
+    cudart = FakeCudart()
+    trt = FakeTensorRT(cudart)
+    monkeypatch.setitem(sys.modules, "tensorrt", trt)
+    monkeypatch.setattr(cuda, "_CUDART", cudart)
+    monkeypatch.setattr(cuda, "_STAGING", cuda._SharedStaging())  # its stream belongs to this test's fake
+    return trt, cudart

@@ -1,0 +1,381 @@
+"""CPU stand-ins for cuda-python's runtime module and for TensorRT, strict where the real ones are.
+
+"Device" memory is aligned host memory, so the runner's pointer arithmetic runs for real:
+every copy and every engine read or write is bounds-checked against live allocations, an
+overlapping device-to-device copy fails (cudaMemcpy leaves it undefined), freeing memory that
+work queued on a stream still uses fails (until that stream is synchronized), and a tensor
+address that is not 256-byte aligned is refused, as TensorRT documents. A fake engine is a
+JSON blob naming its ONNX graph, tensors and profiles; executing it runs the graph on
+onnxruntime over the bound device memory and writes the outputs where they are bound, after
+checking that no input, empty or not, is bound where an output is written. Input shapes
+outside the active profile are refused, as TensorRT refuses them. Where the Python bindings
+differ from the C++ API they wrap, the fakes do as the bindings do: set_optimization_profile_async
+raises RuntimeError instead of returning False, stream readers are called as the binding calls
+their Python overrides (IStreamReaderV2: read(num_bytes, stream), asked again until all bytes
+came; IStreamReader: read(size), of which at most `size` bytes are copied). cudaMalloc'd memory
+starts as 0xFF bytes (NaN as floats), not zeros: the real one is not cleared either.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import enum
+import json
+from dataclasses import dataclass
+from importlib.machinery import ModuleSpec
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+
+from refusion.engines.build import BuildPlan
+from refusion.runtime.core.engines_manifest import ENGINE_GRAPH
+from refusion.runtime.runners.onnxruntime import OrtCudaRunner
+
+
+class FakeCudart:
+    class cudaError_t(enum.Enum):
+        cudaSuccess = 0
+        cudaErrorInvalidValue = 1
+        cudaErrorMemoryAllocation = 2
+
+    class cudaMemcpyKind(enum.Enum):
+        cudaMemcpyHostToDevice = 1
+        cudaMemcpyDeviceToHost = 2
+        cudaMemcpyDeviceToDevice = 3
+
+    def __init__(self, memory_limit: int = 1 << 30):
+        self.allocations: dict[int, tuple[np.ndarray, int]] = {}
+        self.memory_limit = memory_limit
+        self.copies: list[tuple[str, int]] = []  # (kind, bytes), for assertions
+        self.pending: dict[int, set[int]] = {}  # allocation -> streams with queued work on it
+        self.streams = 0
+        self.syncs = 0
+        self.memsets = 0
+
+    # memory
+    def cudaMalloc(self, nbytes: int):
+        if nbytes + self.used > self.memory_limit:
+            return (self.cudaError_t.cudaErrorMemoryAllocation, 0)
+        backing = np.full(nbytes + 256, 0xFF, np.uint8)  # cudaMalloc does not clear: 0xFF.. is NaN as a float
+        ptr = (backing.ctypes.data + 255) // 256 * 256
+        self.allocations[ptr] = (backing, nbytes)
+        return (self.cudaError_t.cudaSuccess, ptr)
+
+    def cudaFree(self, ptr: int):
+        if ptr not in self.allocations:
+            return (self.cudaError_t.cudaErrorInvalidValue,)
+        if self.pending.get(ptr):
+            raise AssertionError(f"cudaFree of memory that work queued on stream(s) {self.pending[ptr]} still uses")
+        del self.allocations[ptr]
+        self.pending.pop(ptr, None)
+        return (self.cudaError_t.cudaSuccess,)
+
+    def cudaMemGetInfo(self):
+        return (self.cudaError_t.cudaSuccess, self.memory_limit - self.used, self.memory_limit)
+
+    @property
+    def used(self) -> int:
+        return sum(n for _, n in self.allocations.values())
+
+    def check_device(self, ptr: int, nbytes: int) -> int:
+        """The allocation [ptr, ptr + nbytes) lies in."""
+        for base, (_, size) in self.allocations.items():
+            if base <= ptr and ptr + nbytes <= base + size:
+                return base
+        raise AssertionError(f"device access [{ptr:#x}, +{nbytes}) outside every live allocation")
+
+    def queue(self, ptr: int, nbytes: int, stream: int) -> None:
+        """Work on `stream` uses [ptr, ptr + nbytes) until the stream is synchronized."""
+        self.pending.setdefault(self.check_device(ptr, nbytes), set()).add(stream)
+
+    def cudaMemcpyAsync(self, dst: int, src: int, nbytes: int, kind, stream):
+        K = self.cudaMemcpyKind
+        if kind in (K.cudaMemcpyDeviceToHost, K.cudaMemcpyDeviceToDevice):
+            self.queue(src, nbytes, stream)
+        if kind in (K.cudaMemcpyHostToDevice, K.cudaMemcpyDeviceToDevice):
+            self.queue(dst, nbytes, stream)
+        if kind == K.cudaMemcpyDeviceToDevice and src < dst + nbytes and dst < src + nbytes:
+            raise AssertionError("overlapping device-to-device cudaMemcpy is undefined")
+        ctypes.memmove(dst, src, nbytes)
+        self.copies.append((kind.name, nbytes))
+        return (self.cudaError_t.cudaSuccess,)
+
+    def cudaMemsetAsync(self, ptr: int, value: int, nbytes: int, stream):
+        self.queue(ptr, nbytes, stream)
+        ctypes.memset(ptr, value, nbytes)
+        self.memsets += 1
+        return (self.cudaError_t.cudaSuccess,)
+
+    # streams and device
+    def cudaStreamCreate(self):
+        self.streams += 1
+        return (self.cudaError_t.cudaSuccess, 1000 + self.streams)
+
+    def cudaStreamSynchronize(self, stream):
+        self.syncs += 1
+        for streams in self.pending.values():
+            streams.discard(stream)
+        return (self.cudaError_t.cudaSuccess,)
+
+    def cudaStreamDestroy(self, stream):
+        return (self.cudaError_t.cudaSuccess,)
+
+    def cudaGetDevice(self):
+        return (self.cudaError_t.cudaSuccess, 0)
+
+    def cudaGetDeviceProperties(self, device: int):
+        return (self.cudaError_t.cudaSuccess, SimpleNamespace(name=b"Fake GPU\x00\x00", major=9, minor=0))
+
+    def cudaGetErrorName(self, err):
+        return (self.cudaError_t.cudaSuccess, err.name.encode())
+
+
+# -- TensorRT ----------------------------------------------------------------------------------
+_TRT_NAMES = {"float32": "FLOAT", "float16": "HALF", "int64": "INT64", "bool": "BOOL"}
+
+
+class _Mode(enum.Enum):
+    NONE = 0
+    INPUT = 1
+    OUTPUT = 2
+
+
+@dataclass(frozen=True)
+class _DataType:
+    name: str
+
+
+_MAGIC = b"FAKE-TRT"  # then the JSON's length (8 bytes, little-endian), then the JSON
+
+
+def fake_engine_bytes(plan: BuildPlan) -> bytes:
+    """What the build under `plan` would describe: its ONNX file, I/O (with axes) and profiles."""
+    spec = plan.export.graphs[ENGINE_GRAPH]
+    body = json.dumps({
+        "onnx": str(plan.onnx_path),
+        "io": [[t.name, "in", t.dtype, list(t.axes)] for t in spec.inputs]
+        + [[t.name, "out", t.dtype, list(t.axes)] for t in spec.outputs],
+        "profiles": [{k: [list(s) for s in v] for k, v in p.shapes(spec).items()} for p in plan.profiles],
+    }).encode()
+    return _MAGIC + len(body).to_bytes(8, "little") + body
+
+
+def _parse_engine(data: bytes) -> dict | None:
+    if data[:8] != _MAGIC or int.from_bytes(data[8:16], "little") != len(data) - 16:
+        return None
+    try:
+        return json.loads(data[16:])
+    except ValueError:
+        return None
+
+
+class _SeekPosition(enum.IntEnum):
+    SET = 0
+    CUR = 1
+    END = 2
+
+
+class FakeTensorRT:
+    """The slice of the tensorrt module the runner and the build helpers use."""
+
+    __version__ = "10.13.0.35"
+    __spec__ = ModuleSpec("tensorrt", None)  # importlib.util.find_spec (torch asks) needs one
+    TensorIOMode = _Mode
+    SeekPosition = _SeekPosition
+    IStreamReader = type("IStreamReader", (), {})  # bases for the runner's readers
+    IStreamReaderV2 = type("IStreamReaderV2", (), {})  # TensorRT >= 10.7
+    float32, float16, bfloat16 = _DataType("FLOAT"), _DataType("HALF"), _DataType("BF16")
+    ExecutionContextAllocationStrategy = SimpleNamespace(USER_MANAGED="user-managed")
+    MemoryPoolType = SimpleNamespace(WORKSPACE="workspace")
+
+    class Logger:
+        WARNING = 2
+
+        def __init__(self, severity: int):
+            self.severity = severity
+
+    class IProgressMonitor:
+        def __init__(self) -> None:
+            pass
+
+    def __init__(self, cudart: FakeCudart):
+        self.cudart = cudart
+        self.reads: list[tuple[int, int, str]] = []  # stream reader calls: (asked, returned, type of what came)
+        fake = self
+
+        class Runtime:
+            def __init__(self, logger: Any):
+                self.logger = logger
+
+            def deserialize_cuda_engine(self, source: Any) -> Any:
+                if isinstance(source, getattr(fake, "IStreamReaderV2", ())):  # absent before TensorRT 10.7
+                    data = fake.read_v2(source)
+                elif isinstance(source, fake.IStreamReader):
+                    data = fake.read_v1(source)
+                else:
+                    data = bytes(memoryview(source))
+                spec = _parse_engine(data) if data is not None else None
+                return _Engine(spec, fake) if spec is not None else None
+
+        self.Runtime = Runtime
+
+    def _take(self, reader_read: Any, asked: int, *args: Any) -> memoryview:
+        got = reader_read(asked, *args)
+        view = memoryview(got)
+        self.reads.append((asked, view.nbytes, type(got).__name__))
+        return view
+
+    def read_v2(self, reader: Any) -> bytes | None:
+        """Header, then back to the start and the whole engine, as a reader of sections would; each
+        read asked again until all its bytes came (the binding's loop), None when one returns nothing."""
+
+        def exactly(n: int) -> bytes | None:
+            out = bytearray()
+            while len(out) < n:
+                chunk = self._take(reader.read, n - len(out), 1234)
+                if not chunk.nbytes:
+                    return None  # the binding: "User aborted the operation"
+                out += chunk[: n - len(out)]
+            return bytes(out)
+
+        header = exactly(16)
+        if header is None or not reader.seek(0, _SeekPosition.SET):
+            return None
+        return exactly(16 + int.from_bytes(header[8:], "little"))
+
+    def read_v1(self, reader: Any) -> bytes | None:
+        """Header, then the rest; a read must return what it was asked for."""
+
+        def exactly(n: int) -> bytes | None:
+            got = self._take(reader.read, n)
+            assert got.nbytes <= n, "the binding copies at most `size` bytes but reports all that came"
+            return bytes(got) if got.nbytes == n else None
+
+        header = exactly(16)
+        body = exactly(int.from_bytes(header[8:], "little")) if header is not None else None
+        return header + body if header is not None and body is not None else None
+
+
+class _Engine:
+    device_memory_size_v2 = 4096
+
+    def __init__(self, spec: dict, trt: FakeTensorRT):
+        import onnxruntime
+
+        self.spec, self.trt = spec, trt
+        self.io = [(name, mode, dtype) for name, mode, dtype, _ in spec["io"]]
+        self.axes = {name: axes for name, _, _, axes in spec["io"]}
+        self.profiles = spec["profiles"]
+        opts = onnxruntime.SessionOptions()
+        opts.intra_op_num_threads = 1
+        # int4 graphs: TensorRT dequantizes the weights and runs a float GEMM, as MatMulNBits' accuracy level 1 does
+        opts.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", "1")
+        self.session = onnxruntime.InferenceSession(spec["onnx"], opts, providers=["CPUExecutionProvider"])
+
+    @property
+    def num_io_tensors(self) -> int:
+        return len(self.io)
+
+    @property
+    def num_optimization_profiles(self) -> int:
+        return len(self.profiles)
+
+    def get_tensor_name(self, i: int) -> str:
+        return self.io[i][0]
+
+    def _entry(self, name: str) -> tuple[str, str, str]:
+        return next(e for e in self.io if e[0] == name)
+
+    def get_tensor_mode(self, name: str) -> _Mode:
+        return _Mode.INPUT if self._entry(name)[1] == "in" else _Mode.OUTPUT
+
+    def get_tensor_dtype(self, name: str) -> _DataType:
+        return _DataType(_TRT_NAMES[self._entry(name)[2]])
+
+    def create_execution_context(self, strategy: str) -> _Context:
+        assert strategy == "user-managed"
+        return _Context(self)
+
+
+class _Context:
+    def __init__(self, engine: _Engine):
+        self.engine = engine
+        self.profile: int | None = None
+        self.memory: tuple[int, int] | None = None
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        self.addresses: dict[str, int] = {}
+        self.runs = 0
+        self.shape_queries = 0
+
+    def set_device_memory(self, ptr: int, size: int) -> None:
+        assert size >= self.engine.device_memory_size_v2
+        self.engine.trt.cudart.check_device(ptr, size)
+        self.memory = (ptr, size)
+
+    def set_optimization_profile_async(self, index: int, stream: int) -> bool:
+        """The binding raises where IExecutionContext::setOptimizationProfileAsync returns false."""
+        if not 0 <= index < self.engine.num_optimization_profiles:
+            raise RuntimeError("Error in set optimization profile async.")
+        self.profile = index
+        return True
+
+    def infer_shapes(self) -> list[str]:
+        """Names of the inputs without a shape (what TensorRT cannot infer outputs without)."""
+        self.shape_queries += 1
+        return [name for name, mode, _ in self.engine.io if mode == "in" and name not in self.shapes]
+
+    def get_tensor_shape(self, name: str) -> tuple[int, ...]:
+        """An input's shape as set; an output's from its axes, resolved by the inputs' shapes."""
+        if name in self.shapes:
+            return self.shapes[name]
+        sizes = {a: s for n, shape in self.shapes.items() for a, s in zip(self.engine.axes[n], shape)}
+        return tuple(sizes.get(a, -1) if isinstance(a, str) else a for a in self.engine.axes[name])
+
+    def set_input_shape(self, name: str, shape: tuple[int, ...]) -> bool:
+        assert self.profile is not None
+        lo, _, hi = self.engine.profiles[self.profile][name]
+        if len(shape) != len(lo) or any(not a <= s <= b for a, s, b in zip(lo, shape, hi)):
+            return False
+        self.shapes[name] = tuple(shape)
+        return True
+
+    def set_tensor_address(self, name: str, ptr: int) -> bool:
+        if ptr % 256:
+            return False
+        self.addresses[name] = ptr
+        return True
+
+    def execute_async_v3(self, stream: int) -> bool:
+        assert self.memory is not None, "no device memory for a user-managed context"
+        cudart = self.engine.trt.cudart
+        cudart.queue(*self.memory, stream)
+        feed, reads = {}, {}
+        for name, mode, dtype in self.engine.io:
+            if mode == "in":
+                shape, dt = self.shapes[name], np.dtype(dtype)
+                nbytes = int(np.prod(shape)) * dt.itemsize
+                reads[name] = (self.addresses[name], max(nbytes, 1))  # an empty tensor still has an address
+                cudart.queue(*reads[name], stream)
+                raw = (ctypes.c_char * nbytes).from_address(self.addresses[name])
+                feed[name] = np.frombuffer(raw, dtype=dt).reshape(shape).copy()
+        names = [name for name, mode, _ in self.engine.io if mode == "out"]
+        for name, value in zip(names, self.engine.session.run(names, feed)):
+            out = np.ascontiguousarray(value)
+            ptr = self.addresses[name]
+            assert out.shape == self.get_tensor_shape(name), (name, out.shape)
+            for other, (start, size) in reads.items():
+                assert ptr + out.nbytes <= start or start + size <= ptr, f"{name} is written where {other} is read"
+            cudart.queue(ptr, out.nbytes, stream)
+            ctypes.memmove(ptr, out.ctypes.data, out.nbytes)
+        self.runs += 1
+        return True
+
+
+class CpuBoundCudaRunner(OrtCudaRunner):
+    """OrtCudaRunner's own code (KV regions, gathers, scatters, IO binding by address) over the fake
+    cuda-python, whose "device" memory is host memory: onnxruntime's CPU provider reads and writes
+    it through the same bindings, by pointer. What only CUDA shows is tools/checks/gpu.py's."""
+
+    provider = "CPUExecutionProvider"
+    device = "cpu"

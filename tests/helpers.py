@@ -1,0 +1,104 @@
+"""Helpers the tests share across packages (fixtures live in tests/conftest.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from refusion.runtime.core.export_manifest import ExportManifest
+from refusion.runtime.decode import DecodeTrace, Tokens, ar_decode, refusion_decode
+from refusion.runtime.params import DecodeParams
+from refusion.tools.checks.fixtures.checkpoints import TinySpec
+
+REPO = Path(__file__).resolve().parents[1]
+VOCAB = 384  # room for the fixture tokenizer's 326 tokens; the mask is the last id, as in ReFusion
+MASK_ID = VOCAB - 1
+
+# One feature per export fixture, so a failure names the feature it breaks.
+SPECS: dict[str, TinySpec] = {
+    "gqa1": TinySpec(num_heads=4, kv_heads=4),  # plain multi-head attention
+    "gqa2": TinySpec(num_heads=4, kv_heads=2),
+    "gqa4": TinySpec(num_heads=8, kv_heads=2, head_dim=8, weight_scale=3.0),  # peaky logits too
+    "head_dim": TinySpec(num_heads=4, kv_heads=2, head_dim=24),  # head_dim != hidden / heads (16)
+    "tied": TinySpec(tie_word_embeddings=True),
+    "sharded": TinySpec(shard_size="100KB"),
+    "bf16": TinySpec(dtype="bfloat16"),  # bf16-stored weights, exported to fp32 graphs
+}
+
+
+def export_peaky(tmp: Path, seed: int, **dims) -> tuple[object, Path]:
+    """(HF model, export dir) for a peaky tiny model with the fixture tokenizer."""
+    from refusion.export.exporter import export_onnx
+    from refusion.tools.checks.fixtures.tokenizer_files import write_tokenizer
+    from tests.tiny_models import make_peaky_model
+
+    model = make_peaky_model(seed, vocab_size=VOCAB, **dims)
+    ckpt = tmp / f"ckpt{seed}"
+    model.save_pretrained(ckpt, safe_serialization=True)
+    write_tokenizer(ckpt)
+    config = json.loads((ckpt / "config.json").read_text())
+    config["mask_token_id"] = MASK_ID
+    (ckpt / "config.json").write_text(json.dumps(config))
+    out = export_onnx(ckpt, tmp / f"onnx{seed}", validate=False)
+    return model, out
+
+
+# A mix for the concurrency tests: slot sizes, block counts and thresholds, AR and ReFusion, EOS early or never.
+MIXED_SETTINGS = [
+    dict(gen_length=64, slot_size=4, serial_num_blocks=4, slot_threshold=0.5, token_threshold=0.1),
+    dict(gen_length=32, slot_size=8, serial_num_blocks=2, slot_threshold=0.7, token_threshold=0.3),
+    dict(gen_length=48, slot_size=4, serial_num_blocks=1, slot_threshold=0.9, token_threshold=0.6),
+    dict(gen_length=40, mode="ar"),
+    dict(gen_length=8, slot_size=4, serial_num_blocks=2, slot_threshold=0.0, token_threshold=1.0),  # no EOS: length
+]
+
+
+def decode_alone(export: Path, jobs: list[tuple[list[int], dict]]) -> list[list[int]]:
+    """Each job's tokens decoded by itself on onnxruntime CPU (no engine): the oracle."""
+    from refusion.runtime.runners.onnxruntime import OrtRunner
+
+    manifest = ExportManifest.load(export)
+    with OrtRunner(manifest, threads=1) as runner:
+        return decode_alone_on(runner, manifest, jobs)
+
+
+def decode_alone_on(runner, manifest: ExportManifest, jobs: list[tuple[list[int], dict]]) -> list[list[int]]:
+    """Each job decoded by itself on `runner` (slot 0, no engine)."""
+    out = []
+    for ids, settings in jobs:
+        params = DecodeParams(**settings)
+        decode = ar_decode if params.mode == "ar" else refusion_decode
+        tokens = Tokens(ids, manifest.mask_token_id, manifest.eos_token_id)
+        committed = {p: t for c in decode(runner, tokens, params, DecodeTrace(), False)
+                     for p, t in zip(c.positions, c.token_ids)}
+        out.append([committed[p] for p in sorted(committed)])
+    return out
+
+
+def chat_jobs(export: Path, n: int, settings: list[dict]) -> list[tuple[list[int], dict]]:
+    """The first `n` held-out prompts, chat-templated, each with one of `settings` in turn."""
+    from refusion.runtime.generator import Generator
+    from refusion.tools.tasks import held_out
+
+    with Generator.from_dir(export, backend="ort-cpu", threads=1) as gen:
+        prompts = [gen.prompt_ids(ex.prompt, chat=True) for ex in held_out(n)]
+    return [(ids, settings[i % len(settings)]) for i, ids in enumerate(prompts)]
+
+
+def fake_engines(export: Path, output: Path, limits=None, **target) -> Path:
+    """An engines directory as `build_engines` writes it, with a fake engine file."""
+    from refusion.engines.build import plan_build, write_engines_dir
+    from refusion.runtime.core.engines_manifest import Target
+    from refusion.runtime.core.profiles import DecodeLimits
+    from tests.fakes import fake_engine_bytes
+
+    plan = plan_build(export, output, limits or DecodeLimits(max_prompt=16, gen_length=64, slot_size=4, serial_blocks=2))
+    output.mkdir(parents=True)
+    where = {"tensorrt": "10.13.0.35", "gpu": "Fake GPU", "compute_capability": "9.0", **target}
+    write_engines_dir(plan, output, fake_engine_bytes(plan), Target(**where), strongly_typed=False, seconds=0.0)
+    return output
+
+
+def assert_nothing_published(out: Path) -> None:
+    assert not (out / "refusion.json").exists(), f"{out} looks like a complete export"
+    assert not list(out.parent.glob(f".{out.name}.partial-*")), "staging directory left behind"

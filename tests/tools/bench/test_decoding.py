@@ -1,0 +1,289 @@
+"""`refusion-run bench` and the LLaDA-style baseline, on a tiny random (peaky) export: seconds, no trained model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+pytest.importorskip("onnxruntime")
+pytest.importorskip("transformers")
+
+from refusion.runtime.core.errors import RefusionError  # noqa: E402
+from refusion.runtime.generator import Generator  # noqa: E402
+from refusion.tools.bench import decoding as B  # noqa: E402
+from refusion.tools.cli_common import ErrorReportingGroup  # noqa: E402
+from refusion.runtime.decode.llada import (  # noqa: E402
+    FORWARD_KIND,
+    DiffusionParams,
+    diffusion_decode,
+    num_transfer_tokens,
+)
+
+VOCAB = 384
+MASK_ID = VOCAB - 1
+GEN = 16
+SETTINGS = "4,1,0.6,0.3;4,2,0.5,0.1"
+DIFFUSION = "16,8;8,8,exit"
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    """A peaky tiny Qwen3 with the fixture tokenizer and a mask id, saved as an HF checkpoint."""
+    from refusion.tools.checks.fixtures.tokenizer_files import write_tokenizer
+    from tests.tiny_models import make_peaky_model
+
+    ckpt = tmp_path_factory.mktemp("bench") / "ckpt"
+    make_peaky_model(0, vocab_size=VOCAB).save_pretrained(ckpt, safe_serialization=True)
+    write_tokenizer(ckpt)
+    config = json.loads((ckpt / "config.json").read_text())
+    config["mask_token_id"] = MASK_ID
+    (ckpt / "config.json").write_text(json.dumps(config))
+    return ckpt
+
+
+@pytest.fixture(scope="module")
+def export_dir(checkpoint, tmp_path_factory) -> Path:
+    from refusion.export.exporter import export_onnx
+
+    return export_onnx(checkpoint, tmp_path_factory.mktemp("bench") / "onnx", validate=False)
+
+
+@pytest.fixture(scope="module")
+def gen(export_dir):
+    with Generator.from_dir(export_dir, backend="ort-cpu", threads=1) as g:
+        yield g
+
+
+def _spy(runner):
+    calls = []
+    inner = runner._run
+
+    def run(graph, ids, pos, mask, past, write_at, slot):
+        calls.append((graph, ids.shape[1], past, write_at, pos[0].tolist(), ids[0].tolist()))
+        return inner(graph, ids, pos, mask, past, write_at, slot)
+
+    runner._run = run
+    return calls
+
+
+# ----------------------------------------------------------------------------- the baseline
+
+
+def test_num_transfer_tokens_is_llada_schedule():
+    assert num_transfer_tokens(32, 32) == [1] * 32
+    assert num_transfer_tokens(10, 4) == [3, 3, 2, 2]
+    assert sum(num_transfer_tokens(7, 3)) == 7
+
+
+@pytest.mark.parametrize("steps, block", [(16, 8), (8, 8), (4, 16)])
+def test_diffusion_fills_every_position_and_counts_every_forward(gen, steps, block):
+    prompt = [5, 17, 42, 9]
+    calls = _spy(gen.runner)
+    try:
+        res = diffusion_decode(gen.runner, prompt, MASK_ID, gen.manifest.eos_token_id,
+                               DiffusionParams(gen_length=GEN, steps=steps, block_length=block))
+    finally:
+        del gen.runner._run
+    assert res.filled == GEN and len(res.token_ids) == GEN
+    assert res.forward_count == steps == len(calls) == res.trace.forwards[FORWARD_KIND]
+    # every step: the planner (no KV kept) over prompt + the whole span, no past, positions in order
+    assert all(c[:5] == ("planner", len(prompt) + GEN, 0, None, list(range(len(prompt) + GEN))) for c in calls)
+    assert res.trace.tpf == pytest.approx(GEN / steps)
+    assert res.tokens == len(B.through_eos(res.token_ids, gen.manifest.eos_token_id))
+    assert 0 < res.engine_seconds <= res.wall_seconds
+
+
+def test_diffusion_commits_the_most_confident_masks_in_block_order(gen):
+    """One token a step, blocks left to right, each time the most confident mask of the current block."""
+    prompt = [5, 17, 42, 9]
+    feeds, probs = [], []
+    inner = gen.runner._run
+
+    def run(graph, ids, pos, mask, past, write_at, slot):
+        out = inner(graph, ids, pos, mask, past, write_at, slot)
+        feeds.append(ids[0, len(prompt):].copy())
+        probs.append(out["argmax_probs"][0, len(prompt):].copy())
+        return out
+
+    gen.runner._run = run
+    try:
+        res = diffusion_decode(gen.runner, prompt, MASK_ID, -1, DiffusionParams(gen_length=GEN, steps=GEN, block_length=8))
+    finally:
+        del gen.runner._run
+    feeds.append(np.array(res.token_ids))
+    for t in range(GEN):
+        masked = feeds[t] == MASK_ID
+        filled = np.flatnonzero(masked & (feeds[t + 1] != MASK_ID))
+        assert masked.sum() == GEN - t and len(filled) == 1  # exactly one mask filled per step
+        block = slice(0, 8) if t < 8 else slice(8, 16)
+        candidates = np.flatnonzero(masked[block]) + block.start
+        assert filled[0] == candidates[np.argmax(probs[t][candidates])]
+    assert res.tokens == GEN  # no EOS (-1): every position counts
+
+
+def test_diffusion_early_exit_keeps_the_answer_and_saves_forwards(gen):
+    prompt = [5, 17, 42, 9]
+    full = diffusion_decode(gen.runner, prompt, MASK_ID, -1, DiffusionParams(gen_length=GEN, steps=GEN, block_length=8))
+    eos = full.token_ids[3]  # a token the model commits early on: used as EOS
+    full = diffusion_decode(gen.runner, prompt, MASK_ID, eos, DiffusionParams(gen_length=GEN, steps=GEN, block_length=8))
+    fast = diffusion_decode(gen.runner, prompt, MASK_ID, eos,
+                            DiffusionParams(gen_length=GEN, steps=GEN, block_length=8, early_exit=True))
+    assert fast.answer_ids == full.answer_ids and full.tokens <= 4
+    assert fast.forward_count < full.forward_count == GEN
+
+
+def test_diffusion_clean_first_feeds_committed_tokens_before_masks(gen):
+    prompt = [5, 17, 42, 9]
+    calls = _spy(gen.runner)
+    try:
+        res = diffusion_decode(gen.runner, prompt, MASK_ID, -1,
+                               DiffusionParams(gen_length=GEN, steps=8, block_length=16, order="clean_first"))
+    finally:
+        del gen.runner._run
+    assert res.filled == GEN and res.forward_count == 8
+    span = list(range(len(prompt), len(prompt) + GEN))
+    for t, call in enumerate(calls):  # step t: 2t committed tokens first, then the GEN - 2t masks
+        pos, ids = call[4][len(prompt):], call[5][len(prompt):]
+        c = 2 * t
+        assert sorted(pos) == span and pos[:c] == sorted(pos[:c]) and pos[c:] == sorted(pos[c:])
+        assert ids[c:] == [MASK_ID] * (GEN - c)
+    final = dict(zip(calls[-1][4][len(prompt):], calls[-1][5][len(prompt):]))
+    assert all(final[p] == res.token_ids[p - len(prompt)] for p in calls[-1][4][len(prompt):][:14])
+
+
+@pytest.mark.parametrize("params, match", [
+    (dict(gen_length=16, steps=16, block_length=5), "multiple of block_length"),
+    (dict(gen_length=16, steps=3, block_length=8), "shared equally"),
+    (dict(gen_length=16, steps=32, block_length=16), "at least one token"),
+    (dict(gen_length=16, steps=16, block_length=16, order="random"), "order="),
+])
+def test_diffusion_bad_params(params, match):
+    with pytest.raises(RefusionError, match=match):
+        DiffusionParams(**params)
+
+
+# ----------------------------------------------------------------------------- interleaving
+
+
+def test_methods_run_interleaved_with_a_rotating_order():
+    calls = []
+
+    def method(name):
+        def run(ids):
+            calls.append((ids[0], name))
+            return B.Sample([1], 1, {"x": 1}, 0.01, 0.005, 1.0)
+        return B.Method(name, "ar", name, "fake", {}, run, short=name)
+
+    methods = [method(n) for n in "abc"]
+    examples = [B.T.Example("add", f"p{i}", "a") for i in range(4)]
+    samples = B.run_interleaved(methods, examples, [[i] for i in range(4)], lambda ex, s: None, lambda msg: None)
+    assert [n for _, n in calls] == list("abc" "bca" "cab" "abc")
+    assert [i for i, _ in calls] == [0] * 3 + [1] * 3 + [2] * 3 + [3] * 3
+    assert all(len(v) == 4 for v in samples.values())
+
+
+def test_settings_parse_and_reject():
+    ps = B.parse_settings("8,2,0.9,0.4; 4,1,0.7,0.2", 64)
+    assert [(p.slot_size, p.serial_num_blocks, p.slot_threshold, p.token_threshold) for p in ps] == [
+        (8, 2, 0.9, 0.4), (4, 1, 0.7, 0.2)]
+    ds = B.parse_diffusion("64,32;32,32,exit,clean", 64)
+    assert ds[1].early_exit and ds[1].order == "clean_first" and ds[0].steps == 64
+    for bad in ("8,2,0.9", "8,x,0.9,0.4", "8,3,0.9,0.4"):
+        with pytest.raises(RefusionError):
+            B.parse_settings(bad, 64)
+    with pytest.raises(RefusionError):
+        B.parse_diffusion("64,32,fast", 64)
+
+
+# ----------------------------------------------------------------------------- end to end
+
+
+def _cli():
+    group = ErrorReportingGroup()
+    group.add_command(B.bench)  # as run_cli registers it
+    return group
+
+
+def _expected_ids(reference: bool) -> list[str]:
+    ids = ["ar", "refusion:k4b1s0.6t0.3", "refusion:k4b2s0.5t0.1", "diffusion:s16b8", "diffusion:s8b8x"]
+    return ids + (["reference-refusion:k4b1s0.6t0.3", "reference-refusion:k4b2s0.5t0.1", "reference-ar"] if reference else [])
+
+
+def _check_outputs(out: Path, n: int, reference: bool) -> dict:
+    data = json.loads((out / "bench.json").read_text())
+    rows = {r["id"]: r for r in data["methods"]}
+    assert list(rows) == _expected_ids(reference)
+    md = (out / "bench.md").read_text()
+    for r in rows.values():
+        assert r["n"] == n and len(data["per_prompt"][r["id"]]["tokens"]) == n
+        assert r["tokens"] == sum(data["per_prompt"][r["id"]]["tokens"])
+        assert f"| {r['method']} | {r['setting']} |" in md
+        if r["id"] != "ar":
+            # every ratio is computed from this run's own per-prompt numbers
+            pa, pb = data["per_prompt"][r["id"]], data["per_prompt"]["ar"]
+            expected = (sum(pa["tokens"]) / sum(pa["wall_ms"])) / (sum(pb["tokens"]) / sum(pb["wall_ms"]))
+            ratio = r["ratios"]["vs_ar"]
+            assert ratio["ratio"] == pytest.approx(expected, rel=1e-3)
+            assert ratio["ci95"][0] <= ratio["ratio"] * (1 + 1e-9) and ratio["ci95"][1] >= ratio["ratio"] * (1 - 1e-9)
+            assert r["tokens_per_second"] / rows["ar"]["tokens_per_second"] == pytest.approx(ratio["ratio"])
+    assert rows["diffusion:s16b8"]["forwards"] == n * 16  # no early exit: every step runs
+    assert rows["ar"]["forwards_by_kind"].keys() <= {"prefill", "decode"}
+    assert "## Targets" in md and "vs LLaDA-style" in md
+    assert data["meta"]["threads"] == 1 and data["meta"]["n"] == n
+    if reference:
+        ref = rows["reference-refusion:k4b1s0.6t0.3"]
+        assert "vs_reference" in rows["refusion:k4b1s0.6t0.3"]["ratios"] and "vs_reference" in rows["ar"]["ratios"]
+        # the reference ran the same setting on the same prompts: the same tokens and forwards
+        assert rows["refusion:k4b1s0.6t0.3"]["same_tokens_as_reference"] == n
+        assert rows["refusion:k4b2s0.5t0.1"]["same_tokens_as_reference"] == n
+        assert rows["ar"]["same_tokens_as_reference"] == n
+        assert ref["forwards"] == rows["refusion:k4b1s0.6t0.3"]["forwards"]
+        assert "runtime_vs_reference" in data["targets"]
+    if B.__dict__.get("render_plot") and _has_matplotlib():
+        assert (out / "bench.png").stat().st_size > 1000
+    return data
+
+
+def _has_matplotlib() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def test_bench_cli_end_to_end_on_a_checkpoint_without_reference(checkpoint, tmp_path):
+    out = tmp_path / "bench"
+    result = CliRunner().invoke(_cli(), ["bench", str(checkpoint), "--n", "3", "--gen-length", str(GEN),
+                                         "--settings", SETTINGS, "--diffusion", DIFFUSION, "--no-reference",
+                                         "--warmup", "1", "--out", str(out), "--profile"])
+    assert result.exit_code == 0, result.output
+    assert "[3/3] accuracy ar" in result.stderr and "exporting" in result.stderr
+    data = _check_outputs(out, 3, reference=False)
+    profile = (out / "profile.txt").read_text()
+    assert "engine (Runner.run/move_kv)" in profile and "profile" not in data
+    assert "refusion_steps" in profile  # the loop itself, which runs on the engine thread
+    for p in data["targets"]["refusion_vs_ar"]["settings"]:
+        assert p["speedup_vs_ar"] == pytest.approx(p["tokens_per_forward_ratio"] * p["forward_speed_ratio"])
+
+
+def test_bench_with_the_pytorch_reference_on_an_export(export_dir, tmp_path):
+    """An export dir: the reference finds the checkpoint through refusion.json's source."""
+    report = B.run_bench(B.BenchConfig(model=export_dir, n=3, gen_length=GEN, settings=SETTINGS, diffusion=DIFFUSION,
+                                       warmup=1, out=tmp_path / "bench"), progress=lambda msg: None)
+    data = _check_outputs(tmp_path / "bench", 3, reference=True)
+    assert report["targets"] == data["targets"]
+
+
+def test_bench_errors_are_one_line(export_dir, tmp_path):
+    cli = _cli()
+    bad = CliRunner().invoke(cli, ["bench", str(tmp_path), "--no-reference"])
+    assert bad.exit_code == 1 and "neither an export" in bad.stderr
+    bad = CliRunner().invoke(cli, ["bench", str(export_dir), "--settings", "4,1,0.6", "--no-reference"])
+    assert bad.exit_code == 1 and "--settings entry" in bad.stderr
+    bad = CliRunner().invoke(cli, ["bench", str(export_dir), "--seed", "7", "--no-reference"])
+    assert bad.exit_code == 1 and "one seed" in bad.stderr

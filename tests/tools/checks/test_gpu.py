@@ -1,0 +1,87 @@
+"""tools/checks/gpu.py's checks that need no GPU to run: the long-position comparison on the CPU
+fakes (it passes on the export's graphs and fails when the rotary frequencies are rounded to
+fp16, as TensorRT could store them), the one-engine check, and the search of the build log for
+weight conversions."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from refusion.runtime.core.profiles import DecodeLimits
+from refusion.tools.checks import gpu as gpu_check
+from tests.helpers import fake_engines
+from tests.fakes import CpuBoundCudaRunner
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def _with_half_inv_freq(export: Path, out: Path) -> Path:
+    """A copy of `export` whose rotary inv_freq ([1, 1, head_dim / 2], fp32) holds fp16-rounded values."""
+    shutil.copytree(export, out)
+    for graph in ("planner", "infiller"):
+        model = onnx.load(str(out / f"{graph}.onnx"), load_external_data=False)
+        inv_freq = [i for i in model.graph.initializer if i.data_type == onnx.TensorProto.FLOAT and len(i.dims) == 3]
+        assert len(inv_freq) == 1
+        values = numpy_helper.to_array(inv_freq[0])
+        inv_freq[0].raw_data = values.astype(np.float16).astype(np.float32).tobytes()  # same size: the manifest holds
+        onnx.save(model, str(out / f"{graph}.onnx"))
+    return out
+
+
+def test_long_positions_pass_on_the_export_and_fail_with_fp16_rotary_tables(exports, fakes, tmp_path, capsys):
+    limits = DecodeLimits(**gpu_check.LIMITS)
+    assert limits.max_prompt + limits.gen_length + limits.block_length == 1024  # the fixture's max positions
+    good = fake_engines(exports["fp16"], tmp_path / "good", limits)
+    assert gpu_check.long_positions(exports["fp16"], exports["fp32"], good)
+    assert "PASS: TensorRT fp16 vs onnxruntime fp32 up to position 1023" in capsys.readouterr().out
+    half = _with_half_inv_freq(exports["fp16"], tmp_path / "half-inv-freq")
+    assert not gpu_check.long_positions(half, exports["fp32"], fake_engines(half, tmp_path / "bad", limits))
+    assert "present.*" in capsys.readouterr().out.split("FAIL (over tolerance")[0].splitlines()[-1]
+
+
+def test_weight_conversion_warnings_are_found():
+    log = """[I] Building engine
+[W] [TRT] TensorRT encountered issues when converting weights between types and that could affect accuracy.
+[W] [TRT] If this is not the desired behavior, please modify the weights or retrain with regularization.
+[W] [TRT] Check verbose logs for the list of affected weights.
+[W] [TRT] - 2 weights are affected by this issue: Detected subnormal FP16 values.
+[I] Finished engine building in 3 s"""
+    assert gpu_check.weight_conversions(log) == [log.splitlines()[1], log.splitlines()[4]]
+    assert gpu_check.weight_conversions("[I] Finished engine building in 3 s") == []
+
+
+def test_one_engine_for_both_roles(exports, fakes, tmp_path, capsys):
+    engines = fake_engines(exports["fp16"], tmp_path / "engines")
+    assert gpu_check.one_engine(exports["fp16"], engines)
+    out = capsys.readouterr().out
+    assert "PASS: one engine for both roles: ['model.engine'], profiles [('prefill', 'infiller'), ('decode', " \
+           "'infiller'), ('plan', 'planner')]" in out
+    assert "device memory held by the active runner: 0.0 MiB" in out  # the fakes' 4 KiB of activations
+    (engines / "planner.engine").write_bytes(b"")  # a second engine would hold the weights again
+    assert not gpu_check.one_engine(exports["fp16"], engines)
+
+
+def test_int4_parity_runs_at_the_exact_accuracy_level(peaky_int4, fakes, tmp_path, capsys):
+    """The int4 half of the check on the fakes: the int4 engine generates the onnxruntime Runner's tokens."""
+    limits = DecodeLimits(max_prompt=64, gen_length=128, slot_size=8, serial_blocks=2)
+    engines = fake_engines(peaky_int4[gpu_check.INT4_BLOCK], tmp_path / "engines", limits)
+    assert gpu_check.parity(peaky_int4[gpu_check.INT4_BLOCK], engines)
+    out = capsys.readouterr().out
+    assert out.count("PASS: generation parity") == len(gpu_check.PROMPTS) * (len(gpu_check.DECODES) + 1)
+
+
+def test_batched_requests_get_their_tokens_alone(peaky_export, fakes, tmp_path, capsys):
+    """The batched half of the check on the fakes: TensorRT and the onnxruntime CUDA runner's code."""
+    limits = DecodeLimits(max_prompt=64, gen_length=128, slot_size=8, serial_blocks=2, max_batch=4)
+    engines = fake_engines(peaky_export, tmp_path / "engines", limits)
+    assert gpu_check.batched(peaky_export, engines, cuda_runner=CpuBoundCudaRunner)
+    out = capsys.readouterr().out
+    jobs = len(gpu_check.PROMPTS) * (len(gpu_check.DECODES) + 1)
+    assert f"PASS: TensorRT: {jobs} requests together" in out and f"PASS: onnxruntime CUDA: {jobs} requests" in out
+    gpu_check.latency(engines, repeats=1)
+    assert "latency: infiller verify, 4 requests packed" in capsys.readouterr().out

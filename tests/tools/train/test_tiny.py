@@ -1,0 +1,106 @@
+"""The training script tools/train/tiny.py: the ReFusion sequences it trains on, and runs that
+are bit-for-bit reproducible and resume exactly where they stopped."""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import re
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+import torch  # noqa: E402
+
+from refusion.tools.train import tiny as TT  # noqa: E402
+
+# A one-layer model and a few steps: seconds, yet every part of the loop (micro-batches,
+# clipping, AdamW, the schedule, state saves) runs.
+TINY_RUN = ["--layers", "1", "--hidden", "32", "--intermediate", "64", "--heads", "2", "--kv-heads", "1",
+            "--head-dim", "16", "--steps", "6", "--warmup", "2", "--batch-size", "8", "--micro-batches", "2",
+            "--save-every", "3", "--log-every", "2", "--eval-every", "0", "--threads", "1"]
+
+
+# ----------------------------------------------------------------------------- training sequences
+
+
+def test_refusion_sequence_layout():
+    ids = TT.Ids(pad=100, eos=102, mask=103, vocab=104)
+    args = TT.parser().parse_args(["train"])
+    prompt, response = list(range(10)), [20 + i for i in range(13)] + [ids.eos]
+    rng = random.Random(0)
+    seen_masked = seen_clean = 0
+    for _ in range(200):
+        s = TT.refusion_sequence(prompt, response, rng, args, ids)
+        p0 = len(prompt)
+        assert s.ids[:p0] == prompt and s.pos[:p0] == list(range(p0))
+        span = len(s.ids) - p0
+        assert sorted(s.pos[p0:]) == list(range(p0, p0 + span))  # every response position once
+        truth = response + [ids.pad] * (span - len(response))
+        masked = [j for j in range(p0, len(s.ids)) if s.ids[j] == ids.mask]
+        clean = [j for j in range(p0, len(s.ids)) if s.ids[j] != ids.mask]
+        assert masked == list(range(len(s.ids) - len(masked), len(s.ids)))  # masks come last...
+        assert [s.pos[j] for j in masked] == sorted(s.pos[j] for j in masked)  # ...in position order
+        for j in masked:
+            assert s.mdm[j] == truth[s.pos[j] - p0] and s.ar[j] == TT.IGNORE
+        for j in clean:
+            assert s.ids[j] == truth[s.pos[j] - p0] and s.mdm[j] == TT.IGNORE
+            nxt = j + 1 < len(s.ids) and s.ids[j + 1] != ids.mask and s.pos[j + 1] == s.pos[j] + 1
+            assert s.ar[j] == (s.ids[j + 1] if nxt else TT.IGNORE)
+        assert s.ar[p0 - 1] in (TT.IGNORE, response[0]) and all(a == TT.IGNORE for a in s.ar[: p0 - 1])
+        assert s.weight > 0
+        seen_masked += bool(masked)
+        seen_clean += bool(clean)
+    assert seen_masked and seen_clean
+
+
+# ----------------------------------------------------------------------------- training runs
+
+
+@pytest.fixture(autouse=True)
+def _restore_torch_globals():
+    """train() sets torch's thread count and deterministic mode for the whole process."""
+    threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
+    yield
+    torch.set_num_threads(threads)
+    torch.use_deterministic_algorithms(deterministic)
+
+
+def _train(work: Path, *extra: str) -> str:
+    """Train (or resume) in `work`; the sha256 of the saved weights."""
+    TT.main(["train", *TINY_RUN, "--work-dir", str(work), "--out", str(work / "model"), *extra])
+    return hashlib.sha256((work / "model" / "model.safetensors").read_bytes()).hexdigest()
+
+
+def test_training_is_bit_reproducible_and_logs_the_digest(tmp_path):
+    first = _train(tmp_path / "a")
+    assert _train(tmp_path / "b") == first
+    assert _train(tmp_path / "other-seed", "--seed", "1") != first
+    done = re.search(r"done: 6 steps .* sha256 ([0-9a-f]{64})", (tmp_path / "a" / "train.log").read_text())
+    assert done and done.group(1) == first
+
+
+def test_an_interrupted_run_resumes_to_the_same_weights(tmp_path, monkeypatch):
+    straight = _train(tmp_path / "straight")
+    save_state = TT.save_state
+
+    def save_then_interrupt(path, *args, **kwargs):
+        save_state(path, *args, **kwargs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(TT, "save_state", save_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        _train(tmp_path / "resumed")
+    monkeypatch.undo()
+    assert not (tmp_path / "resumed" / "model").exists()
+    assert _train(tmp_path / "resumed") == straight
+    assert "resumed from" in (tmp_path / "resumed" / "train.log").read_text()
+
+
+def test_resuming_with_other_hyperparameters_is_refused(tmp_path):
+    _train(tmp_path / "run")
+    with pytest.raises(SystemExit, match=r"other hyperparameters .*'lr': \(0.002, 0.001\).*--restart"):
+        _train(tmp_path / "run", "--lr", "1e-3")

@@ -1,0 +1,129 @@
+"""What ReFusion holds in a Jetson Orin's memory, per precision and device: an estimate from the dims.
+
+    python -m refusion.tools.estimates.jetson_memory [EXPORT_DIR] [--block-size 128] [--headroom-gib 3] [limits flags]
+
+Dims come from EXPORT_DIR's refusion.json, or are ReFusion-8B's (Qwen3-8B: hidden 4096, 32/8
+heads of 128, intermediate 12288, 36 layers, vocabulary 151671, untied lm_head). Per precision
+(fp16; int4 as `--quantize int4-awq`: the layers' linears int4 plus fp16 scales per block,
+embeddings, norms and lm_head fp16), in bytes:
+
+- weights: every tensor of weights.bin (runtime/core/quantization.py's weight index), resident
+  once (one engine serves both roles);
+- KV: DecodeLimits.kv_capacity tokens x layers x 2 (K, V) x kv_heads x head_dim x 2 (fp16);
+- activations: the largest over the engine's profiles, at each profile's largest (seq s, past)
+  with context c = past + s, of max(layer + attention, heads), where
+  layer = s (2 hidden + q + 2 kv + 3 intermediate) x 2 (one layer's fp16 intermediates: TensorRT
+  reuses activation memory across layers), attention = heads x s x c x (4 + 4 + 2) (fp32 scores,
+  fp32 softmax, fp16 probabilities), heads = s x vocab x (2 + 4 + 4) (fp16 logits, fp32 logits,
+  fp32 exp): the graphs compute the vocabulary heads at every position fed;
+- fits: weights + KV + activations + headroom <= the device's memory, the headroom (OS,
+  CUDA context, TensorRT runtime; Jetson memory is shared with the CPU) an assumption, 3 GiB
+  by default.
+An estimate, not a measurement: TensorRT's fused kernels may need less activation memory
+(no materialized scores) and its workspace more.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from refusion.runtime.core.dims import ModelDims
+from refusion.runtime.core.profiles import DecodeLimits, engine_profiles
+from refusion.runtime.core.quantization import Quantization, weight_index
+
+REFUSION_8B = ModelDims(num_layers=36, hidden_size=4096, num_heads=32, kv_heads=8, head_dim=128,
+                        intermediate_size=12288, vocab_size=151671, rms_norm_eps=1e-6, rope_theta=1e6,
+                        tie_word_embeddings=False, max_position_embeddings=40960)
+# Jetson Orin modules by DRAM size (GiB; shared by CPU and GPU)
+DEVICES = {"AGX Orin 64GB": 64, "AGX Orin 32GB": 32, "Orin NX 16GB": 16, "Orin Nano 8GB": 8}
+HEADROOM_GIB = 3.0  # assumption: OS, CUDA context, TensorRT runtime
+HALF = 2  # bytes of an fp16 value
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class Memory:
+    precision: str
+    weights: int
+    kv: int
+    activations: int
+    activations_profile: str
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv + self.activations
+
+
+def weight_bytes(dims: ModelDims, quantization: Quantization | None) -> int:
+    """weights.bin's tensors at fp16 (int4: two values a byte)."""
+    total = 0
+    for kind, shape in weight_index(dims, "float16", quantization).values():
+        count = 1
+        for n in shape:
+            count *= n
+        total += (count + 1) // 2 if kind == "int4" else count * HALF
+    return total
+
+
+def kv_bytes(dims: ModelDims, limits: DecodeLimits) -> int:
+    return limits.kv_capacity * dims.num_layers * 2 * dims.kv_size * HALF
+
+
+def forward_activations(dims: ModelDims, seq: int, past: int) -> int:
+    context = past + seq
+    layer = seq * (2 * dims.hidden_size + dims.q_size + 2 * dims.kv_size + 3 * dims.intermediate_size) * HALF
+    attention = dims.num_heads * seq * context * (4 + 4 + HALF)
+    heads = seq * dims.vocab_size * (HALF + 4 + 4)
+    return max(layer + attention, heads)
+
+
+def activation_bytes(dims: ModelDims, limits: DecodeLimits) -> tuple[int, str]:
+    """The largest profile's activations, and that profile's name (the first, on a tie)."""
+    return max(((forward_activations(dims, p.seq[2], p.past[2]), p.name) for p in engine_profiles(limits)),
+               key=lambda found: found[0])
+
+
+def memory(dims: ModelDims, limits: DecodeLimits, block_size: int) -> list[Memory]:
+    acts, profile = activation_bytes(dims, limits)
+    kv = kv_bytes(dims, limits)
+    return [Memory("fp16", weight_bytes(dims, None), kv, acts, profile),
+            Memory(f"int4-awq block {block_size}", weight_bytes(dims, Quantization("int4-awq", block_size)), kv, acts,
+                   profile)]
+
+
+def table(rows: list[Memory], headroom_gib: float = HEADROOM_GIB) -> str:
+    lines = ["| precision | weights | KV | activations (profile) | total + headroom | "
+             + " | ".join(DEVICES) + " |", "|---" * (5 + len(DEVICES)) + "|"]
+    for m in rows:
+        need = m.total / GIB + headroom_gib
+        fits = [f"{'fits' if need <= size else 'no'} ({size - need:+.1f})" for size in DEVICES.values()]
+        lines.append(f"| {m.precision} | {m.weights / GIB:.2f} GiB ({m.weights / 1e9:.2f} GB) | {m.kv / GIB:.2f} GiB | "
+                     f"{m.activations / GIB:.2f} GiB ({m.activations_profile}) | {need:.2f} GiB | " + " | ".join(fits)
+                     + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("export", nargs="?", type=Path, help="an export directory [default: ReFusion-8B's dims]")
+    parser.add_argument("--block-size", type=int, default=128, help="int4 block size [128]")
+    parser.add_argument("--headroom-gib", type=float, default=HEADROOM_GIB, help="OS + CUDA context (assumed) [3]")
+    defaults = DecodeLimits()
+    for name in ("max_prompt", "gen_length", "slot_size", "serial_blocks"):
+        parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name))
+    args = parser.parse_args(argv)
+    from refusion.runtime.core.export_manifest import ExportManifest
+
+    dims = ExportManifest.read(args.export).dims if args.export else REFUSION_8B
+    limits = DecodeLimits(args.max_prompt, args.gen_length, args.slot_size, args.serial_blocks)
+    print(f"{args.export or 'ReFusion-8B'}; limits {' '.join(limits.flags())}; KV capacity {limits.kv_capacity} "
+          f"tokens; headroom {args.headroom_gib:g} GiB (assumed); device column: fits (GiB to spare)")
+    print(table(memory(dims, limits, args.block_size), args.headroom_gib))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,625 @@
+"""Train refusion-tiny: a small Qwen3ForCausalLM trained with the ReFusion objective on the
+generated tasks of `refusion.tools.tasks`, small enough to ship in the repository.
+
+The one command (2 CPU cores, about 40 minutes; resumes where it stopped if rerun):
+
+    nice -n 5 .venv/bin/python tools/train/tiny.py train
+
+It writes models/refusion-tiny/ (config.json with mask_token_id, model.safetensors,
+tokenizer.json, tokenizer_config.json, chat_template.jinja), loadable with
+transformers' Qwen3ForCausalLM / AutoTokenizer. Training state and the log go to
+--work-dir (default /tmp/refusion-tiny-train), never into the repository.
+
+    .venv/bin/python tools/train/tiny.py eval --runtime   # accuracy per task: AR in torch, then our runtime
+
+The objective (docs/training.md, "Objective"; upstream `forward_process`),
+with the choices docs/training.md lists: per example a slot size k; the response
+(answer + <|im_end|>) padded with <|endoftext|> to a multiple of k, sometimes one more
+all-pad slot; t ~ U(0,1), p = (1 - eps) t + eps; each slot masked with probability p; the
+input is the prompt, the clean slots in shuffled order, then the masked slots (mask
+tokens) in position order, every token with its true position id, attention causal in
+sequence order. Loss = mean next-token cross-entropy over the clean slots' AR targets +
+sum over masked tokens of CE / p / response length, over the batch size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import random
+import sys
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from refusion.tools import tasks as T
+
+REPO = Path(__file__).resolve().parents[2]
+IGNORE = -100
+
+# ----------------------------------------------------------------------------- tokenizer
+
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>")
+PAD, EOS, MASK = "<|endoftext|>", "<|im_end|>", "<|mask|>"
+# Role names are single tokens (as in Qwen's BPE); tasks.py keeps them out of task text.
+WORD_TOKENS = T.RESERVED_WORDS
+CHARS = "\n\t" + "".join(chr(c) for c in range(32, 127))  # printable ASCII, one token each
+
+# Qwen3-like, without tools or thinking: <|im_start|>role\ncontent<|im_end|>\n ... <|im_start|>assistant\n
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    r"{{- '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' -}}"
+    "{%- endfor -%}"
+    r"{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}{%- endif -%}"
+)
+
+
+def build_tokenizer():
+    """A character-level tokenizer (the `tokenizers` library) wrapped for transformers."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+
+    pieces = list(CHARS) + list(WORD_TOKENS) + list(SPECIAL_TOKENS)
+    backend = Tokenizer(WordLevel({p: i for i, p in enumerate(pieces)}, unk_token=PAD))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    backend.add_tokens([AddedToken(w, normalized=False, special=False) for w in WORD_TOKENS])
+    backend.add_special_tokens([AddedToken(s, normalized=False, special=True) for s in SPECIAL_TOKENS])
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        eos_token=EOS,
+        pad_token=PAD,
+        unk_token=PAD,
+        mask_token=MASK,
+        additional_special_tokens=["<|im_start|>"],
+        clean_up_tokenization_spaces=False,
+        model_max_length=256,
+    )
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+@dataclass(frozen=True)
+class Ids:
+    pad: int
+    eos: int
+    mask: int
+    vocab: int
+
+
+class Encoder:
+    """Prompt and response ids, straight from the `tokenizers` backend (fast, no transformers call per example)."""
+
+    def __init__(self, tok):
+        self.backend = tok.backend_tokenizer
+        self.ids = Ids(tok.convert_tokens_to_ids(PAD), tok.convert_tokens_to_ids(EOS),
+                       tok.convert_tokens_to_ids(MASK), len(tok))
+        self.tok = tok
+
+    def prompt(self, text: str) -> list[int]:
+        chat = self.tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                            add_generation_prompt=True)
+        return self.backend.encode(chat, add_special_tokens=False).ids
+
+    def response(self, answer: str) -> list[int]:
+        return self.backend.encode(answer, add_special_tokens=False).ids + [self.ids.eos]
+
+    def decode(self, ids: list[int]) -> str:
+        if self.ids.eos in ids:
+            ids = ids[: ids.index(self.ids.eos)]
+        return self.backend.decode(ids, skip_special_tokens=True)
+
+
+# ----------------------------------------------------------------------------- model
+
+
+def build_model(args, vocab: int, ids: Ids):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(
+        vocab_size=vocab,
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        head_dim=args.head_dim,
+        max_position_embeddings=args.max_positions,
+        rope_theta=args.rope_theta,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        use_sliding_window=False,
+        bos_token_id=None,
+        eos_token_id=ids.eos,
+        pad_token_id=ids.pad,
+        attn_implementation="sdpa",
+    )
+    config.mask_token_id = ids.mask
+    config.architectures = ["Qwen3ForCausalLM"]
+    return Qwen3ForCausalLM(config)
+
+
+# ----------------------------------------------------------------------------- the ReFusion objective
+
+
+def slot_size_choices(spec: str) -> tuple[list[int], list[float]]:
+    """"4:0.3,8:0.3,16:0.2,32:0.2" -> ([4, 8, 16, 32], [0.3, 0.3, 0.2, 0.2])."""
+    sizes, weights = [], []
+    for part in spec.split(","):
+        k, w = part.split(":")
+        sizes.append(int(k))
+        weights.append(float(w))
+    return sizes, weights
+
+
+@dataclass
+class Sequence:
+    ids: list[int]
+    pos: list[int]
+    ar: list[int]  # next-token targets (AR reading), IGNORE elsewhere
+    mdm: list[int]  # own-position targets of mask tokens (diffusion reading), IGNORE elsewhere
+    weight: float  # 1 / (p * response length) for this example's masked tokens
+
+
+def refusion_sequence(prompt: list[int], response: list[int], rng: random.Random, args, ids: Ids) -> Sequence:
+    sizes, weights = slot_size_choices(args.slot_sizes)
+    k = rng.choices(sizes, weights)[0]
+    span = math.ceil(len(response) / k) * k
+    if rng.random() < args.tail_slot_prob:  # one all-pad slot past the end: masks beyond EOS predict pad
+        span += k
+    resp = response + [ids.pad] * (span - len(response))
+    n_slots = span // k
+    t = rng.random()
+    p = (1 - args.eps) * t + args.eps
+    masked = [rng.random() < p for _ in range(n_slots)]
+    clean = [s for s in range(n_slots) if not masked[s]]
+    rng.shuffle(clean)
+    noisy = [s for s in range(n_slots) if masked[s]]
+
+    p0 = len(prompt)
+    seq_ids, pos = list(prompt), list(range(p0))
+    ar, mdm = [IGNORE] * p0, [IGNORE] * p0
+    for s in clean:
+        chunk = resp[s * k:(s + 1) * k]
+        seq_ids += chunk
+        pos += range(p0 + s * k, p0 + (s + 1) * k)
+        ar += chunk[1:] + [IGNORE]  # the last token of a slot: see the contiguity rule below
+        mdm += [IGNORE] * k
+    # Contiguity rule (our addition): a real token whose successor in the sequence also sits at
+    # the next position gets it as its AR target: the prompt's last token when slot 0 comes
+    # first, a slot's last token when the next slot in the shuffled order is its neighbour.
+    # This trains the plain-AR reading at slot boundaries and right after the prompt.
+    for j in range(p0 - 1, len(seq_ids) - 1):
+        if ar[j] == IGNORE and pos[j + 1] == pos[j] + 1:
+            ar[j] = seq_ids[j + 1]
+    for s in noisy:
+        seq_ids += [ids.mask] * k
+        pos += range(p0 + s * k, p0 + (s + 1) * k)
+        ar += [IGNORE] * k
+        mdm += resp[s * k:(s + 1) * k]
+    return Sequence(seq_ids, pos, ar, mdm, 1.0 / (p * span))
+
+
+def collate(seqs: list[Sequence], ids: Ids, multiple: int = 8) -> dict[str, torch.Tensor]:
+    """Right-pad to a common length (a multiple of `multiple`); pads are after every real token,
+    so causal attention keeps them out of every real token's context."""
+    length = max(len(s.ids) for s in seqs)
+    length = -(-length // multiple) * multiple
+    b = len(seqs)
+    out = {
+        "input_ids": torch.full((b, length), ids.pad, dtype=torch.long),
+        "position_ids": torch.zeros((b, length), dtype=torch.long),
+        "ar": torch.full((b, length), IGNORE, dtype=torch.long),
+        "mdm": torch.full((b, length), IGNORE, dtype=torch.long),
+        "weight": torch.tensor([s.weight for s in seqs], dtype=torch.float32),
+    }
+    for i, s in enumerate(seqs):
+        n = len(s.ids)
+        out["input_ids"][i, :n] = torch.tensor(s.ids)
+        out["position_ids"][i, :n] = torch.tensor(s.pos)
+        out["position_ids"][i, n:] = torch.arange(max(s.pos) + 1, max(s.pos) + 1 + length - n)
+        out["ar"][i, :n] = torch.tensor(s.ar)
+        out["mdm"][i, :n] = torch.tensor(s.mdm)
+    return out
+
+
+def refusion_loss(model, batch: dict[str, torch.Tensor], n_ar: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """This micro-batch's share of the batch loss: AR CE summed / the batch's AR target count
+    (so the shares add up to the batch mean), MDM CE * weight summed / the batch size."""
+    # An explicit attention_mask: without one, transformers may read non-monotonic position ids
+    # as packed sequences (its flash-attention paths do) and block attention between the slots.
+    logits = model(
+        input_ids=batch["input_ids"],
+        position_ids=batch["position_ids"],
+        attention_mask=torch.ones_like(batch["input_ids"]),
+    ).logits.float()
+    vocab = logits.shape[-1]
+    ar_loss = F.cross_entropy(logits.view(-1, vocab), batch["ar"].view(-1), ignore_index=IGNORE, reduction="sum") / n_ar
+    mdm_ce = F.cross_entropy(logits.view(-1, vocab), batch["mdm"].view(-1), ignore_index=IGNORE, reduction="none")
+    weight = batch["weight"][:, None].expand_as(batch["mdm"]).reshape(-1)
+    mdm_loss = (mdm_ce * weight).sum() / batch_size
+    return ar_loss + mdm_loss, ar_loss.detach(), mdm_loss.detach()
+
+
+def batch_for_step(step: int, enc: Encoder, args) -> list[Sequence]:
+    """The batch of a step is a function of (seed, step) only: resuming replays nothing and skips nothing."""
+    rng = random.Random(args.seed * 1_000_000_007 + step)
+    tasks, weights = task_mix(args)
+    seqs = []
+    for _ in range(args.batch_size):
+        ex = T.training_example(rng, tasks, weights)
+        seqs.append(refusion_sequence(enc.prompt(ex.prompt), enc.response(ex.answer), rng, args, enc.ids))
+    return seqs
+
+
+def task_mix(args) -> tuple[tuple[str, ...], tuple[float, ...]]:
+    """--tasks "a,b,c" and --task-weights "b:2" -> (("a", "b", "c"), (1.0, 2.0, 1.0))."""
+    tasks = tuple(args.tasks.split(","))
+    given = dict(part.split(":") for part in args.task_weights.split(",") if part)
+    unknown = set(given) - set(tasks)
+    if unknown:
+        raise SystemExit(f"--task-weights names {sorted(unknown)}, not in --tasks {','.join(tasks)}")
+    return tasks, tuple(float(given.get(t, 1.0)) for t in tasks)
+
+
+def micro_batches(seqs: list[Sequence], n: int, ids: Ids) -> list[dict[str, torch.Tensor]]:
+    """Sorted by length and cut into n micro-batches: far less padding than one padded batch."""
+    order = sorted(seqs, key=lambda s: len(s.ids))
+    size = -(-len(order) // n)
+    return [collate(order[i:i + size], ids) for i in range(0, len(order), size)]
+
+
+# ----------------------------------------------------------------------------- evaluation in torch
+
+
+@torch.no_grad()
+def greedy_ar(model, enc: Encoder, prompts: list[str], max_new: int = 50) -> list[str]:
+    """Plain greedy autoregressive decoding, batched with left padding and a KV cache."""
+    from transformers import DynamicCache
+
+    ids = [enc.prompt(p) for p in prompts]
+    b, width = len(ids), max(map(len, ids))
+    x = torch.full((b, width), enc.ids.pad, dtype=torch.long)
+    attn = torch.zeros((b, width), dtype=torch.long)
+    pos = torch.zeros((b, width), dtype=torch.long)
+    for i, row in enumerate(ids):
+        x[i, width - len(row):] = torch.tensor(row)
+        attn[i, width - len(row):] = 1
+        pos[i, width - len(row):] = torch.arange(len(row))
+    lengths = torch.tensor([len(r) for r in ids])
+    cache = DynamicCache(config=model.config)
+    logits = model(input_ids=x, attention_mask=attn, position_ids=pos, cache=cache, use_cache=True).logits
+    nxt = logits[:, -1].argmax(-1)
+    out = torch.full((b, max_new), enc.ids.eos, dtype=torch.long)
+    done = torch.zeros(b, dtype=torch.bool)
+    for step in range(max_new):
+        out[:, step] = torch.where(done, enc.ids.eos, nxt)
+        done |= nxt == enc.ids.eos
+        if bool(done.all()):
+            break
+        attn = torch.cat([attn, torch.ones((b, 1), dtype=torch.long)], dim=1)
+        logits = model(input_ids=nxt[:, None], attention_mask=attn, position_ids=(lengths + step)[:, None],
+                       cache=cache, use_cache=True).logits
+        nxt = logits[:, -1].argmax(-1)
+    return [enc.decode(row.tolist()) for row in out]
+
+
+@torch.no_grad()
+def one_shot_fill(model, enc: Encoder, prompts: list[str], span: int = 48) -> list[str]:
+    """Diffusion reading in one forward: prompt + `span` masks, argmax at every mask (a probe of the planner)."""
+    seqs = []
+    for p in prompts:
+        pr = enc.prompt(p)
+        seqs.append(Sequence(pr + [enc.ids.mask] * span, list(range(len(pr) + span)), [], [], 0.0))
+    batch = collate([Sequence(s.ids, s.pos, [IGNORE] * len(s.ids), [IGNORE] * len(s.ids), 0.0) for s in seqs], enc.ids)
+    logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
+                   attention_mask=torch.ones_like(batch["input_ids"])).logits
+    texts = []
+    for i, s in enumerate(seqs):
+        start = len(s.ids) - span
+        texts.append(enc.decode(logits[i, start:len(s.ids)].argmax(-1).tolist()))
+    return texts
+
+
+def accuracy_by_task(examples: list[T.Example], texts: list[str]) -> dict[str, float]:
+    hits, counts = defaultdict(int), defaultdict(int)
+    for ex, text in zip(examples, texts):
+        counts[ex.task] += 1
+        hits[ex.task] += T.score(ex, text)
+    table = {t: hits[t] / counts[t] for t in T.TASKS if counts[t]}
+    table["all"] = sum(hits.values()) / max(1, sum(counts.values()))
+    return table
+
+
+def quick_eval(model, enc: Encoder, n: int) -> dict[str, dict[str, float]]:
+    model.eval()
+    examples = T.held_out(n)
+    prompts = [e.prompt for e in examples]
+    result = {
+        "ar": accuracy_by_task(examples, greedy_ar(model, enc, prompts)),
+        "one_shot": accuracy_by_task(examples, one_shot_fill(model, enc, prompts)),
+    }
+    model.train()
+    return result
+
+
+def fmt_acc(table: dict[str, float]) -> str:
+    return " ".join(f"{k}={v:.2f}" for k, v in table.items())
+
+
+# ----------------------------------------------------------------------------- training
+
+
+HYPER = (  # what a saved state must agree on to be resumed
+    "seed", "layers", "hidden", "intermediate", "heads", "kv_heads", "head_dim", "rope_theta", "max_positions",
+    "steps", "batch_size", "lr", "min_lr_ratio", "warmup", "weight_decay", "beta2", "grad_clip", "slot_sizes",
+    "tail_slot_prob", "eps", "tasks", "task_weights",
+)
+
+
+def lr_at(step: int, args) -> float:
+    if step < args.warmup:
+        return args.lr * (step + 1) / args.warmup
+    frac = (step - args.warmup) / max(1, args.steps - args.warmup)
+    return args.lr * (args.min_lr_ratio + (1 - args.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac)))
+
+
+class Log:
+    def __init__(self, path: Path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.file = path.open("a", encoding="utf-8")
+
+    def __call__(self, msg: str) -> None:
+        line = f"[{time.strftime('%H:%M:%S')}] {msg}"
+        print(line, flush=True)
+        self.file.write(line + "\n")
+        self.file.flush()
+
+
+# The fastest benchmarked setting within a point of AR accuracy (docs/benchmark.md).
+DECODE_DEFAULTS = {"gen_length": 64, "slot_size": 4, "serial_num_blocks": 4, "slot_threshold": 0.5,
+                   "token_threshold": 0.1}
+
+
+def save_state(path: Path, model, opt, step: int, args, elapsed: float) -> None:
+    tmp = path.with_suffix(".tmp")
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "elapsed": elapsed,
+                "hyper": {h: getattr(args, h) for h in HYPER}, "torch_rng": torch.get_rng_state()}, tmp)
+    os.replace(tmp, path)
+
+
+def save_model(model, tok, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in ("model.safetensors", "pytorch_model.bin"):
+        (out / stale).unlink(missing_ok=True)
+    model.config.use_cache = True
+    model.save_pretrained(out, safe_serialization=True)
+    tok.save_pretrained(out)
+    # transformers 5 keeps the template in chat_template.jinja; older readers look in the config.
+    cfg_path = out / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
+    cfg["tokenizer_class"] = "PreTrainedTokenizerFast"  # the name transformers 4 and 5 both load
+    cfg["chat_template"] = CHAT_TEMPLATE
+    cfg_path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    # The decode settings exports record as their defaults (docs/decoding.md, "Export defaults").
+    gen_path = out / "generation_config.json"
+    gen = json.loads(gen_path.read_text(encoding="utf-8"))
+    gen["refusion_decode"] = DECODE_DEFAULTS
+    gen_path.write_text(json.dumps(gen, indent=2) + "\n", encoding="utf-8")
+    for f in out.iterdir():
+        f.chmod(0o644)
+
+
+def train(args) -> None:
+    # Bit-for-bit reproducible for a given --threads and CPU: eager ops only (two torch.compile'd
+    # runs of the same command differed within 40 steps) and no nondeterministic kernels.
+    torch.use_deterministic_algorithms(True)
+    torch.set_num_threads(args.threads)
+    work = Path(args.work_dir)
+    log = Log(work / "train.log")
+    state_path = work / "state.pt"
+    tok = build_tokenizer()
+    enc = Encoder(tok)
+    torch.manual_seed(args.seed)
+    model = build_model(args, len(tok), enc.ids)
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, args.beta2))
+    step, elapsed0 = 0, 0.0
+    if state_path.exists() and not args.restart:
+        state = torch.load(state_path, weights_only=False)
+        mismatch = {h: (state["hyper"].get(h), getattr(args, h)) for h in HYPER if state["hyper"].get(h) != getattr(args, h)}
+        if mismatch:
+            sys.exit(f"{state_path} was saved with other hyperparameters {mismatch} (saved, now); "
+                     "pass --restart to start over, or the same flags to resume.")
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        torch.set_rng_state(state["torch_rng"])
+        step, elapsed0 = state["step"], state["elapsed"]
+        log(f"resumed from {state_path} at step {step}")
+    n_params = sum(p.numel() for p in model.parameters())
+    log(f"model: {args.layers} layers, hidden {args.hidden}, {n_params / 1e6:.2f}M parameters, vocab {len(tok)}; "
+        f"{args.steps} steps of {args.batch_size}; work dir {work}")
+    log("args: " + json.dumps({k: v for k, v in vars(args).items() if k != "func"}, sort_keys=True))
+    model.train()
+    t_start, tokens_seen, first_step = time.time(), 0, step
+    loss_sum = ar_sum = mdm_sum = 0.0
+    n_sum = 0
+    while step < args.steps:
+        seqs = batch_for_step(step, enc, args)
+        n_tok = sum(len(s.ids) for s in seqs)
+        n_ar = max(1, sum(sum(t != IGNORE for t in s.ar) for s in seqs))
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, args)
+        opt.zero_grad(set_to_none=True)
+        loss = ar_l = mdm_l = 0.0
+        for batch in micro_batches(seqs, args.micro_batches, enc.ids):
+            part, ar_part, mdm_part = refusion_loss(model, batch, n_ar, len(seqs))
+            part.backward()
+            loss, ar_l, mdm_l = loss + float(part.detach()), ar_l + float(ar_part), mdm_l + float(mdm_part)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+        opt.step()
+        step += 1
+        tokens_seen += n_tok
+        loss_sum, ar_sum, mdm_sum, n_sum = loss_sum + loss, ar_sum + ar_l, mdm_sum + mdm_l, n_sum + 1
+        if step % args.log_every == 0 or step == args.steps:
+            now = time.time()
+            run = now - t_start
+            rate = tokens_seen / max(run, 1e-9)
+            eta = (args.steps - step) * run / (step - first_step)
+            log(f"step {step}/{args.steps} loss {loss_sum / n_sum:.4f} (ar {ar_sum / n_sum:.4f} mdm {mdm_sum / n_sum:.4f}) "
+                f"lr {lr_at(step - 1, args):.2e} {rate:.0f} tok/s elapsed {fmt_time(elapsed0 + run)} ETA {fmt_time(eta)}")
+            loss_sum = ar_sum = mdm_sum = 0.0
+            n_sum = 0
+        if step % args.save_every == 0 or step == args.steps:
+            save_state(state_path, model, opt, step, args, elapsed0 + time.time() - t_start)
+        if args.eval_every and (step % args.eval_every == 0 or step == args.steps):
+            t0 = time.time()
+            res = quick_eval(model, enc, args.eval_n)
+            log(f"eval step {step} ({time.time() - t0:.0f}s) AR: {fmt_acc(res['ar'])}")
+            log(f"eval step {step} one-shot fill: {fmt_acc(res['one_shot'])}")
+    out = Path(args.out)
+    save_model(model, tok, out)
+    total = elapsed0 + time.time() - t_start
+    weights = (out / "model.safetensors").read_bytes()
+    log(f"done: {step} steps in {fmt_time(total)}; saved {out} ({len(weights) / 1e6:.1f} MB weights, "
+        f"sha256 {hashlib.sha256(weights).hexdigest()})")
+
+
+def fmt_time(seconds: float) -> str:
+    seconds = int(seconds)
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+# ----------------------------------------------------------------------------- evaluation command
+
+
+def evaluate(args) -> None:
+    from transformers import AutoTokenizer, Qwen3ForCausalLM
+
+    torch.set_num_threads(args.threads)
+    model_dir = Path(args.model)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    enc = Encoder(tok)
+    model = Qwen3ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    examples = T.held_out(args.n)
+    prompts = [e.prompt for e in examples]
+    rows: dict[str, dict[str, float]] = {}
+    t0 = time.time()
+    rows["torch AR (greedy)"] = accuracy_by_task(examples, greedy_ar(model, enc, prompts))
+    print(f"torch AR: {fmt_acc(rows['torch AR (greedy)'])} ({time.time() - t0:.0f}s)", flush=True)
+    rows["torch one-shot fill"] = accuracy_by_task(examples, one_shot_fill(model, enc, prompts))
+    if args.runtime:
+        rows.update(evaluate_runtime(args, examples))
+    names = list(T.TASKS) + ["all"]
+    print("\n| decode | " + " | ".join(names) + " |")
+    print("|---|" + "---|" * len(names))
+    for label, table in rows.items():
+        print(f"| {label} | " + " | ".join(f"{100 * table.get(n, float('nan')):.0f}" for n in names) + " |")
+
+
+def evaluate_runtime(args, examples: list[T.Example]) -> dict[str, dict[str, float]]:
+    from refusion.export.exporter import export_onnx
+    from refusion.runtime.generator import Generator
+
+    export_onnx(args.model, args.onnx_dir, force=True)
+    rows = {}
+    settings = [("ar", dict(mode="ar", gen_length=args.gen_length))]
+    for spec in args.settings.split(";"):
+        k, blocks, s_thr, t_thr = spec.split(",")
+        settings.append((f"refusion k={k} blocks={blocks} slot>{s_thr} tok>{t_thr}",
+                         dict(gen_length=args.gen_length, slot_size=int(k), serial_num_blocks=int(blocks),
+                              slot_threshold=float(s_thr), token_threshold=float(t_thr))))
+    with Generator.from_dir(args.onnx_dir, backend="ort-cpu", threads=args.threads) as gen:
+        for label, params in settings:
+            t0 = time.time()
+            texts, tokens, forwards, tpf = [], 0, 0, 0.0
+            for ex in examples:
+                r = gen.generate(ex.prompt, chat=True, **params)
+                texts.append(r.text)
+                tokens += r.stats.tokens
+                forwards += r.stats.forward_count
+                tpf += r.stats.tpf
+            table = accuracy_by_task(examples, texts)
+            rows[f"runtime {label}"] = table
+            print(f"runtime {label}: {fmt_acc(table)}; tokens/forward {tokens / max(1, forwards):.2f}, "
+                  f"mean TPF {tpf / len(examples):.2f}, {time.time() - t0:.0f}s", flush=True)
+    return rows
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="command", required=True)
+    tr = sub.add_parser("train", help="train (or resume) and save models/refusion-tiny",
+                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    tr.add_argument("--out", default=str(REPO / "models" / "refusion-tiny"))
+    tr.add_argument("--work-dir", default="/tmp/refusion-tiny-train", help="training state and log")
+    tr.add_argument("--restart", action="store_true", help="ignore a saved state and start over")
+    tr.add_argument("--seed", type=int, default=0)
+    tr.add_argument("--threads", type=int, default=2)
+    # model
+    tr.add_argument("--layers", type=int, default=4)
+    tr.add_argument("--hidden", type=int, default=192)
+    tr.add_argument("--intermediate", type=int, default=512)
+    tr.add_argument("--heads", type=int, default=4)
+    tr.add_argument("--kv-heads", type=int, default=2)
+    tr.add_argument("--head-dim", type=int, default=48)
+    tr.add_argument("--rope-theta", type=float, default=10000.0)
+    tr.add_argument("--max-positions", type=int, default=256)
+    # optimisation
+    tr.add_argument("--steps", type=int, default=4000)
+    tr.add_argument("--batch-size", type=int, default=64)
+    tr.add_argument("--micro-batches", type=int, default=4, help="the batch sorted by length and run in this many parts")
+    tr.add_argument("--lr", type=float, default=2e-3)
+    tr.add_argument("--min-lr-ratio", type=float, default=0.1)
+    tr.add_argument("--warmup", type=int, default=60)
+    tr.add_argument("--weight-decay", type=float, default=0.01)
+    tr.add_argument("--beta2", type=float, default=0.98)
+    tr.add_argument("--grad-clip", type=float, default=1.0)
+    # objective and data
+    tr.add_argument("--slot-sizes", default="4:0.3,8:0.3,16:0.2,32:0.2", help="slot size k: weight, drawn per example")
+    tr.add_argument("--tail-slot-prob", type=float, default=0.5, help="chance of one extra all-pad slot after the response")
+    tr.add_argument("--eps", type=float, default=1e-3, help="p = (1 - eps) t + eps")
+    tr.add_argument("--tasks", default=",".join(T.TASKS))
+    tr.add_argument("--task-weights", default="add:2,lookup:2", help="task:weight for the tasks drawn more often (others 1)")
+    # progress
+    tr.add_argument("--log-every", type=int, default=10)
+    tr.add_argument("--save-every", type=int, default=100)
+    tr.add_argument("--eval-every", type=int, default=300)
+    tr.add_argument("--eval-n", type=int, default=120)
+    tr.set_defaults(func=train)
+
+    ev = sub.add_parser("eval", help="accuracy per task on the held-out set",
+                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ev.add_argument("--model", default=str(REPO / "models" / "refusion-tiny"))
+    ev.add_argument("--n", type=int, default=210)
+    ev.add_argument("--threads", type=int, default=2)
+    ev.add_argument("--runtime", action="store_true", help="also export to ONNX and decode with the runtime (ort-cpu)")
+    ev.add_argument("--onnx-dir", default="/tmp/refusion-tiny-onnx")
+    ev.add_argument("--gen-length", type=int, default=64)
+    ev.add_argument("--settings", default="8,1,0.9,0.4;4,1,0.9,0.4;8,1,0.7,0.2",
+                    help="ReFusion settings 'slot_size,serial_num_blocks,slot_threshold,token_threshold;...'")
+    ev.set_defaults(func=evaluate)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
+    args.func(args)
+
+
+if __name__ == "__main__":
+    main()
