@@ -1,4 +1,4 @@
-"""The TensorRT Runner on CPU fakes of TensorRT and cuda-python (tests/engines/fakes.py).
+"""The TensorRT Runner on CPU fakes of TensorRT and cuda-python (tests/fakes.py).
 
 The fakes execute the real ONNX graphs over the runner's real pointer arithmetic, so these
 tests pin the bindings (past as a view of the cache, present written in place at write_at,
@@ -22,8 +22,10 @@ from refusion.runtime.params import DecodeParams
 from refusion.runtime.runners import cuda
 from refusion.runtime.runners.onnxruntime import OrtRunner
 from refusion.runtime.runners.tensorrt import TensorRTRunner
-from tests.helpers import fake_engines
-from tests.helpers import MASK_ID
+from tests.helpers import MASK_ID, fake_engines
+
+pytest.importorskip("onnxruntime")  # the fakes run the graphs on it
+pytest.importorskip("transformers")  # the fixtures' checkpoints
 
 PROMPTS = ([5, 17, 42, 99, 7], [200, 3, 3, 64, 81, 12, 150, 9, 31])
 LAYOUTS = ((4, 32, 2), (8, 48, 3), (32, 64, 2))  # (slot_size, gen_length, serial blocks)
@@ -202,7 +204,7 @@ def test_empty_past_is_bound_apart_from_present(peaky_export, fakes, tmp_path):
 
 
 def test_profile_refused_by_tensorrt_names_the_rebuild(peaky_export, fakes, tmp_path, monkeypatch):
-    """The binding raises RuntimeError where the C++ call returns false (tests/engines/fakes.py)."""
+    """The binding raises RuntimeError where the C++ call returns false (tests/fakes.py)."""
     from tests.fakes import _Context
 
     _, cudart = fakes

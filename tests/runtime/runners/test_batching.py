@@ -22,10 +22,10 @@ from refusion.runtime.core.profiles import DecodeLimits, engine_profiles, select
 from refusion.runtime.generator import Generator
 from refusion.runtime.runners.base import RowFeed, Runner
 from refusion.runtime.runners.tensorrt import TensorRTRunner
-from tests.helpers import fake_engines
 from tests.fakes import CpuBoundCudaRunner
-from tests.helpers import MIXED_SETTINGS, chat_jobs, decode_alone_on
+from tests.helpers import MIXED_SETTINGS, chat_jobs, decode_alone_on, fake_engines
 
+pytest.importorskip("onnxruntime")  # the fakes run the graphs on it
 pytest.importorskip("torch")  # chat_jobs' held-out prompts
 
 # The embedded model's chat prompts are 18-51 tokens; blocks up to the whole generation (serial_num_blocks 1).
