@@ -7,7 +7,6 @@ the new tokens' present KV is copied in; on CUDA, IO binding keeps past and pres
 
 from __future__ import annotations
 
-from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -15,7 +14,6 @@ import numpy as np
 from refusion.runtime.core.contract import (
     GRAPH_NAMES,
     GraphName,
-    kv_names,
     past_key_name,
     past_value_name,
     present_key_name,
@@ -25,6 +23,7 @@ from refusion.runtime.core.dtypes import dtype
 from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.core.export_manifest import ExportManifest
 from refusion.runtime.runners.base import Runner, pack_rows
+from refusion.runtime.runners.kv_pool import DeviceKVPool, ScratchBuffers
 from refusion.runtime.runners.ort_session import import_onnxruntime, open_session
 
 # onnxruntime's CPU provider has no bfloat16 MatMul.
@@ -136,18 +135,14 @@ class OrtRunner(Runner):
 
 
 class OrtCudaRunner(OrtRunner):
-    """onnxruntime with CUDA: the KV cache lives in device buffers bound through IO binding,
-    so past and present never cross to the host; only ids and probabilities come back.
-    onnxruntime uploads one device copy of the weights per session, and there is one session
-    (both roles, as on the CPU).
+    """onnxruntime with CUDA: every request's KV lives in the device KV pool, bound through IO binding,
+    so past and present never cross to the host; only ids and probabilities come back. One session
+    serves both roles, as on the CPU.
 
-    `max_requests` KV regions (device buffers per layer, one region per request in flight), and up to
-    `max_batch` rows per call as the CPU runner packs them: IO binding takes one contiguous
-    [rows, past, H, D] tensor, so each row's past is gathered from its region into a batch buffer
-    on the device, and present comes out as [rows, seq, H, D] into scratch, from which each row's
-    tokens go to its region. The gather and scatter copies run on the runner's own stream, waited
-    for once before and once after onnxruntime's run (which synchronizes its own stream on
-    return). One row alone binds its region in place, as before."""
+    Up to `max_batch` rows per call, packed as the CPU runner packs them: IO binding takes one contiguous
+    [rows, past, H, D] tensor, so the pool gathers each row's past into a batch buffer and scatters each
+    row's present back into its region, on the runner's own stream, waited for once before and once after
+    onnxruntime's run (which synchronizes its own stream on return). One row alone binds its region in place."""
 
     name = "ort-cuda"
     provider = "CUDAExecutionProvider"
@@ -156,10 +151,11 @@ class OrtCudaRunner(OrtRunner):
     def __init__(self, manifest: ExportManifest, threads: int | None = None, low_memory: bool = False,
                  verify: bool = False, max_requests: int = 1, max_batch: int = 1):
         super().__init__(manifest, threads, low_memory, verify, max_requests, max_batch)
-        self.device_keys: list[list[Any]] = [[] for _ in range(max_requests)]  # [region][layer] DeviceBuffer
-        self.device_values: list[list[Any]] = [[] for _ in range(max_requests)]
+        m = manifest
+        # stream-less: each copy returns when done, so none can race onnxruntime's own stream
+        self._kv = DeviceKVPool(m.num_layers, m.kv_heads, m.head_dim, self.dtype, max_requests)
+        self._scratch = ScratchBuffers()  # "past", "present" of packed calls
         self._stream: Any = None  # cuda.Stream of the gathers and scatters, while active
-        self._scratch: dict[str, Any] = {}  # "past", "present": grown on demand
 
     def _activate(self) -> None:
         from refusion.runtime.runners.cuda import Stream
@@ -169,75 +165,50 @@ class OrtCudaRunner(OrtRunner):
             self._stream = Stream()
 
     def _deactivate(self) -> None:
-        for buf in [*self._device_caches(), *self._scratch.values()]:
-            buf.free()
-        self.device_keys = [[] for _ in range(self.max_requests)]
-        self.device_values = [[] for _ in range(self.max_requests)]
-        self._scratch = {}
+        self._kv.free()
+        self._scratch.free()
         if self._stream is not None:
             self._stream.close()
             self._stream = None
         super()._deactivate()
 
-    def _device_caches(self, region: int | None = None) -> list[Any]:
-        """A region's K buffers then its V buffers, by layer (every region's when `region` is None)."""
-        regions = range(self.max_requests) if region is None else (region,)
-        return [buf for s in regions for buf in self.device_keys[s] + self.device_values[s]]
-
-    @property
-    def _token_bytes(self) -> int:
-        return self.manifest.kv_heads * self.manifest.head_dim * np.dtype(self.dtype).itemsize
-
     def _allocate_kv(self, capacity: int, region: int) -> None:
-        from refusion.runtime.runners.cuda import DeviceBuffer
-
-        for buf in self._device_caches(region):
-            buf.free()
-        n = self.manifest.num_layers
-        self.device_keys[region] = [DeviceBuffer(capacity * self._token_bytes) for _ in range(n)]
-        self.device_values[region] = [DeviceBuffer(capacity * self._token_bytes) for _ in range(n)]
+        self._kv.allocate(region, capacity)
 
     def _move_kv(self, src: int, dst: int, length: int, region: int) -> None:
-        t = self._token_bytes
-        for buf in self._device_caches(region):
-            buf.copy_within(src * t, dst * t, length * t)
+        self._kv.move(region, src, dst, length)
 
     def _run(self, graph, input_ids, position_ids, attention_mask, past_length, write_at, region):
-        m, t, seq = self.manifest, self._token_bytes, input_ids.shape[1]
+        m, t, seq = self.manifest, self._kv.token_bytes, input_ids.shape[1]
         binding, wanted = self._binding(graph, input_ids, position_ids, attention_mask)
         kv = [m.kv_heads, m.head_dim]
-        caches = self._device_caches(region)
-        for name, buf in zip(self._past_names, caches):  # past and present as addresses inside the region
+        caches = self._kv.caches(region)
+        for name, buf in zip(self._kv.past_names, caches):  # past and present as addresses inside the region
             binding.bind_input(name, self.device, 0, self.dtype, [1, past_length, *kv], buf.ptr)
         if write_at is not None:
-            for name, buf in zip(self._presents_kv, caches):
+            for name, buf in zip(self._kv.present_names, caches):
                 binding.bind_output(name, self.device, 0, self.dtype, [1, seq, *kv], buf.ptr + write_at * t)
         return self._run_bound(graph, binding, wanted)
 
     def _run_batch(self, graph, rows):
-        m, t, batch, packed = self.manifest, self._token_bytes, len(rows), pack_rows(rows)
+        m, t, batch, packed = self.manifest, self._kv.token_bytes, len(rows), pack_rows(rows)
         seq, past, kv = packed.seq, packed.past, [m.kv_heads, m.head_dim]
         binding, wanted = self._binding(graph, packed.input_ids, packed.position_ids, packed.attention_mask)
-        gathered, row_past = self._scratch_buffer("past", len(self._past_names) * batch * past * t), past * t
-        for b, r in enumerate(rows):  # each row's past from its region, padded to the longest
-            for j, cache in enumerate(self._device_caches(r.region)):
-                cache.copy_to(gathered, r.past * t, dst_offset=(j * batch + b) * row_past, stream=self._stream)
+        stride = batch * past * t  # one cache's rows, each padded to the longest past
+        gathered = self._scratch.get("past", len(self._kv.past_names) * stride, zeroed=True)
+        self._kv.gather(rows, past, gathered, stride, self._stream)
         self._stream.synchronize()  # before onnxruntime reads them on its own stream
-        for j, name in enumerate(self._past_names):
-            binding.bind_input(name, self.device, 0, self.dtype, [batch, past, *kv],
-                               gathered.ptr + j * batch * row_past)
-        presents, row_present = None, seq * t
+        for j, name in enumerate(self._kv.past_names):
+            binding.bind_input(name, self.device, 0, self.dtype, [batch, past, *kv], gathered.ptr + j * stride)
+        presents, present_stride = None, batch * seq * t
         if graph == "infiller":
-            presents = self._scratch_buffer("present", len(self._presents_kv) * batch * row_present)
-            for j, name in enumerate(self._presents_kv):
+            presents = self._scratch.get("present", len(self._kv.present_names) * present_stride, zeroed=True)
+            for j, name in enumerate(self._kv.present_names):
                 binding.bind_output(name, self.device, 0, self.dtype, [batch, seq, *kv],
-                                    presents.ptr + j * batch * row_present)
+                                    presents.ptr + j * present_stride)
         outputs = self._run_bound(graph, binding, wanted)
-        for b, r in enumerate(rows):  # each row's own tokens into its region
-            if presents is not None and r.write_at is not None:
-                for j, cache in enumerate(self._device_caches(r.region)):
-                    presents.copy_to(cache, r.input_ids.shape[1] * t, src_offset=(j * batch + b) * row_present,
-                                     dst_offset=r.write_at * t, stream=self._stream)
+        if presents is not None:
+            self._kv.scatter(rows, seq, presents, present_stride, self._stream)
         self._stream.synchronize()  # the regions are whole before the next forward reads them
         return [{name: array[b : b + 1, : r.input_ids.shape[1]] for name, array in outputs.items()}
                 for b, r in enumerate(rows)]
@@ -257,24 +228,3 @@ class OrtCudaRunner(OrtRunner):
         self.sessions[graph].run_with_iobinding(binding)
         outputs = binding.get_outputs()
         return {name: outputs[j].numpy() for j, name in enumerate(wanted)}
-
-    def _scratch_buffer(self, name: str, nbytes: int) -> Any:
-        """The named device scratch, grown (never shrunk) to `nbytes`. Zeroed when allocated: padded past
-        is masked, but 0 x NaN would still be NaN, so it must hold finite values (zeros or earlier KV)."""
-        from refusion.runtime.runners.cuda import DeviceBuffer
-
-        buf = self._scratch.get(name)
-        if buf is None or buf.nbytes < nbytes:
-            if buf is not None:
-                buf.free()  # its copies were waited for (stream synchronized after each batch)
-            buf = self._scratch[name] = DeviceBuffer(nbytes)
-            buf.zero()
-        return buf
-
-    @cached_property  # names fixed by the export: not rebuilt per forward
-    def _past_names(self) -> list[str]:
-        return kv_names(self.manifest.num_layers, past=True)
-
-    @cached_property
-    def _presents_kv(self) -> list[str]:
-        return kv_names(self.manifest.num_layers, past=False)

@@ -1,56 +1,30 @@
-"""The TensorRT Runner: one engine serving the planner and the infiller, on one CUDA stream, KV cache on the device.
+"""The TensorRT Runner: one engine serving the planner and the infiller, on one CUDA stream, KV on the device.
 
-Loading verifies engines.json (TensorRT version, GPU, engine sha256) before deserializing.
-The engine is the infiller graph's, with a profile per kind of forward (runtime/core/profiles.py),
-so the weights are resident once. Each profile gets its own execution context, set to that
-profile once, and all contexts share one activation buffer: forwards are serialized on the
-stream, so only one context ever runs at a time. A forward binds the cache's committed prefix
-as past (base address, shape [1, past, H, D]) and the infiller's present straight into the
-cache at `write_at`; only ids, positions and the mask go up, and only the small heads come back.
-A planner forward runs on the engine's planner profile and returns the planner's heads; the
-present KV it also computes goes to a scratch buffer apart from the cache (seq tokens of KV,
-never read), and its input_probs stay on the device.
+Loading verifies engines.json (TensorRT version, GPU, engine sha256), then deserializes the engine from a
+read-only mapping of its file (no host copy). The engine is the infiller graph's with a profile per kind of
+forward (runtime/core/profiles.py), an execution context per profile, all sharing one activation buffer
+(forwards are serialized on the stream). A forward binds its request's KV region (runners/kv_pool.py) as
+past and writes present straight into it at `write_at`; only ids, positions and the mask go up, and only
+the small heads come back. A planner forward's present goes to scratch apart from the cache.
 
-Several requests: the runner holds `max_requests` KV regions (one per request in flight, each its
-own buffers per layer) and runs up to `max_batch` (engines.json's `--max-batch`) of their
-forwards in one execution, on a profile whose batch range holds them. TensorRT takes a batch
-tensor as one contiguous [rows, past, H, D], so each row's past is gathered from its region into
-a batch buffer (device-to-device on the stream, padded to the longest past, padding masked), and
-present comes out as [rows, seq, H, D] into scratch, from which each row's tokens are copied to
-its region at its write_at. Rows no batched profile holds (prefills) run one at a time; one row
-alone takes the single-request path above, binding its region in place.
-
-TensorRT wants every tensor address 256-byte aligned. A cache region is aligned when a
-token's KV per layer is a multiple of 256 bytes (kv_heads x head_dim x itemsize: 2048 for
-Qwen3-8B in fp16); otherwise present is written to an aligned staging area and copied into
-the cache on the stream, which only tiny test models need. An empty past (prefill) is bound
-to a small buffer of its own, never to the address present is written to.
-
-The engine is deserialized from its file through a TensorRT stream reader over a read-only
-mapping of the file, so the runner makes no copy of it in host memory (docs/tensorrt.md
-has the peaks). Once per (profile, input shapes) the output shapes TensorRT infers are checked against
-the buffers bound for them, so an engine that disagrees with the contract cannot overflow them.
-Needs TensorRT >= 10.1 (`set_device_memory(ptr, size)`, `device_memory_size_v2`).
+Several requests' forwards run in one execution on a profile whose batch range holds them: their pasts
+gathered into one [rows, past, H, D] buffer, their presents scattered back (rows no batched profile holds,
+prefills, run one at a time). TensorRT wants 256-byte aligned addresses: present at an unaligned offset
+goes through aligned staging (tiny test models only; real models' tokens are aligned). Once per (profile,
+input shapes) the output shapes TensorRT infers are checked against the buffers bound for them. Needs
+TensorRT >= 10.1 (`set_device_memory(ptr, size)`, `device_memory_size_v2`); docs/tensorrt.md has the details.
 """
 
 from __future__ import annotations
 
 import mmap
 import re
-from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from refusion.runtime.core.contract import (
-    BATCH,
-    SEQ,
-    GraphName,
-    kv_names,
-    past_key_name,
-    past_value_name,
-)
+from refusion.runtime.core.contract import BATCH, SEQ, GraphName
 from refusion.runtime.core.dtypes import dtype, from_trt
 from refusion.runtime.core.engines_manifest import ENGINE_GRAPH, EngineManifest, Target
 from refusion.runtime.core.errors import RefusionError
@@ -59,6 +33,7 @@ from refusion.runtime.core.profiles import check_request, select_profile
 from refusion.runtime.params import DecodeParams
 from refusion.runtime.runners.base import PackedRows, RowFeed, Runner, pack_rows
 from refusion.runtime.runners.cuda import DeviceBuffer, Stream, device_info
+from refusion.runtime.runners.kv_pool import DeviceKVPool, ScratchBuffers
 
 if TYPE_CHECKING:
     import tensorrt
@@ -115,9 +90,8 @@ class TensorRTRunner(Runner):
         self._activations: DeviceBuffer | None = None
         self._empty: DeviceBuffer | None = None  # where empty tensors (a prefill's past) are bound
         self._shapes_checked: set[tuple[int, int, int, int]] = set()  # (profile, batch, seq, past)
-        self._io: dict[str, DeviceBuffer] = {}  # ids, positions, mask, heads, present staging: grown on demand
-        self._keys: list[list[DeviceBuffer]] = [[] for _ in range(self.max_requests)]  # [region][layer]
-        self._values: list[list[DeviceBuffer]] = [[] for _ in range(self.max_requests)]
+        self._pool: DeviceKVPool | None = None  # every request's KV, while active
+        self._scratch: ScratchBuffers | None = None  # ids, positions, mask, heads, present staging, batch past
 
     @staticmethod
     def from_dir(path: str | Path, max_requests: int | None = None, max_batch: int | None = None) -> TensorRTRunner:
@@ -147,6 +121,10 @@ class TensorRTRunner(Runner):
         import tensorrt as trt
 
         self._stream = Stream()
+        m = self.manifest
+        self._pool = DeviceKVPool(m.num_layers, m.kv_heads, m.head_dim, dtype(m.dtype).numpy, self.max_requests,
+                                  self._stream)
+        self._scratch = ScratchBuffers(self._stream)
         runtime = self._runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
         engine = _deserialize(runtime, self.engines.engine_path)
         if engine is None:
@@ -191,11 +169,10 @@ class TensorRTRunner(Runner):
     def _deactivate(self) -> None:
         if self._stream is not None:
             self._stream.synchronize()
-        for buf in [*self._caches(), *self._io.values()]:
-            buf.free()
-        self._keys = [[] for _ in range(self.max_requests)]
-        self._values = [[] for _ in range(self.max_requests)]
-        self._io = {}
+        for held in (self._pool, self._scratch):
+            if held is not None:
+                held.free()
+        self._pool, self._scratch = None, None
         self._contexts = []  # contexts before the engine, the engine before the runtime
         self._engine = None
         self._shapes_checked.clear()
@@ -209,28 +186,11 @@ class TensorRTRunner(Runner):
             self._stream = None
 
     # -- KV cache ----------------------------------------------------------------------------
-    @property
-    def _token_bytes(self) -> int:
-        """Bytes of one token's K (or V) in one layer."""
-        return self.kv_bytes_per_token // (2 * self.manifest.num_layers)
-
-    def _caches(self, region: int | None = None) -> list[DeviceBuffer]:
-        """A region's K buffers then its V buffers, by layer (every region's when `region` is None)."""
-        regions = range(self.max_requests) if region is None else (region,)
-        return [buf for s in regions for buf in self._keys[s] + self._values[s]]
-
     def _allocate_kv(self, capacity: int, region: int) -> None:
-        self._active_stream.synchronize()  # queued forwards and moves may still use the old cache
-        for buf in self._caches(region):
-            buf.free()
-        n, size = self.manifest.num_layers, capacity * self._token_bytes
-        self._keys[region] = [DeviceBuffer(size, self._stream) for _ in range(n)]
-        self._values[region] = [DeviceBuffer(size, self._stream) for _ in range(n)]
+        self._kv.allocate(region, capacity)
 
     def _move_kv(self, src: int, dst: int, length: int, region: int) -> None:
-        t = self._token_bytes
-        for buf in self._caches(region):
-            buf.copy_within(src * t, dst * t, length * t)
+        self._kv.move(region, src, dst, length)
 
     def kv_to_host(self, start: int, length: int, region: int = 0) -> dict[str, np.ndarray]:
         """KV of tokens [start, start + length) per layer of `region`, on the host (for checks, not the
@@ -238,32 +198,22 @@ class TensorRTRunner(Runner):
         self._require_active()
         self._check_region(region)
         self._check_range("KV read", start, length, region)
-        m, t = self.manifest, self._token_bytes
-        shape = (1, length, m.kv_heads, m.head_dim)
-        host = dtype(m.dtype).numpy
-        out = {}
-        for i in range(m.num_layers):
-            out[f"present.{i}.key"] = self._keys[region][i].copy_to_host(shape, host, start * t)
-            out[f"present.{i}.value"] = self._values[region][i].copy_to_host(shape, host, start * t)
-        return out
+        return self._kv.to_host(region, start, length)
 
     def kv_from_host(self, start: int, past: dict[str, np.ndarray], region: int = 0) -> None:
         """Write a feed's past KV (`past_key_values.{i}.key|value`, [1, length, kv_heads, head_dim])
         into `region` at token `start`, all checked before any is written (for checks, not the loop)."""
         self._require_active()
         self._check_region(region)
-        m = self.manifest
-        host = dtype(m.dtype).numpy
-        caches = {past_key_name(i): self._keys[region][i] for i in range(m.num_layers)}
-        caches |= {past_value_name(i): self._values[region][i] for i in range(m.num_layers)}
-        for name in caches:
-            array = past[name]
-            if array.dtype != host or array.shape[0] != 1 or array.shape[2:] != (m.kv_heads, m.head_dim):
-                raise RefusionError(f"{name} must be {host} [1, length, {m.kv_heads}, {m.head_dim}]; "
-                                    f"got {array.dtype} {list(array.shape)}.")
-            self._check_range("KV upload", start, array.shape[1], region)
-        for name, cache in caches.items():
-            cache.copy_from_host(past[name], start * self._token_bytes)
+        for length in self._kv.past_lengths(past):
+            self._check_range("KV upload", start, length, region)
+        self._kv.from_host(region, start, past)
+
+    @property
+    def _kv(self) -> DeviceKVPool:
+        if self._pool is None:
+            raise RefusionError(f"{self.name} runner is not active; call activate() first.")
+        return self._pool
 
     # -- forwards ----------------------------------------------------------------------------
     def _run(self, graph: GraphName, input_ids: np.ndarray, position_ids: np.ndarray,
@@ -273,16 +223,16 @@ class TensorRTRunner(Runner):
         index = self._profile(graph, seq, past_length)  # before any device work
         context = self._contexts[index]
         self._bind_feed(context, input_ids, position_ids, attention_mask)
-        m, caches = self.manifest, self._caches(region)
+        m, caches = self.manifest, self._kv.caches(region)
         kv_shape = (1, past_length, m.kv_heads, m.head_dim)
-        for name, cache in zip(self._past_names, caches):  # the region's first past_length tokens, in place
+        for name, cache in zip(self._kv.past_names, caches):  # the region's first past_length tokens, in place
             self._bind_input(context, name, cache.ptr, kv_shape)
         heads = self._bind_heads(context, index, 1, seq, past_length)
         staging = self._bind_presents(context, seq, write_at, caches)
         self._execute(context, graph, 1, seq, past_length)
         if staging is not None and write_at is not None:
             buf, stride = staging
-            t = self._token_bytes
+            t = self._kv.token_bytes
             for j, cache in enumerate(caches):
                 buf.copy_to(cache, seq * t, src_offset=j * stride, dst_offset=write_at * t)
         return self._fetch(graph, heads)
@@ -316,12 +266,7 @@ class TensorRTRunner(Runner):
         heads = self._bind_heads(context, index, batch, seq, past)
         buf, stride = self._bind_scratch_presents(context, batch * seq)
         self._execute(context, graph, batch, seq, past)
-        t = self._token_bytes
-        for b, r in enumerate(rows):  # each row's own tokens into its region; padding and planner KV stay behind
-            if r.write_at is not None:
-                for j, cache in enumerate(self._caches(r.region)):
-                    buf.copy_to(cache, r.input_ids.shape[1] * t, src_offset=j * stride + b * seq * t,
-                                dst_offset=r.write_at * t)
+        self._kv.scatter(rows, seq, buf, stride)  # each row's own tokens; padding and planner KV stay behind
         outputs = self._fetch(graph, heads)
         return [{name: array[b : b + 1, : r.input_ids.shape[1]] for name, array in outputs.items()}
                 for b, r in enumerate(rows)]
@@ -330,14 +275,12 @@ class TensorRTRunner(Runner):
         """Each row's past copied from its region into one [rows, past, H, D] buffer per layer. The buffer is
         zeroed when allocated: a padded position is masked, but 0 x NaN would still be NaN, so padding must
         hold finite values (zeros, or KV an earlier gather left there)."""
-        m, t, batch, past = self.manifest, self._token_bytes, len(rows), packed.past
-        stride = _aligned(batch * past * t)
-        buf = self._buffer("batch past", len(self._past_names) * stride, zeroed=True)
-        for b, r in enumerate(rows):
-            for j, cache in enumerate(self._caches(r.region)):
-                cache.copy_to(buf, r.past * t, dst_offset=j * stride + b * past * t)
+        m, batch, past = self.manifest, len(rows), packed.past
+        stride = _aligned(batch * past * self._kv.token_bytes)
+        buf = self._buffer("batch past", len(self._kv.past_names) * stride, zeroed=True)
+        self._kv.gather(rows, past, buf, stride)
         shape = (batch, past, m.kv_heads, m.head_dim)
-        for j, name in enumerate(self._past_names):
+        for j, name in enumerate(self._kv.past_names):
             self._bind_input(context, name, buf.ptr + j * stride, shape)
 
     def _profile(self, graph: GraphName, seq: int, past: int) -> int:
@@ -378,23 +321,15 @@ class TensorRTRunner(Runner):
         returned = [o.name for o in self.manifest.graphs[graph].outputs if o.name in heads]
         return {name: self._io[name].copy_to_host(*heads[name]) for name in returned}
 
-    @cached_property  # names fixed by the export: not rebuilt per forward
-    def _past_names(self) -> list[str]:
-        return kv_names(self.manifest.num_layers, past=True)
-
-    @cached_property
-    def _present_names(self) -> list[str]:
-        return kv_names(self.manifest.num_layers, past=False)
-
     def _bind_presents(self, context: tensorrt.IExecutionContext, seq: int, write_at: int | None,
                        caches: list[DeviceBuffer]) -> tuple[DeviceBuffer, int] | None:
         """Present KV straight into the region's `caches` at write_at. Through an aligned staging buffer
         when that address is not 256-byte aligned (returned, to be copied in after the run), and for a
         planner forward (write_at None), whose present is discarded: the staging buffer is its
         scratch, apart from the cache, so it can overwrite nothing the loop reads."""
-        t = self._token_bytes
+        t = self._kv.token_bytes
         if write_at is not None and (write_at * t) % ALIGNMENT == 0:
-            for name, cache in zip(self._present_names, caches):
+            for name, cache in zip(self._kv.present_names, caches):
                 self._bind_output(context, name, cache.ptr + write_at * t)
             return None
         staging = self._bind_scratch_presents(context, seq)
@@ -402,9 +337,9 @@ class TensorRTRunner(Runner):
 
     def _bind_scratch_presents(self, context: tensorrt.IExecutionContext, tokens: int) -> tuple[DeviceBuffer, int]:
         """Every present bound into the staging buffer, `tokens` tokens each at an aligned stride."""
-        stride = _aligned(tokens * self._token_bytes)
-        buf = self._buffer("present staging", len(self._present_names) * stride)
-        for j, name in enumerate(self._present_names):
+        stride = _aligned(tokens * self._kv.token_bytes)
+        buf = self._buffer("present staging", len(self._kv.present_names) * stride)
+        for j, name in enumerate(self._kv.present_names):
             self._bind_output(context, name, buf.ptr + j * stride)
         return buf, stride
 
@@ -436,16 +371,13 @@ class TensorRTRunner(Runner):
             raise RefusionError(f"TensorRT refused the address of {name} (alignment {ptr % ALIGNMENT}).")
 
     def _buffer(self, name: str, nbytes: int, zeroed: bool = False) -> DeviceBuffer:
-        """The named staging buffer, grown (never shrunk) to `nbytes`; `zeroed`: set to 0 when (re)allocated."""
-        buf = self._io.get(name)
-        if buf is None or buf.nbytes < nbytes:
-            if buf is not None:
-                self._active_stream.synchronize()  # the old buffer may still be read by queued work
-                buf.free()
-            buf = self._io[name] = DeviceBuffer(nbytes, self._stream)
-            if zeroed:
-                buf.zero()
-        return buf
+        return self._io.get(name, nbytes, zeroed)
+
+    @property
+    def _io(self) -> ScratchBuffers:
+        if self._scratch is None:
+            raise RefusionError(f"{self.name} runner is not active; call activate() first.")
+        return self._scratch
 
     @property
     def _active_stream(self) -> Stream:

@@ -17,7 +17,7 @@ from refusion.tools.checks import trt_stubs
 REPO = Path(__file__).resolve().parents[2]
 MODULES = ["refusion.engines.build", "refusion.runtime.core.engines_manifest", "refusion.runtime.core.profiles",
            "refusion.engines.check", "refusion.engines.onnx_support", "refusion.runtime.runners.tensorrt",
-           "refusion.runtime.runners.cuda"]
+           "refusion.runtime.runners.cuda", "refusion.runtime.runners.kv_pool"]
 # The same settings as [tool.mypy] in pyproject.toml, with this test's own paths.
 CONFIG = """[mypy]
 python_version = 3.10

@@ -245,7 +245,7 @@ def test_requests_served_together_get_their_tokens_alone_on_ort_cuda(tiny_export
     assert cudart.allocations == {}
 
 
-def test_ort_cuda_packed_rows_write_each_slot(tiny_export, fakes):
+def test_ort_cuda_packed_rows_write_each_region(tiny_export, fakes):
     """The batched binding on the fakes: rows' presents land in their own slots at write_at, the
     gathers and scatters run on the runner's stream (one synchronize before the run, one after)."""
     _, cudart = fakes
@@ -259,9 +259,9 @@ def test_ort_cuda_packed_rows_write_each_slot(tiny_export, fakes):
                        masks.causal_after(0, past), 0, 0, region)
             rows.append(RowFeed(rng.integers(0, 100, (1, seq)), np.arange(past, past + seq)[None],
                                 masks.causal_after(past, seq), past, past, region))
-        t = runner._token_bytes
+        t = runner._kv.token_bytes
         alone = [runner.run_batch("infiller", [r])[0] for r in rows]
-        kv_alone = [[buf.copy_to_host((32 * t,), np.uint8) for buf in runner._device_caches(s)] for s in range(2)]
+        kv_alone = [[buf.copy_to_host((32 * t,), np.uint8) for buf in runner._kv.caches(s)] for s in range(2)]
         runner.run_batch("infiller", rows)  # allocates (and zeroes) the scratch; the second run reuses it
         syncs = cudart.syncs
         packed = runner.run_batch("infiller", rows)  # the same presents, written at the same places
@@ -270,7 +270,7 @@ def test_ort_cuda_packed_rows_write_each_slot(tiny_export, fakes):
             for name in a:
                 np.testing.assert_allclose(a[name], b[name], rtol=0, atol=1e-5)
         for s in range(2):
-            for buf, want in zip(runner._device_caches(s), kv_alone[s]):
+            for buf, want in zip(runner._kv.caches(s), kv_alone[s]):
                 got = buf.copy_to_host((32 * t // 4,), np.float32)
                 np.testing.assert_allclose(got, want.view(np.float32), rtol=0, atol=1e-5)
     assert cudart.allocations == {}

@@ -1,0 +1,139 @@
+"""The device KV pool both GPU runners hold, on the fake cuda-python (tests/fakes.py): regions, moves,
+the gather / scatter of packed rows, host round trips, scratch buffers; with a stream (TensorRT) and
+without (onnxruntime CUDA, whose copies each return when done)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from refusion.runtime.core.errors import RefusionError
+from refusion.runtime.runners.base import RowFeed
+from refusion.runtime.runners.cuda import Stream
+from refusion.runtime.runners.kv_pool import DeviceKVPool, ScratchBuffers
+
+LAYERS, HEADS, DIM = 2, 2, 4  # 32 bytes a token in fp32
+
+
+def _pool(stream: Stream | None, regions: int = 2) -> DeviceKVPool:
+    return DeviceKVPool(LAYERS, HEADS, DIM, np.dtype(np.float32), regions, stream)
+
+
+def _past(length: int, seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {f"past_key_values.{i}.{kind}": rng.standard_normal((1, length, HEADS, DIM)).astype(np.float32)
+            for i in range(LAYERS) for kind in ("key", "value")}
+
+
+def _row(region: int, past: int, seq: int, write_at: int | None) -> RowFeed:
+    ids = np.zeros((1, seq), np.int64)
+    return RowFeed(ids, ids, np.ones((1, seq, past + seq), bool), past, write_at, region)
+
+
+@pytest.fixture(params=["stream", "stream-less"])
+def stream(request, fakes):
+    own = Stream() if request.param == "stream" else None
+    yield own
+    if own is not None:
+        own.close()
+
+
+def test_regions_hold_what_is_written_and_moves_may_overlap(stream, fakes):
+    pool = _pool(stream)
+    pool.allocate(0, 10)
+    pool.allocate(1, 10)
+    assert len(pool.caches()) == 2 * 2 * LAYERS and pool.token_bytes == HEADS * DIM * 4
+    past = _past(6, seed=0)
+    assert pool.past_lengths(past) == [6] * 2 * LAYERS
+    pool.from_host(1, 2, past)
+    got = pool.to_host(1, 2, 6)
+    for name, array in past.items():
+        np.testing.assert_array_equal(got[name.replace("past_key_values", "present")], array)
+    pool.move(1, 2, 4, 6)  # [2, 8) -> [4, 10): overlapping
+    moved = pool.to_host(1, 4, 6)
+    for name, array in past.items():
+        np.testing.assert_array_equal(moved[name.replace("past_key_values", "present")], array)
+    pool.free()
+    if stream is not None:
+        stream.synchronize()
+    assert pool.caches() == []
+
+
+def test_a_past_of_another_shape_or_dtype_is_refused(fakes):
+    pool = _pool(None)
+    past = _past(3, seed=1)
+    with pytest.raises(RefusionError, match=r"past_key_values.0.key must be float32 \[1, length, 2, 4\]"):
+        pool.past_lengths({**past, "past_key_values.0.key": past["past_key_values.0.key"].astype(np.float16)})
+
+
+def test_gather_then_scatter_round_trips_each_rows_tokens(stream, fakes):
+    """Rows of different pasts gathered into one batch buffer (padded to the longest), then the batch's
+    present scattered back: each row's own tokens land at its write_at, padding and planner rows nowhere."""
+    pool, scratch = _pool(stream, regions=3), ScratchBuffers(stream)
+    pasts = {0: _past(5, 2), 1: _past(3, 3), 2: _past(4, 4)}
+    for region, past in pasts.items():
+        pool.allocate(region, 16)
+        pool.from_host(region, 0, past)
+    rows = [_row(0, 5, 2, 5), _row(1, 3, 1, 3), _row(2, 4, 2, None)]  # the last: a planner row, writes nothing
+    longest, seq, t = 5, 2, pool.token_bytes
+    stride = len(rows) * longest * t
+    batch = scratch.get("past", 2 * LAYERS * stride, zeroed=True)
+    pool.gather(rows, longest, batch, stride, stream)
+    if stream is not None:
+        stream.synchronize()
+    for j, name in enumerate(pool.past_names):
+        laid = batch.copy_to_host((len(rows), longest, HEADS, DIM), np.float32, j * stride)
+        for b, r in enumerate(rows):
+            np.testing.assert_array_equal(laid[b, : r.past], pasts[r.region][name][0])
+            assert not laid[b, r.past :].any()  # zeroed padding: finite, masked
+    before = {region: pool.to_host(region, 0, 16) for region in pasts}
+    present_stride = len(rows) * seq * t
+    present = scratch.get("present", 2 * LAYERS * present_stride)
+    new = np.arange(2 * LAYERS * len(rows) * seq * HEADS * DIM, dtype=np.float32)
+    present.copy_from_host(new)
+    pool.scatter(rows, seq, present, present_stride, stream)
+    if stream is not None:
+        stream.synchronize()
+    written = new.reshape(2 * LAYERS, len(rows), seq, HEADS, DIM)
+    for region, r in enumerate(rows):
+        after = pool.to_host(region, 0, 16)
+        for j, name in enumerate(pool.present_names):
+            want = before[region][name].copy()
+            if r.write_at is not None:
+                n = r.input_ids.shape[1]
+                want[0, r.write_at : r.write_at + n] = written[j, region, :n]
+            np.testing.assert_array_equal(after[name], want)
+    pool.free()
+    scratch.free()
+    if stream is not None:
+        stream.synchronize()
+    assert fakes[1].allocations == {}
+
+
+def test_scratch_grows_never_shrinks_and_zeroes_when_asked(stream, fakes):
+    scratch = ScratchBuffers(stream)
+    small = scratch.get("x", 64, zeroed=True)
+    assert scratch.get("x", 32) is small and scratch["x"] is small
+    assert not small.copy_to_host((64,), np.uint8).any()
+    grown = scratch.get("x", 128)
+    assert grown is not small and grown.nbytes == 128
+    assert scratch.get("y", 8).nbytes == 8
+    scratch.free()
+    with pytest.raises(KeyError):
+        scratch["x"]
+
+
+def test_both_gpu_runners_keep_their_kv_in_the_pool(tiny_export, fakes, tmp_path):
+    from refusion.runtime.core.export_manifest import ExportManifest
+    from refusion.runtime.runners.tensorrt import TensorRTRunner
+    from tests.fakes import CpuBoundCudaRunner
+    from tests.helpers import fake_engines
+
+    with CpuBoundCudaRunner(ExportManifest.load(tiny_export), threads=1) as ort, \
+            TensorRTRunner.from_dir(fake_engines(tiny_export, tmp_path / "engines")) as trt:
+        for runner in (ort, trt):
+            runner.allocate_kv(8)
+            assert isinstance(runner._kv, DeviceKVPool)
+            layers = runner.manifest.num_layers
+            assert [buf.nbytes for buf in runner._kv.caches(0)] == [8 * runner._kv.token_bytes] * 2 * layers
+    assert fakes[1].allocations == {}
