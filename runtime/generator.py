@@ -20,7 +20,6 @@ from refusion.runtime.params import DecodeParams
 from refusion.runtime.request import GenerationResult, GenerationStats, Request
 from refusion.runtime.runners import make_runner
 from refusion.runtime.runners.base import Runner
-from refusion.runtime.decode.steps import Commit
 from refusion.runtime.tokenizer import Tokenizer
 
 __all__ = ["GenerationResult", "GenerationStats", "Generator"]
@@ -152,15 +151,6 @@ class Generator:
         request = Request(ids, params, steps, trace, kv_capacity(len(ids), params), m.eos_token_id, detokenize,
                           self.runner.name, timeout_s)
         return self.scheduler.submit(request)
-
-    def decode(self, ids: list[int], params: DecodeParams) -> Iterator[Commit | GenerationResult]:
-        """Yield each commit as it happens, then the result."""
-        request = self.submit_ids(ids, params)
-        try:
-            yield from request.events()
-            yield request.result()
-        finally:
-            request.cancel()  # a no-op once done; stops it when the reader leaves early
 
     def generate(self, prompt: str | None = None, *, messages=None, prompt_ids=None, chat: bool = False,
                  enable_thinking: bool = True, timeout_s: float | None = None, **settings: Any) -> GenerationResult:

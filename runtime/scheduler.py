@@ -1,31 +1,39 @@
-"""The scheduler: one thread that owns the Runner and advances every request in flight.
+"""The scheduler: one thread that owns the Runner and drives every request's step machine (the only driver).
 
-Any thread may `submit` a Request; the scheduler thread alone touches the runner, so a Generator
-can be shared by any number of threads. Each round it admits waiting requests into free KV
-regions, advances every active request to its next forward (doing its KV moves and recording
-its commits on the way), then runs the pending forwards graph by graph, packing up to the
-runner's `max_batch` of them into one call, and hands each request its outputs.
-A cancelled or expired request is finished before its next forward and its region freed at
-once; a request that fails (its own RefusionError) fails alone.
-(nano-vllm's engine/: scheduler, sequence, block manager, model runner, in one small loop.) It is the only
-driver of step machines.
+Any thread may `submit` a Request; the scheduler thread alone touches the runner, so a Generator can be
+shared by any number of threads. Each round it admits waiting requests into free KV regions, advances every
+active request to its next forward (doing its KV moves and recording its commits on the way), then runs the
+pending forwards graph by graph, up to the runner's `max_batch` to a call. A cancelled or expired request
+ends before its next forward and frees its region at once; a request that fails fails alone.
+(nano-vllm's engine/: scheduler, sequence, block manager, model runner, in one small loop.)
 """
 
 from __future__ import annotations
 
+import cProfile
 import threading
 import time
 from collections import deque
+from dataclasses import dataclass
 
 from refusion.runtime.core.errors import RefusionError
+from refusion.runtime.decode.steps import Forward, KVMove
 from refusion.runtime.request import FinishReason, Request
 from refusion.runtime.runners.base import RowFeed, Runner
-from refusion.runtime.decode.steps import Forward, KVMove
+
+
+@dataclass
+class SchedulerStats:
+    rounds: int = 0
+    busy_seconds: float = 0.0  # inside rounds: step machines, policy, masks, commits and the runner's calls
 
 
 class Scheduler:
     def __init__(self, runner: Runner):
         self.runner = runner
+        self.stats = SchedulerStats()
+        # Rounds run under it while set (cProfile sees only the thread that enables it: this one).
+        self.profiler: cProfile.Profile | None = None
         self._lock = threading.Condition()
         self._waiting: deque[Request] = deque()
         self._active: list[Request] = []
@@ -73,12 +81,24 @@ class Scheduler:
                     break
                 self._admit()
             try:
-                self._round()
+                self._timed_round()
             except Exception as e:  # noqa: BLE001 - a bug here must fail the requests, not leave them waiting
                 for request in list(self._active):
                     self._finish(request, None, e)
         for request in [*self._active, *self._waiting]:
             self._finish(request, "cancelled")
+
+    def _timed_round(self) -> None:
+        profiler, t0 = self.profiler, time.perf_counter()
+        if profiler is not None:
+            profiler.enable()
+        try:
+            self._round()
+        finally:
+            if profiler is not None:
+                profiler.disable()
+            self.stats.rounds += 1
+            self.stats.busy_seconds += time.perf_counter() - t0
 
     def _admit(self) -> None:
         """Waiting requests into free KV regions, in arrival order (under the lock); those cancelled

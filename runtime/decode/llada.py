@@ -164,7 +164,7 @@ def diffusion_decode(runner: Runner, prompt: list[int], mask_id: int, eos_id: in
         raise RefusionError(
             f"prompt of {p0} tokens + gen_length {gen} exceeds the model's {runner.manifest.max_positions} positions."
         )
-    engine0, t0 = runner.engine_seconds, time.perf_counter()
+    engine0, t0 = runner.stats.busy_seconds, time.perf_counter()
     # a KV region of one token: the runner binds an (empty) past view of it; nothing is cached
     commits = list(run_on(runner, diffusion_steps(prompt, mask_id, params, trace, eos_id), capacity=1))
     wall = time.perf_counter() - t0
@@ -179,7 +179,7 @@ def diffusion_decode(runner: Runner, prompt: list[int], mask_id: int, eos_id: in
         tokens=_through_eos_len(ids_list, is_masked, eos_id),
         trace=trace,
         wall_seconds=wall,
-        engine_seconds=runner.engine_seconds - engine0,
+        engine_seconds=runner.stats.busy_seconds - engine0,
         filled=int((~is_masked).sum()),
     )
 

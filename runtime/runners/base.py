@@ -5,13 +5,16 @@ in flight, each a preallocated `[1, capacity, kv_heads, head_dim]` tensor per la
 and values. A decode strategy only ever says *where* in its request's region a forward reads
 its past and writes its present; it never sees device memory, nor which backend it runs on.
 `run_batch` packs forwards of several requests (each over its own region) into one call, on
-backends that can (`max_batch` > 1); the others run them one by one.
+backends that can (`max_batch` > 1); the others run them one by one. Every runner counts its own
+forwards and KV moves in `stats` (runners/stats.py).
 """
 
 from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from types import TracebackType
 
@@ -22,6 +25,7 @@ from refusion.runtime.core.dtypes import dtype
 from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.core.export_manifest import ExportManifest
 from refusion.runtime.params import DecodeParams
+from refusion.runtime.runners.stats import RunnerStats
 
 
 class Runner(ABC):
@@ -34,7 +38,7 @@ class Runner(ABC):
     def __init__(self, manifest: ExportManifest):
         self.manifest = manifest
         self.kv_capacities = [0] * self.max_requests
-        self.engine_seconds = 0.0  # wall time spent inside `run` and `move_kv`, for stats
+        self.stats = RunnerStats()  # what the benches read
         self.is_active = False
 
     # -- lifecycle -------------------------------------------------------------------
@@ -61,11 +65,6 @@ class Runner(ABC):
         onnxruntime takes any shape; TensorRT checks its engines' profiles."""
 
     # -- KV cache ----------------------------------------------------------------------
-    @property
-    def kv_capacity(self) -> int:
-        """Tokens of KV region 0 (the only region of a one-request runner)."""
-        return self.kv_capacities[0]
-
     def allocate_kv(self, capacity: int, region: int = 0) -> None:
         """Make room for `capacity` tokens of KV in `region` (kept if already that large). Called at
         the start of a request: growing the buffer does not preserve its contents."""
@@ -93,7 +92,9 @@ class Runner(ABC):
         self._check_range("move destination", dst, length, region)
         t0 = time.perf_counter()
         self._move_kv(src, dst, length, region)
-        self.engine_seconds += time.perf_counter() - t0
+        self.stats.moves += 1
+        self.stats.moved_tokens += length
+        self.stats.move_seconds += time.perf_counter() - t0
 
     # -- forwards ----------------------------------------------------------------------
     def run(
@@ -127,8 +128,17 @@ class Runner(ABC):
             out = self._run_batch(graph, rows)
         else:
             raise RefusionError(f"{len(rows)} rows exceed this runner's max_batch {self.max_batch}.")
-        self.engine_seconds += time.perf_counter() - t0
+        self.stats.graph(graph).add(rows, time.perf_counter() - t0)
         return out
+
+    @contextmanager
+    def _in_backend(self, graph: GraphName) -> Iterator[None]:
+        """Around the backend's own call in a forward: its time goes to RunnerStats.backend_seconds."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.stats.graph(graph).backend_seconds += time.perf_counter() - t0
 
     def _check_row(self, graph: GraphName, row: RowFeed) -> None:
         self._check_region(row.region)

@@ -125,7 +125,9 @@ class OrtRunner(Runner):
 
     def _session_run(self, graph: GraphName, feed: dict[str, np.ndarray], presents: bool) -> dict[str, np.ndarray]:
         names = self._outputs[graph] + (self._presents if presents else [])
-        return dict(zip(names, self.sessions[graph].run(names, feed)))
+        with self._in_backend(graph):
+            values = self.sessions[graph].run(names, feed)
+        return dict(zip(names, values))
 
     def _keep_present(self, outputs: dict[str, np.ndarray], row: int, seq: int, region: int, write_at: int) -> None:
         """Row `row`'s first `seq` new tokens' KV into `region` at write_at."""
@@ -225,6 +227,7 @@ class OrtCudaRunner(OrtRunner):
         return binding, wanted
 
     def _run_bound(self, graph: GraphName, binding: Any, wanted: list[str]) -> dict[str, np.ndarray]:
-        self.sessions[graph].run_with_iobinding(binding)
+        with self._in_backend(graph):
+            self.sessions[graph].run_with_iobinding(binding)
         outputs = binding.get_outputs()
         return {name: outputs[j].numpy() for j, name in enumerate(wanted)}

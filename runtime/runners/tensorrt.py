@@ -229,13 +229,14 @@ class TensorRTRunner(Runner):
             self._bind_input(context, name, cache.ptr, kv_shape)
         heads = self._bind_heads(context, index, 1, seq, past_length)
         staging = self._bind_presents(context, seq, write_at, caches)
-        self._execute(context, graph, 1, seq, past_length)
-        if staging is not None and write_at is not None:
-            buf, stride = staging
-            t = self._kv.token_bytes
-            for j, cache in enumerate(caches):
-                buf.copy_to(cache, seq * t, src_offset=j * stride, dst_offset=write_at * t)
-        return self._fetch(graph, heads)
+        with self._in_backend(graph):  # the stream's work is waited for when the heads come back
+            self._execute(context, graph, 1, seq, past_length)
+            if staging is not None and write_at is not None:
+                buf, stride = staging
+                t = self._kv.token_bytes
+                for j, cache in enumerate(caches):
+                    buf.copy_to(cache, seq * t, src_offset=j * stride, dst_offset=write_at * t)
+            return self._fetch(graph, heads)
 
     def _run_batch(self, graph: GraphName, rows: list[RowFeed]) -> list[dict[str, np.ndarray]]:
         """Rows grouped by the profile each needs alone, packed up to that profile's batch range: the
@@ -265,9 +266,10 @@ class TensorRTRunner(Runner):
         self._gather_past(context, rows, packed)
         heads = self._bind_heads(context, index, batch, seq, past)
         buf, stride = self._bind_scratch_presents(context, batch * seq)
-        self._execute(context, graph, batch, seq, past)
-        self._kv.scatter(rows, seq, buf, stride)  # each row's own tokens; padding and planner KV stay behind
-        outputs = self._fetch(graph, heads)
+        with self._in_backend(graph):
+            self._execute(context, graph, batch, seq, past)
+            self._kv.scatter(rows, seq, buf, stride)  # each row's own tokens; padding and planner KV stay behind
+            outputs = self._fetch(graph, heads)
         return [{name: array[b : b + 1, : r.input_ids.shape[1]] for name, array in outputs.items()}
                 for b, r in enumerate(rows)]
 

@@ -3,40 +3,21 @@
     refusion-run bench-concurrency models/refusion-tiny [--concurrency 1,2,4,8,16] [--requests 256]
         [--threads 1] [--max-requests R] [--max-batch B] [--mode refusion|ar] [--profile 16] [--out results/concurrency]
 
-For each concurrency level C, C client threads share one Generator (onnxruntime CPU): each
-takes the next of the same `--requests` held-out chat prompts, submits it, reads its settled
-text as it grows, waits for its result and takes the next, until none is left. Decoding is
-greedy with the export's recorded settings (ReFusion), or AR with `--mode ar`. Per level, in
-genai-perf's terms:
-  output tokens/s, requests/s  all requests' generated tokens (through the first EOS) and the
-                               requests, over the level's wall time (first submit to last result);
-  time to first text (TTFT)    submit() to the first piece of settled text, as iterating the
-                               Request yields it (queueing included);
-  inter-token latency (ITL)    per request: time from its first settled piece to its last, over
-                               the tokens those later pieces carry (ReFusion settles tokens in
-                               runs, so this is the mean gap per token; a request whose text
-                               settles in one piece has none);
-  request latency              submit() to result(); p50 / p90 / p99 over the level's requests;
-  speedup                      output tokens/s over that of concurrency 1;
-  identical                    requests whose token_ids equal those of the same prompt at
-                               concurrency 1, where each request runs alone.
-And where the engine thread's time goes: inside onnxruntime's session.run, the rest of
-run_batch (packing rows, copying KV), KV moves, the engine's own Python (step machines,
-policy, masks, commits), and idle (waiting for a submit).
+At each concurrency level C, C client threads share one Generator (onnxruntime CPU), each submitting the
+next held-out chat prompt when its request ends. Per level, in genai-perf's terms: output tokens/s,
+requests/s, time to first text, inter-token latency, request latency, the speedup over concurrency 1 and
+the requests whose tokens equal their tokens alone (docs/benchmark.md defines each); and where the
+scheduler thread's time goes, from the runner's RunnerStats and the scheduler's own counters.
 
-Writes OUT/<mode>-threads<T>[-batch<B>].md, .json and .png (needs matplotlib); with
-`--profile C`, level C runs once more under cProfile on the engine thread: OUT/<stem>-profile.txt.
+Writes OUT/<mode>-threads<T>[-batch<B>].md, .json and .png (needs matplotlib); with `--profile C`, level C
+runs once more under cProfile on the scheduler thread: OUT/<stem>-profile.txt.
 """
 
 from __future__ import annotations
 
 import cProfile
-import json
 import os
 import tempfile
-import threading
-import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -46,21 +27,33 @@ import click
 import numpy as np
 
 from refusion.runtime.core.errors import RefusionError
-from refusion.runtime.core.export_manifest import MANIFEST_NAME
 from refusion.runtime.generator import Generator
-from refusion.runtime.request import SettledText
 from refusion.tools import tasks as T
-from refusion.tools.bench.decoding import host_info, profile_report
+from refusion.tools.bench.common import (
+    LevelRun,
+    Progress,
+    answer_ids,
+    closed_loop,
+    finish_plot,
+    format_percentiles,
+    host_info,
+    median_run,
+    parse_levels,
+    profile_report,
+    prompts_digest,
+    resolve_model,
+    run_request,
+    settings_label,
+    summarize_timings,
+    write_report,
+)
 from refusion.tools.cli_common import progress as echo_progress
-
-Progress = Callable[[str], None]  # takes a line of text
 
 DEFAULT_LEVELS = "1,2,4,8,16"
 DEFAULT_REQUESTS = 256
 DEFAULT_REPEATS = 5
 TARGET_LEVEL = 16  # issue 11: aggregate tokens/s at 16 concurrent requests >= 3x single-stream, identical tokens
 TARGET_SPEEDUP = 3.0
-PERCENTILES = (50, 90, 99)
 TIME_PARTS = ("onnxruntime", "packing", "kv_moves", "engine_python", "idle")
 
 
@@ -84,185 +77,28 @@ class ConcurrencyConfig:
         return f"{self.mode}-threads{self.threads}" + (f"-batch{self.max_batch}" if self.max_batch else "")
 
 
-def parse_levels(text: str) -> tuple[int, ...]:
-    """"1,2,4" -> (1, 2, 4): sorted, distinct, and 1 among them (the baseline)."""
-    try:
-        levels = sorted({int(t) for t in text.replace(" ", "").split(",") if t})
-    except ValueError as e:
-        raise RefusionError(f"--concurrency {text!r} is not a comma-separated list of integers, "
-                            "e.g. 1,2,4,8,16.") from e
-    if not levels or levels[0] < 1:
-        raise RefusionError(f"--concurrency {text!r}: every level must be a positive number of clients.")
-    if levels[0] != 1:
-        raise RefusionError(f"--concurrency {text!r} lacks 1: concurrency 1 is the baseline of the speedup and of the "
-                            "identical-tokens check; add it, e.g. --concurrency 1," + text)
-    return tuple(levels)
-
-
 # ----------------------------------------------------------------------------- measuring
 
 
-@dataclass
-class Timing:
-    """One request as its client saw it (seconds)."""
-
-    token_ids: list[int]
-    tokens: int  # generated tokens through the first EOS (GenerationStats.tokens)
-    settled: int  # tokens of settled text (the EOS not counted)
-    pieces: int  # pieces of settled text
-    latency: float  # submit() -> result()
-    ttft: float | None  # submit() -> first settled piece; None: no text
-    itl: float | None  # (last piece - first piece) / tokens after the first piece; None: one piece or none
-    correct: bool = False
+def engine_counters(gen: Generator) -> dict[str, float]:
+    """The Generator's counters now (its runner's RunnerStats, its scheduler's rounds); a level's are the
+    difference over it."""
+    runner, scheduler = gen.runner.stats, gen.scheduler.stats
+    total = runner.total
+    return {"calls": total.forwards, "rows": total.rows, "fed": total.fed, "padded": total.padded,
+            "rounds": scheduler.rounds, "run": total.seconds, "session": total.backend_seconds,
+            "moves": runner.move_seconds, "busy": scheduler.busy_seconds}
 
 
-def inter_token_latency(stamps: list[tuple[float, int]]) -> float | None:
-    """`stamps`: (time, settled tokens so far) at each piece of text. The time from the first piece to
-    the last over the tokens that came after the first; None when there is no gap to measure."""
-    if len(stamps) < 2 or stamps[-1][1] == stamps[0][1]:
-        return None
-    return (stamps[-1][0] - stamps[0][0]) / (stamps[-1][1] - stamps[0][1])
-
-
-def run_request(gen: Generator, ids: list[int], settings: dict[str, Any]) -> Timing:
-    """Submit, read the settled text as iterating the Request does (SettledText over its commits,
-    here with the token count of each piece), wait for the result."""
-    assert gen.tokenizer is not None
-    t0 = time.perf_counter()
-    request = gen.submit(prompt_ids=ids, **settings)
-    text = SettledText(len(ids), gen.manifest.eos_token_id, gen.tokenizer.decode)
-    stamps: list[tuple[float, int]] = []
-    for commit in request.events():
-        if text.add(commit):
-            stamps.append((time.perf_counter() - t0, len(text.settled)))
-    result = request.result()
-    latency = time.perf_counter() - t0
-    return Timing(result.token_ids, result.stats.tokens, len(text.settled), len(stamps), latency,
-                  stamps[0][0] if stamps else None, inter_token_latency(stamps))
-
-
-class EngineMeter:
-    """Where the engine thread's time goes, by wrapping its runner's run_batch and _session_run
-    and its rounds (instance attributes: the Generator's classes are untouched). Optionally
-    cProfiles the rounds, which run on the engine thread."""
-
-    def __init__(self, gen: Generator):
-        self.runner = gen.runner
-        self.calls = self.rows = self.fed = self.padded = self.rounds = 0
-        self.run_seconds = self.session_seconds = self.move_seconds = self.busy_seconds = 0.0
-        self.profiler: cProfile.Profile | None = None
-        run_batch, session_run = gen.runner.run_batch, gen.runner._session_run  # type: ignore[attr-defined]
-        move_kv, do_round = gen.runner.move_kv, gen.scheduler._round
-
-        def metered_run_batch(graph, rows):
-            t0 = time.perf_counter()
-            try:
-                return run_batch(graph, rows)
-            finally:
-                self.run_seconds += time.perf_counter() - t0
-                self.calls += 1
-                self.rows += len(rows)
-                self.fed += sum(r.input_ids.shape[1] for r in rows)
-                self.padded += len(rows) * max(r.input_ids.shape[1] for r in rows)  # rows padded to the longest
-
-        def metered_move_kv(*args):
-            t0 = time.perf_counter()
-            try:
-                return move_kv(*args)
-            finally:
-                self.move_seconds += time.perf_counter() - t0
-
-        def metered_session_run(*args):
-            t0 = time.perf_counter()
-            try:
-                return session_run(*args)
-            finally:
-                self.session_seconds += time.perf_counter() - t0
-
-        def metered_round():
-            profiler = self.profiler
-            t0 = time.perf_counter()
-            if profiler is not None:
-                profiler.enable()
-            try:
-                do_round()
-            finally:
-                if profiler is not None:
-                    profiler.disable()
-                self.busy_seconds += time.perf_counter() - t0
-                self.rounds += 1
-
-        gen.runner.run_batch = metered_run_batch  # type: ignore[method-assign]
-        gen.runner._session_run = metered_session_run  # type: ignore[attr-defined]
-        gen.runner.move_kv = metered_move_kv  # type: ignore[method-assign]
-        gen.scheduler._round = metered_round  # type: ignore[method-assign]
-
-    def snapshot(self) -> dict[str, float]:
-        return {"calls": self.calls, "rows": self.rows, "fed": self.fed, "padded": self.padded, "rounds": self.rounds,
-                "run": self.run_seconds, "session": self.session_seconds, "moves": self.move_seconds,
-                "busy": self.busy_seconds}
-
-
-@dataclass
-class LevelRun:
-    """One pass of a level: timings in prompt order, wall seconds, the engine's counters (EngineMeter)."""
-
-    timings: list[Timing]
-    wall: float
-    counters: dict[str, float]
-
-    @property
-    def tokens_per_second(self) -> float:
-        return sum(t.tokens for t in self.timings) / self.wall
-
-
-def run_level(gen: Generator, prompts: list[list[int]], settings: dict[str, Any], concurrency: int,
-              meter: EngineMeter) -> LevelRun:
+def run_level(gen: Generator, prompts: list[list[int]], settings: dict[str, Any], concurrency: int) -> LevelRun:
     """`concurrency` closed-loop clients over `prompts`, each taking the next prompt when its request ends."""
-    timings: list[Timing | None] = [None] * len(prompts)
-    errors: list[BaseException] = []
-    queue = iter(range(len(prompts)))
-    lock = threading.Lock()
-
-    def client() -> None:
-        while True:
-            with lock:
-                i = next(queue, None)
-            if i is None:
-                return
-            try:
-                timings[i] = run_request(gen, prompts[i], settings)
-            except BaseException as e:  # noqa: BLE001 - raised below, in the caller's thread
-                errors.append(e)
-                return
-
-    before = meter.snapshot()
-    t0 = time.perf_counter()
-    clients = [threading.Thread(target=client, name=f"client-{c}") for c in range(concurrency)]
-    for t in clients:
-        t.start()
-    for t in clients:
-        t.join()
-    wall = time.perf_counter() - t0
-    if errors:
-        raise errors[0]
-    after = meter.snapshot()
-    return LevelRun([t for t in timings if t is not None], wall, {k: after[k] - before[k] for k in after})
+    before = engine_counters(gen)
+    timings, wall = closed_loop(lambda i: run_request(gen, prompts[i], settings), len(prompts), concurrency)
+    after = engine_counters(gen)
+    return LevelRun(timings, wall, {k: after[k] - before[k] for k in after})
 
 
 # ----------------------------------------------------------------------------- the run
-
-
-def resolve_model(model: Path, work: Path, progress: Progress) -> Path:
-    """The export directory: `model` itself, or `model` (a checkpoint) exported into `work`."""
-    if (model / MANIFEST_NAME).is_file():
-        return model
-    if (model / "config.json").is_file():
-        from refusion.export.exporter import export_onnx
-
-        progress(f"exporting {model} -> {work / 'onnx'}")
-        return export_onnx(model, work / "onnx", force=True, validate=False)
-    raise RefusionError(f"{model} is neither an export ({MANIFEST_NAME}) nor a checkpoint (config.json).")
 
 
 def run_concurrency_bench(cfg: ConcurrencyConfig, progress: Progress = echo_progress) -> dict[str, Any]:
@@ -282,7 +118,7 @@ def run_concurrency_bench(cfg: ConcurrencyConfig, progress: Progress = echo_prog
     except ValueError as e:
         raise RefusionError(f"--requests + --warmup: {e}") from e
     with tempfile.TemporaryDirectory(prefix="refusion-concurrency-") as tmp:
-        export_dir = resolve_model(Path(cfg.model), Path(tmp), progress)
+        export_dir, _ = resolve_model(Path(cfg.model), Path(tmp), progress)
         with Generator.from_dir(export_dir, backend="ort-cpu", threads=cfg.threads, max_requests=cfg.max_requests,
                                 max_batch=cfg.max_batch) as gen:
             if gen.tokenizer is None:
@@ -291,27 +127,26 @@ def run_concurrency_bench(cfg: ConcurrencyConfig, progress: Progress = echo_prog
             settings = {"mode": cfg.mode}
             params = gen.params(**settings)
             prompts = [gen.prompt_ids(ex.prompt, chat=True) for ex in examples]
-            meter = EngineMeter(gen)
             load = [os.getloadavg()[0]]  # other work on the machine skews every number
             progress(f"{gen.runner.name}, {cfg.threads} thread(s), {gen.runner.max_requests} KV regions, forwards packed "
                      f"{gen.runner.max_batch} at most; {cfg.mode} {settings_label(asdict(params))}; "
                      f"{cfg.requests} requests per level x {cfg.repeats} passes, warm-up {cfg.warmup} at concurrency "
                      f"{max(cfg.levels)}")
             if cfg.warmup:
-                run_level(gen, prompts[cfg.requests:], settings, min(max(cfg.levels), cfg.warmup), meter)
+                run_level(gen, prompts[cfg.requests:], settings, min(max(cfg.levels), cfg.warmup))
             bench, bench_examples = prompts[: cfg.requests], examples[: cfg.requests]
             runs: dict[int, list[LevelRun]] = {c: [] for c in cfg.levels}
             for repeat in range(1, cfg.repeats + 1):  # levels interleaved, so slow spells of the machine spread out
                 for c in cfg.levels:
-                    run = run_level(gen, bench, settings, c, meter)
+                    run = run_level(gen, bench, settings, c)
                     for ex, t in zip(bench_examples, run.timings, strict=True):
-                        t.correct = T.score(ex, gen.tokenizer.decode(_answer(t.token_ids, gen.manifest.eos_token_id)))
+                        t.correct = T.score(ex, gen.tokenizer.decode(answer_ids(t.token_ids, gen.manifest.eos_token_id)))
                     runs[c].append(run)
                     progress(f"[{repeat}/{cfg.repeats}] " + _run_line(c, run, runs[1][0]))
             levels = [summarize_level(c, runs[c], runs[1]) for c in cfg.levels]
             for level in levels:
                 progress(_level_line(level))
-            profile = (profile_level(gen, bench, settings, cfg.profile, meter) if cfg.profile is not None
+            profile = (profile_level(gen, bench, settings, cfg.profile) if cfg.profile is not None
                        else None)
             load.append(os.getloadavg()[0])
             runner_info = {"backend": gen.runner.name, "max_requests": gen.runner.max_requests,
@@ -324,18 +159,14 @@ def run_concurrency_bench(cfg: ConcurrencyConfig, progress: Progress = echo_prog
     return report
 
 
-def _answer(token_ids: list[int], eos: int) -> list[int]:
-    return token_ids[: token_ids.index(eos)] if eos in token_ids else token_ids
-
-
 def profile_level(gen: Generator, prompts: list[list[int]], settings: dict[str, Any], concurrency: int,
-                  meter: EngineMeter, top: int = 30) -> str:
-    """Level `concurrency` again, with cProfile on the engine thread's rounds (not in the tables)."""
-    meter.profiler = cProfile.Profile()
+                  top: int = 30) -> str:
+    """Level `concurrency` again, with cProfile on the scheduler thread's rounds (not in the tables)."""
+    profiler = gen.scheduler.profiler = cProfile.Profile()
     try:
-        run = run_level(gen, prompts, settings, concurrency, meter)
+        run = run_level(gen, prompts, settings, concurrency)
     finally:
-        profiler, meter.profiler = meter.profiler, None
+        gen.scheduler.profiler = None
     timings, wall, counters = run.timings, run.wall, run.counters
     tokens = sum(t.tokens for t in timings)
     return profile_report(profiler, f"concurrency {concurrency} under cProfile (engine thread, its rounds only): "
@@ -348,56 +179,11 @@ def profile_level(gen: Generator, prompts: list[list[int]], settings: dict[str, 
 # ----------------------------------------------------------------------------- aggregation
 
 
-def percentiles(values: list[float]) -> dict[str, float] | None:
-    """p50 / p90 / p99 and the mean, in milliseconds (None for no values)."""
-    if not values:
-        return None
-    ms = 1000 * np.asarray(values)
-    return {**{f"p{p}": float(np.percentile(ms, p)) for p in PERCENTILES}, "mean": float(ms.mean())}
-
-
 def time_split(counters: dict[str, float], wall: float) -> dict[str, float]:
-    """The engine thread's wall time, in seconds, by part (TIME_PARTS)."""
+    """The scheduler thread's wall time, in seconds, by part (TIME_PARTS)."""
     return {"onnxruntime": counters["session"], "packing": counters["run"] - counters["session"],
             "kv_moves": counters["moves"], "engine_python": counters["busy"] - counters["run"] - counters["moves"],
             "idle": wall - counters["busy"]}
-
-
-def median_run(runs: list[LevelRun]) -> LevelRun:
-    return sorted(runs, key=lambda run: run.tokens_per_second)[len(runs) // 2]
-
-
-def summarize_timings(concurrency: int, runs: list[LevelRun], baseline: list[LevelRun],
-                      oracle: list[Timing]) -> dict[str, Any]:
-    """A level over its repeats as its clients saw it: throughput from the median repeat (its range beside
-    it), latencies over every request of every repeat, identical tokens against `oracle` (each request
-    alone), and the median repeat's requests. bench-serve summarizes each side's levels with it too."""
-    timings = [t for run in runs for t in run.timings]
-    tps = [run.tokens_per_second for run in runs]
-    median = median_run(runs)
-    base = float(np.median([run.tokens_per_second for run in baseline]))
-    return {
-        "concurrency": concurrency,
-        "requests": len(median.timings),
-        "repeats": len(runs),
-        "wall_seconds": median.wall,
-        "tokens": sum(t.tokens for t in median.timings),
-        "output_tokens_per_second": median.tokens_per_second,
-        "output_tokens_per_second_range": [min(tps), max(tps)],
-        "requests_per_second": len(median.timings) / median.wall,
-        "speedup": float(np.median(tps)) / base,
-        "identical": sum(t.token_ids == o.token_ids for run in runs for t, o in zip(run.timings, oracle, strict=True)),
-        "compared": len(timings),
-        "ttft_ms": percentiles([t.ttft for t in timings if t.ttft is not None]),
-        "itl_ms": percentiles([t.itl for t in timings if t.itl is not None]),
-        "itl_requests": sum(t.itl is not None for t in timings),
-        "latency_ms": percentiles([t.latency for t in timings]),
-        "tokens_per_piece": sum(t.settled for t in timings) / max(1, sum(t.pieces for t in timings)),
-        "per_request": {  # the median repeat's
-            "tokens": [t.tokens for t in median.timings],
-            "latency_ms": [round(1000 * t.latency, 3) for t in median.timings],
-            "ttft_ms": [None if t.ttft is None else round(1000 * t.ttft, 3) for t in median.timings]},
-    }
 
 
 def summarize_level(concurrency: int, runs: list[LevelRun], baseline: list[LevelRun]) -> dict[str, Any]:
@@ -474,12 +260,6 @@ def target(rows: list[dict[str, Any]]) -> dict[str, Any]:
             "met": bool(row["speedup"] >= TARGET_SPEEDUP and row["identical"] == row["compared"])}
 
 
-def prompts_digest(examples: list[T.Example]) -> str:
-    import hashlib
-
-    return hashlib.sha256("\n".join(f"{e.task}\t{e.prompt}\t{e.answer}" for e in examples).encode()).hexdigest()[:16]
-
-
 def reproduce_command(cfg: ConcurrencyConfig) -> str:
     parts = [f"refusion-run bench-concurrency {cfg.model}", f"--concurrency {','.join(map(str, cfg.levels))}",
              f"--requests {cfg.requests}", f"--repeats {cfg.repeats}", f"--threads {cfg.threads}",
@@ -492,18 +272,7 @@ def reproduce_command(cfg: ConcurrencyConfig) -> str:
     return " ".join(parts)
 
 
-def settings_label(p: dict[str, Any]) -> str:
-    if p["mode"] == "ar":
-        return f"gen_length {p['gen_length']}"
-    return (f"gen_length {p['gen_length']}, slot_size {p['slot_size']}, {p['serial_num_blocks']} blocks, "
-            f"slot_threshold {p['slot_threshold']:g}, token_threshold {p['token_threshold']:g}")
-
-
 # ----------------------------------------------------------------------------- outputs
-
-
-def format_percentiles(d: dict[str, float] | None) -> str:
-    return " / ".join(f"{d[f'p{p}']:.1f}" for p in PERCENTILES) if d else "-"
 
 
 def render_markdown(report: dict[str, Any]) -> str:
@@ -605,42 +374,6 @@ def render_plot(report: dict[str, Any], path: Path) -> None:
     ax3.set_title("where the time goes")
     finish_plot(fig, (ax1, ax2, ax3), cs, f"{Path(meta['model']).name}: {meta['mode']}, {meta['backend']}, "
                 f"{meta['threads']} thread(s), {meta['requests']} requests per level x {meta['repeats']} passes", path)
-
-
-def finish_plot(fig: Any, axes: tuple[Any, Any, Any], levels: list[int], title: str, path: Path) -> None:
-    """The concurrency plots' common frame: the first two panels over log2 concurrency with a grid, every
-    panel labelled, the title; written to `path`."""
-    import matplotlib.pyplot as plt
-
-    for ax in axes[:2]:
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(levels, [str(c) for c in levels])
-        ax.grid(True, which="both", alpha=0.3)
-    for ax in axes:
-        ax.set_xlabel("concurrent clients")
-        ax.legend(fontsize=8)
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-
-
-def write_report(out: Path, stem: str, markdown: str, data: dict[str, Any], plot: Callable[[Path], None] | None,
-                 progress: Progress, extra: dict[str, str] | None = None) -> None:
-    """OUT/<stem>.md and .json, the `extra` files (suffix -> text), and <stem>.png by `plot` when given
-    (a warning instead where matplotlib is missing). bench-serve writes its reports with it too."""
-    out.mkdir(parents=True, exist_ok=True)
-    files = {".md": markdown, ".json": json.dumps(data, indent=1) + "\n", **(extra or {})}
-    written = [out / f"{stem}{suffix}" for suffix in files]
-    for path, text in zip(written, files.values()):
-        path.write_text(text)
-    if plot is not None:
-        try:
-            plot(out / f"{stem}.png")
-            written.append(out / f"{stem}.png")
-        except ImportError:
-            progress(f"warning: matplotlib is not installed; {stem}.png not written (pip install matplotlib)")
-    progress(f"wrote {', '.join(map(str, written))}")
 
 
 def write_outputs(report: dict[str, Any], out: Path, stem: str, plot: bool, progress: Progress) -> None:

@@ -29,11 +29,7 @@ from __future__ import annotations
 
 import cProfile
 import functools
-import io
 import json
-import os
-import platform
-import pstats
 import tempfile
 import time
 from collections import Counter, defaultdict
@@ -48,13 +44,14 @@ import numpy as np
 
 from refusion.export.progress import Progress, line, tick
 from refusion.runtime.core.errors import RefusionError
-from refusion.runtime.core.export_manifest import MANIFEST_NAME
-from refusion.runtime.generator import GenerationResult, Generator
+from refusion.runtime.core.export_manifest import MANIFEST_NAME, ExportManifest
+from refusion.runtime.decode.llada import DiffusionParams, diffusion_decode
+from refusion.runtime.generator import Generator
 from refusion.runtime.params import DecodeParams
 from refusion.tools import tasks as T
+from refusion.tools.bench.common import host_info, profile_report, prompts_digest, resolve_model, through_eos
 from refusion.tools.cli_common import progress as echo_progress
 from refusion.tools.cli_common import quiet_option
-from refusion.runtime.decode.llada import DiffusionParams, diffusion_decode
 
 # slot_size, serial_num_blocks, slot_threshold, token_threshold
 DEFAULT_SETTINGS = "8,1,0.9,0.4;8,2,0.9,0.4;4,4,0.9,0.4;4,4,0.7,0.2;8,4,0.7,0.2;4,4,0.5,0.1"
@@ -152,22 +149,6 @@ class Method:
     short: str = ""
 
 
-class _FedCounter:
-    """Counts the tokens each forward feeds, by wrapping a callable (runner.run / model.forward)."""
-
-    def __init__(self) -> None:
-        self.fed = 0
-
-    def wrap_runner(self, runner: Any) -> None:
-        inner = runner.run
-
-        def run(graph, input_ids, *args, **kwargs):
-            self.fed += int(input_ids.size)
-            return inner(graph, input_ids, *args, **kwargs)
-
-        runner.run = run
-
-
 class TorchReference:
     """The PyTorch reference loop (tools/bench/reference.py) over HF transformers, with time inside forwards."""
 
@@ -211,35 +192,26 @@ class TorchReference:
         return out, {"prefill": 1, "decode": len(out) - 1}, 1.0
 
 
-def through_eos(ids: list[int], eos_id: int) -> list[int]:
-    return ids[: ids.index(eos_id) + 1] if eos_id in ids else list(ids)
-
-
 def build_methods(gen: Generator, settings: list[DecodeParams], diffusion: list[DiffusionParams], gen_length: int,
                   reference: TorchReference | None, reference_settings: str) -> list[Method]:
     mask_id, eos_id = gen.manifest.mask_token_id, gen.manifest.eos_token_id
     runner = gen.runner
-    counter = _FedCounter()
-    counter.wrap_runner(runner)
 
     def runtime(params: DecodeParams) -> Callable[[list[int]], Sample]:
         def run(ids: list[int]) -> Sample:
-            fed0 = counter.fed
-            result = None
-            for event in gen.decode(ids, params):
-                result = event
-            assert isinstance(result, GenerationResult)
+            fed = runner.stats.total.fed
+            result = gen.submit_ids(ids, params).result()
             s = result.stats
             return Sample(list(result.token_ids), s.tokens, dict(s.forwards), s.wall_seconds, s.engine_seconds, s.tpf,
-                          counter.fed - fed0)
+                          runner.stats.total.fed - fed)
         return run
 
     def diffusion_run(params: DiffusionParams) -> Callable[[list[int]], Sample]:
         def run(ids: list[int]) -> Sample:
-            fed0 = counter.fed
+            fed = runner.stats.total.fed
             r = diffusion_decode(runner, ids, mask_id, eos_id, params)
             return Sample(r.token_ids, r.tokens, dict(r.trace.forwards), r.wall_seconds, r.engine_seconds, r.trace.tpf,
-                          counter.fed - fed0)
+                          runner.stats.total.fed - fed)
         return run
 
     def torch_run(fn: Callable[[list[int]], tuple[list[int], dict[str, int], float]]) -> Callable[[list[int]], Sample]:
@@ -305,23 +277,6 @@ class BenchConfig:
     out: Path | None = Path("results/bench")
     plot: bool = True
     profile: bool = False
-
-
-def resolve_model(model: Path, work: Path, progress: Progress) -> tuple[Path, Path | None]:
-    """(export dir, checkpoint dir or None) for a checkpoint or an export directory."""
-    model = Path(model)
-    if (model / MANIFEST_NAME).is_file():
-        raw = json.loads((model / MANIFEST_NAME).read_text())
-        src = raw.get("source", {}).get("checkpoint")
-        ckpt = Path(src) if src and (Path(src) / "config.json").is_file() else None
-        return model, ckpt
-    if (model / "config.json").is_file():
-        from refusion.export.exporter import export_onnx
-
-        out = work / "onnx"
-        line(progress, f"exporting {model} -> {out}")
-        return export_onnx(model, out, force=True, validate=False, progress=progress), model
-    raise RefusionError(f"{model} is neither an export ({MANIFEST_NAME}) nor a checkpoint (config.json).")
 
 
 def run_bench(cfg: BenchConfig, progress: Progress = echo_progress) -> dict[str, Any]:
@@ -397,8 +352,8 @@ def run_interleaved(methods: list[Method], examples: list[T.Example], prompts: l
 
 
 def gen_manifest_model(export_dir: Path) -> dict[str, Any]:
-    raw = json.loads((Path(export_dir) / MANIFEST_NAME).read_text())
-    return {"dims": raw.get("model", {}), "dtype": raw.get("dtype")}
+    manifest = ExportManifest.read(Path(export_dir))
+    return {"dims": {"architecture": "Qwen3ForCausalLM", **manifest.dims.to_json()}, "dtype": manifest.dtype}
 
 
 # ----------------------------------------------------------------------------- aggregation
@@ -478,7 +433,7 @@ def make_report(cfg: BenchConfig, methods: list[Method], samples: dict[str, list
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "model": str(cfg.model), "export_dir": str(export_dir) if (Path(cfg.model) / MANIFEST_NAME).is_file() else None,
             "checkpoint": str(ckpt) if ckpt else None, **model_info,
-            "n": cfg.n, "held_out_seed": cfg.seed, "held_out_sha256": held_out_digest(examples), "threads": cfg.threads, "gen_length": cfg.gen_length,
+            "n": cfg.n, "held_out_seed": cfg.seed, "held_out_sha256": prompts_digest(examples), "threads": cfg.threads, "gen_length": cfg.gen_length,
             "warmup_prompts": cfg.warmup, "settings": cfg.settings, "diffusion": cfg.diffusion,
             "reference": cfg.reference, "reference_settings": cfg.reference_settings,
             "backend": "ort-cpu", "decoding": "greedy (temperature 0)",
@@ -554,15 +509,6 @@ def targets(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def held_out_digest(examples: list[T.Example]) -> str:
-    """Fingerprint of the prompts and answers benchmarked: runs compare only when it matches
-    (the held-out set follows tasks.py, which may change)."""
-    import hashlib
-
-    text = "\n".join(f"{ex.task}\t{ex.prompt}\t{ex.answer}" for ex in examples)
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
 def reproduce_command(cfg: BenchConfig) -> str:
     parts = [f"refusion-run bench {cfg.model}", f"--n {cfg.n}", f"--threads {cfg.threads}", f"--gen-length {cfg.gen_length}",
              f'--settings "{cfg.settings}"', f'--diffusion "{cfg.diffusion}"', f"--warmup {cfg.warmup}"]
@@ -573,18 +519,6 @@ def reproduce_command(cfg: BenchConfig) -> str:
     if cfg.out is not None:
         parts.append(f"--out {cfg.out}")
     return " ".join(parts)
-
-
-def host_info(modules: tuple[str, ...] = ("onnxruntime", "torch", "transformers", "numpy")) -> dict[str, Any]:
-    """The machine and the versions of `modules` (those installed), for a report's header."""
-    info: dict[str, Any] = {"platform": platform.platform(), "python": platform.python_version(),
-                            "cpu_count": os.cpu_count(), "processor": platform.processor() or platform.machine()}
-    for mod in modules:
-        try:
-            info[mod] = __import__(mod).__version__
-        except Exception:  # noqa: BLE001 - version reporting only
-            pass
-    return info
 
 
 # ----------------------------------------------------------------------------- outputs
@@ -749,44 +683,20 @@ def write_outputs(report: dict[str, Any], out: Path, plot: bool = True, progress
 
 
 def profile_refusion(gen: Generator, prompts: list[list[int]], params: DecodeParams, top: int = 25) -> str:
-    """cProfile of ReFusion decoding over `prompts` on the engine thread, where the loop runs: engine vs
-    loop, and the loop's hottest functions."""
-    engine0 = gen.runner.engine_seconds
-    prof = cProfile.Profile()
-    do_round = gen.scheduler._round
-
-    def profiled_round() -> None:  # cProfile sees only the thread that enables it
-        prof.enable()
-        try:
-            do_round()
-        finally:
-            prof.disable()
-
-    gen.scheduler._round = profiled_round  # type: ignore[method-assign]
+    """cProfile of ReFusion decoding over `prompts` on the scheduler thread, where the loop runs: the runner
+    vs the loop, and the loop's hottest functions."""
+    runner0 = gen.runner.stats.busy_seconds
+    prof = gen.scheduler.profiler = cProfile.Profile()
     t0 = time.perf_counter()
-    tokens = 0
     try:
-        for ids in prompts:
-            for event in gen.decode(ids, params):
-                if isinstance(event, GenerationResult):
-                    tokens += event.stats.tokens
+        tokens = sum(gen.submit_ids(ids, params).result().stats.tokens for ids in prompts)
     finally:
-        del gen.scheduler._round
+        gen.scheduler.profiler = None
     wall = time.perf_counter() - t0
-    engine = gen.runner.engine_seconds - engine0
+    engine = gen.runner.stats.busy_seconds - runner0
     return profile_report(prof, f"ReFusion {refusion_label(params)} over {len(prompts)} prompts under cProfile: "
                           f"wall {wall:.3f} s, engine (Runner.run/move_kv) {engine:.3f} s ({100 * engine / wall:.0f}%), "
                           f"loop {wall - engine:.3f} s; {tokens} tokens (profiler overhead inflates the loop share)", top)
-
-
-def profile_report(profiler: cProfile.Profile, header: str, top: int) -> str:
-    """`header`, then the `top` functions by own time and by cumulative time."""
-    buf = io.StringIO()
-    buf.write(header + "\n\n")
-    stats = pstats.Stats(profiler, stream=buf)
-    stats.sort_stats("tottime").print_stats(top)
-    stats.sort_stats("cumulative").print_stats(top)
-    return buf.getvalue()
 
 
 # ----------------------------------------------------------------------------- CLI

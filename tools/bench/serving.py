@@ -4,28 +4,12 @@ beside the same requests in-process.
     refusion-run bench-serve models/refusion-tiny [--concurrency 1,2,4,8,16,32] [--requests 256] [--repeats 3]
         [--threads 1] [--max-requests R] [--max-batch B] [--warmup 32] [--out results/serving] [--no-plot]
 
-It exports MODEL_DIR if it is a checkpoint (as bench-concurrency does), starts tritonserver on it
-(ort-cpu, free loopback ports) and opens one Generator in this process with the same settings. For
-each concurrency level C, C closed-loop client threads send the same held-out chat prompts twice:
-  server      POST /v2/models/refusion/generate_stream (stdlib http.client, a connection per request)
-              with {"text_input", "stream": true, "chat": true} and no decode settings, so the server
-              decodes at the export's recorded ones; the client reads the server-sent events;
-  in-process  Generator.submit with the same prompt and settings (bench-concurrency's run_request).
-The metrics are bench-concurrency's (genai-perf terms), per side:
-  output tokens/s, requests/s  generated tokens through the first EOS, and requests, over the level's wall time;
-  TTFT                         send (submit) to the first piece of text;
-  ITL                          first piece to last over the tokens after the first piece (inter_token_latency);
-                               over HTTP the pieces carry text, so each piece's token count is recovered by
-                               detokenizing prefixes of the final token_ids (after the level, off the clock);
-  request latency              send to the final event (result()); p50 / p90 / p99 over every pass;
-  identical                    token_ids equal to the in-process Generator's for that prompt alone (first pass
-                               at concurrency 1);
-  cores                        CPU seconds over wall seconds of tritonserver, of its Python-backend stub (our
-                               model and its engine thread) and of this process (the clients), from /proc.
-Server overhead per request: at concurrency 1 (one client, each request alone), server latency minus
-in-process latency, mean and p50, and the median of the per-prompt differences.
-
-Writes OUT/serve-threads<T>[-batch<B>].md, .json and .png (needs matplotlib).
+It starts tritonserver on the export (ort-cpu, free loopback ports) and opens one Generator in this process
+with the same settings. At each concurrency level C, C closed-loop clients send the same held-out chat
+prompts to both: over HTTP (generate_stream, server-sent events, the export's recorded decode settings) and
+in-process (Generator.submit). The metrics are bench-concurrency's, per side, with the server's overhead per
+request at concurrency 1 and the CPU cores each process used (tritonserver, its Python-backend stub, this
+process), from /proc. Writes OUT/serve-threads<T>[-batch<B>].md, .json and .png (needs matplotlib).
 """
 
 from __future__ import annotations
@@ -33,7 +17,6 @@ from __future__ import annotations
 import http.client
 import os
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -41,7 +24,7 @@ from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import click
 import numpy as np
@@ -50,14 +33,16 @@ from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.generator import Generator
 from refusion.serve.triton.client import request_body, stream_events
 from refusion.tools import tasks as T
-from refusion.tools.bench.decoding import host_info
 from refusion.tools.cli_common import progress as echo_progress
-from refusion.tools.bench.concurrency import (
+from refusion.tools.bench.common import (
     LevelRun,
     Progress,
     Timing,
+    answer_ids,
+    closed_loop,
     finish_plot,
     format_percentiles,
+    host_info,
     inter_token_latency,
     parse_levels,
     percentiles,
@@ -66,6 +51,7 @@ from refusion.tools.bench.concurrency import (
     run_request,
     settings_label,
     summarize_timings,
+    through_eos,
     write_report,
 )
 
@@ -77,8 +63,6 @@ SIDES = ("server", "in_process")
 SATURATION = 0.9  # throughput saturates at the first level within 10% of the best level's tokens/s
 REQUEST_TIMEOUT_S = 120.0
 PROCESSES = ("tritonserver", "python_backend", "clients")
-
-Job = TypeVar("Job")
 
 
 @dataclass
@@ -152,8 +136,8 @@ def token_counts(answer: list[int], chars: list[int], decode: Callable[[list[int
 
 def to_timing(s: Streamed, eos: int, decode: Callable[[list[int]], str]) -> Timing:
     """A Streamed request in bench-concurrency's terms (tokens through the first EOS, as GenerationStats)."""
-    answer = s.token_ids[: s.token_ids.index(eos)] if eos in s.token_ids else s.token_ids
-    tokens = len(answer) + 1 if eos in s.token_ids else len(answer)
+    answer = answer_ids(s.token_ids, eos)
+    tokens = len(through_eos(s.token_ids, eos))
     counts = token_counts(answer, [c for _, c in s.stamps], decode)
     stamps = [(t, n) for (t, _), n in zip(s.stamps, counts, strict=True)]
     return Timing(s.token_ids, tokens, len(answer), len(stamps), s.latency, stamps[0][0] if stamps else None,
@@ -161,37 +145,6 @@ def to_timing(s: Streamed, eos: int, decode: Callable[[list[int]], str]) -> Timi
 
 
 # ----------------------------------------------------------------------------- closed loop and CPU
-
-
-def closed_loop(job: Callable[[int], Job], count: int, concurrency: int) -> tuple[list[Job], float]:
-    """`concurrency` client threads, each running job(i) for the next i until `count` are done:
-    (results in order of i, wall seconds). The first error is raised in the caller's thread."""
-    results: list[Job | None] = [None] * count
-    errors: list[BaseException] = []
-    queue = iter(range(count))
-    lock = threading.Lock()
-
-    def client() -> None:
-        while not errors:
-            with lock:
-                i = next(queue, None)
-            if i is None:
-                return
-            try:
-                results[i] = job(i)
-            except BaseException as e:  # noqa: BLE001 - raised below, in the caller's thread
-                errors.append(e)
-
-    clients = [threading.Thread(target=client, name=f"client-{c}") for c in range(concurrency)]
-    t0 = time.perf_counter()
-    for t in clients:
-        t.start()
-    for t in clients:
-        t.join()
-    wall = time.perf_counter() - t0
-    if errors:
-        raise errors[0]
-    return [r for r in results if r is not None], wall
 
 
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -275,7 +228,7 @@ def run_serve_bench(cfg: ServeBenchConfig, progress: Progress = echo_progress) -
         raise RefusionError(f"--requests + --warmup: {e}") from e
     prompts = [ex.prompt for ex in examples]
     with tempfile.TemporaryDirectory(prefix="refusion-serve-bench-") as tmp:
-        export_dir = resolve_model(Path(cfg.model), Path(tmp), progress)
+        export_dir, _ = resolve_model(Path(cfg.model), Path(tmp), progress)
         load = [os.getloadavg()[0]]
         with Generator.from_dir(export_dir, backend="ort-cpu", threads=cfg.threads, max_requests=cfg.max_requests,
                                 max_batch=cfg.max_batch) as gen, \

@@ -13,6 +13,7 @@ pytest.importorskip("torch")
 
 from refusion.runtime.core.errors import RefusionError  # noqa: E402
 from refusion.runtime.generator import Generator  # noqa: E402
+from refusion.tools.bench import common  # noqa: E402
 from refusion.tools.bench import concurrency as C  # noqa: E402
 from refusion.tools.run_cli import cli  # noqa: E402
 from refusion.tools.tasks import held_out  # noqa: E402
@@ -35,23 +36,23 @@ def report(export, tmp_path_factory) -> tuple[dict, Path]:
 
 
 def test_levels_parsed_and_checked():
-    assert C.parse_levels("16, 1,4,4") == (1, 4, 16)
+    assert common.parse_levels("16, 1,4,4") == (1, 4, 16)
     for text, match in [("2,4", r"lacks 1: concurrency 1 is the baseline"), ("1,x", r"not a comma-separated list"),
                         ("0,1", r"must be a positive number of clients"), ("", r"must be a positive number")]:
         with pytest.raises(RefusionError, match=match):
-            C.parse_levels(text)
+            common.parse_levels(text)
 
 
 def test_inter_token_latency_is_the_gap_per_token_after_the_first_piece():
-    assert C.inter_token_latency([(0.010, 3), (0.014, 5), (0.020, 9)]) == pytest.approx(0.010 / 6)
-    assert C.inter_token_latency([(0.010, 3)]) is None  # one piece: no gap
-    assert C.inter_token_latency([]) is None
+    assert common.inter_token_latency([(0.010, 3), (0.014, 5), (0.020, 9)]) == pytest.approx(0.010 / 6)
+    assert common.inter_token_latency([(0.010, 3)]) is None  # one piece: no gap
+    assert common.inter_token_latency([]) is None
 
 
 def test_one_request_as_its_client_sees_it(export):
     with Generator.from_dir(export, backend="ort-cpu", threads=1) as gen:
         ids = gen.prompt_ids(held_out(1)[0].prompt, chat=True)
-        timing = C.run_request(gen, ids, {"mode": "refusion"})
+        timing = common.run_request(gen, ids, {"mode": "refusion"})
         alone = gen.generate(prompt_ids=ids)
     assert timing.token_ids == alone.token_ids and timing.tokens == alone.stats.tokens
     eos = gen.manifest.eos_token_id

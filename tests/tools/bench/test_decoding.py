@@ -14,6 +14,7 @@ pytest.importorskip("transformers")
 
 from refusion.runtime.core.errors import RefusionError  # noqa: E402
 from refusion.runtime.generator import Generator  # noqa: E402
+from refusion.tools.bench import common  # noqa: E402
 from refusion.tools.bench import decoding as B  # noqa: E402
 from refusion.tools.cli_common import ErrorReportingGroup  # noqa: E402
 from refusion.runtime.decode.llada import (  # noqa: E402
@@ -93,7 +94,7 @@ def test_diffusion_fills_every_position_and_counts_every_forward(gen, steps, blo
     # every step: the planner (no KV kept) over prompt + the whole span, no past, positions in order
     assert all(c[:5] == ("planner", len(prompt) + GEN, 0, None, list(range(len(prompt) + GEN))) for c in calls)
     assert res.trace.tpf == pytest.approx(GEN / steps)
-    assert res.tokens == len(B.through_eos(res.token_ids, gen.manifest.eos_token_id))
+    assert res.tokens == len(common.through_eos(res.token_ids, gen.manifest.eos_token_id))
     assert 0 < res.engine_seconds <= res.wall_seconds
 
 
@@ -230,6 +231,9 @@ def _check_outputs(out: Path, n: int, reference: bool) -> dict:
             assert ratio["ratio"] == pytest.approx(expected, rel=1e-3)
             assert ratio["ci95"][0] <= ratio["ratio"] * (1 + 1e-9) and ratio["ci95"][1] >= ratio["ratio"] * (1 - 1e-9)
             assert r["tokens_per_second"] / rows["ar"]["tokens_per_second"] == pytest.approx(ratio["ratio"])
+    for r in rows.values():  # tokens fed through the network: the runner's own count (RunnerStats), or torch's
+        assert r["fed_tokens_per_forward"] > 0 and r["fed_tokens_per_token"] > 0, r["id"]
+    assert rows["diffusion:s16b8"]["fed_tokens_per_forward"] > GEN  # every step feeds prompt + the whole span
     assert rows["diffusion:s16b8"]["forwards"] == n * 16  # no early exit: every step runs
     assert rows["ar"]["forwards_by_kind"].keys() <= {"prefill", "decode"}
     assert "## Targets" in md and "vs LLaDA-style" in md
@@ -242,6 +246,8 @@ def _check_outputs(out: Path, n: int, reference: bool) -> dict:
         assert rows["refusion:k4b2s0.5t0.1"]["same_tokens_as_reference"] == n
         assert rows["ar"]["same_tokens_as_reference"] == n
         assert ref["forwards"] == rows["refusion:k4b1s0.6t0.3"]["forwards"]
+        # AR feeds the prompt, then one token a forward, in either implementation
+        assert rows["ar"]["fed_tokens_per_forward"] == pytest.approx(rows["reference-ar"]["fed_tokens_per_forward"])
         assert "runtime_vs_reference" in data["targets"]
     if B.__dict__.get("render_plot") and _has_matplotlib():
         assert (out / "bench.png").stat().st_size > 1000

@@ -1,0 +1,70 @@
+"""What a Runner counts of its own work, so that benches read it instead of wrapping the runner's methods."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from refusion.runtime.runners.base import RowFeed
+
+
+@dataclass
+class ForwardStats:
+    """One graph's forwards."""
+
+    forwards: int = 0  # run_batch calls: one (packed) forward each
+    rows: int = 0  # requests' rows in them
+    fed: int = 0  # tokens fed: every row's own tokens
+    padded: int = 0  # tokens computed: rows x the longest row's tokens, as the rows are packed
+    seconds: float = 0.0  # inside run_batch: packing, KV copies and the backend
+    backend_seconds: float = 0.0  # inside the backend's own call (onnxruntime's run; TensorRT's execution)
+
+    def add(self, rows: list[RowFeed], seconds: float) -> None:
+        seqs = [r.input_ids.shape[1] for r in rows]
+        self.forwards += 1
+        self.rows += len(rows)
+        self.fed += sum(seqs)
+        self.padded += len(rows) * max(seqs)
+        self.seconds += seconds
+
+
+@dataclass
+class RunnerStats:
+    """Forwards by graph, and KV moves; counters only grow (take differences with `since`)."""
+
+    graphs: dict[str, ForwardStats] = field(default_factory=dict)
+    moves: int = 0  # move_kv calls that moved anything (every layer's K and V)
+    moved_tokens: int = 0
+    move_seconds: float = 0.0
+
+    def graph(self, name: str) -> ForwardStats:
+        return self.graphs.setdefault(name, ForwardStats())
+
+    @property
+    def total(self) -> ForwardStats:
+        """Every graph's forwards together."""
+        out = ForwardStats()
+        for stats in self.graphs.values():
+            for f in fields(ForwardStats):
+                setattr(out, f.name, getattr(out, f.name) + getattr(stats, f.name))
+        return out
+
+    @property
+    def busy_seconds(self) -> float:
+        """Inside the runner: forwards and KV moves."""
+        return self.total.seconds + self.move_seconds
+
+    def copy(self) -> RunnerStats:
+        return copy.deepcopy(self)
+
+    def since(self, earlier: RunnerStats) -> RunnerStats:
+        """What was counted after `earlier` (a copy taken before)."""
+        out = RunnerStats(moves=self.moves - earlier.moves, moved_tokens=self.moved_tokens - earlier.moved_tokens,
+                          move_seconds=self.move_seconds - earlier.move_seconds)
+        for name, stats in self.graphs.items():
+            before = earlier.graphs.get(name, ForwardStats())
+            out.graphs[name] = ForwardStats(**{f.name: getattr(stats, f.name) - getattr(before, f.name)
+                                               for f in fields(ForwardStats)})
+        return out
