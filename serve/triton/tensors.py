@@ -8,12 +8,13 @@ stream -> text_output), so genai-perf and clients written for TensorRT-LLM model
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from refusion.runtime.core.errors import RefusionError
+from refusion.serve.frontend import ServeRequest
 
 
 @dataclass(frozen=True)
@@ -48,15 +49,6 @@ INPUT_NAMES = tuple(spec.name for spec in INPUTS)
 _KINDS = {"TYPE_STRING": "OSU", "TYPE_BOOL": "b", "TYPE_INT32": "iu", "TYPE_INT64": "iu", "TYPE_FP32": "f"}
 _EXPECTED = {"TYPE_STRING": "a string", "TYPE_BOOL": "a boolean", "TYPE_INT32": "an integer",
              "TYPE_INT64": "an integer", "TYPE_FP32": "a number"}
-
-
-@dataclass(frozen=True)
-class ServeRequest:
-    prompt: str
-    stream: bool = False
-    chat: bool = False
-    timeout_s: float | None = None
-    settings: dict[str, Any] = field(default_factory=dict)  # decode settings given; the rest: the export's
 
 
 def read_request(tensors: Mapping[str, np.ndarray]) -> ServeRequest:
