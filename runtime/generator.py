@@ -10,17 +10,21 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Mapping
 from numbers import Integral
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.core.export_manifest import ExportManifest
-from refusion.runtime.decode import DecodeTrace, Tokens, kv_capacity, steps_for
-from refusion.runtime.scheduler import Scheduler
+from refusion.runtime.decode import strategy
+from refusion.runtime.decode.steps import Tokens
 from refusion.runtime.params import DecodeParams
 from refusion.runtime.request import GenerationResult, GenerationStats, Request
 from refusion.runtime.runners import make_runner
 from refusion.runtime.runners.base import Runner
+from refusion.runtime.scheduler import Scheduler
 from refusion.runtime.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from refusion.runtime.decode.llada import DiffusionParams
 
 __all__ = ["GenerationResult", "GenerationStats", "Generator"]
 
@@ -133,23 +137,23 @@ class Generator:
         ids = self.prompt_ids(prompt, messages=messages, prompt_ids=prompt_ids, chat=chat, enable_thinking=enable_thinking)
         return self.submit_ids(ids, params, timeout_s)
 
-    def submit_ids(self, ids: list[int], params: DecodeParams, timeout_s: float | None = None) -> Request:
+    def submit_ids(self, ids: list[int], params: DecodeParams | DiffusionParams,
+                   timeout_s: float | None = None) -> Request:
+        """Start a generation of these token ids with these params (any strategy's: decode.STRATEGIES)."""
         if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))
                                       or not timeout_s > 0):
             raise RefusionError(f"timeout_s={timeout_s!r} must be a positive number of seconds (or None).")
-        if len(ids) + params.positions > self.manifest.max_positions:
+        positions = strategy(params.mode).positions(params)
+        if len(ids) + positions > self.manifest.max_positions:
             raise RefusionError(
-                f"prompt of {len(ids)} tokens + gen_length {params.positions} exceeds the model's "
+                f"prompt of {len(ids)} tokens + gen_length {positions} exceeds the model's "
                 f"{self.manifest.max_positions} positions; shorten the prompt or gen_length."
             )
         self.runner.check_request(len(ids), params)
         m = self.manifest
-        tokens = Tokens(ids, m.mask_token_id, m.eos_token_id)
-        trace = DecodeTrace()
-        steps = steps_for(tokens, params, trace, m.has_logits)
         detokenize = self.tokenizer.decode if self.tokenizer else None
-        request = Request(ids, params, steps, trace, kv_capacity(len(ids), params), m.eos_token_id, detokenize,
-                          self.runner.name, timeout_s)
+        request = Request.create(Tokens(ids, m.mask_token_id, m.eos_token_id), params, m.has_logits, detokenize,
+                                 self.runner.name, timeout_s)
         return self.scheduler.submit(request)
 
     def generate(self, prompt: str | None = None, *, messages=None, prompt_ids=None, chat: bool = False,

@@ -9,8 +9,9 @@ from typing import Any, Literal
 
 from refusion.runtime.core.defaults import DecodeDefaults
 from refusion.runtime.core.errors import RefusionError
+from refusion.runtime.decode import MODES, STRATEGIES
 
-Mode = Literal["refusion", "ar"]
+Mode = Literal["refusion", "ar"]  # decode.MODES, spelled out for type checkers
 
 
 @dataclass(frozen=True)
@@ -45,10 +46,9 @@ class DecodeParams:
         if self.seed is not None and (not _is_int(self.seed) or self.seed < 0):
             raise RefusionError(
                 f"seed={self.seed!r} must be None or a non-negative integer (it seeds the sampling noise).")
-        if self.mode not in ("refusion", "ar"):
-            raise RefusionError(f"mode={self.mode!r} is not one of 'refusion', 'ar'.")
-        if self.mode == "refusion":
-            _ = self.block_length  # validates the layout
+        if self.mode not in MODES:
+            raise RefusionError(f"mode={self.mode!r} is not one of {', '.join(map(repr, MODES))}.")
+        STRATEGIES[self.mode].check(self)
 
     @staticmethod
     def with_defaults(defaults: DecodeDefaults, **settings: Any) -> DecodeParams:
@@ -65,8 +65,8 @@ class DecodeParams:
 
     @property
     def positions(self) -> int:
-        """Positions the generation takes after the prompt: gen_length in AR mode, whole slots in ReFusion mode."""
-        return self.gen_length if self.mode == "ar" else self.padded_gen_length
+        """Positions the generation takes after the prompt (its strategy's count)."""
+        return STRATEGIES[self.mode].positions(self)
 
     @property
     def padded_gen_length(self) -> int:

@@ -16,12 +16,17 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from refusion.runtime.core.errors import RefusionError
-from refusion.runtime.decode.steps import DecodeTrace
-from refusion.runtime.params import DecodeParams
-from refusion.runtime.decode.steps import Commit, Outputs, Step, StepMachine
+from refusion.runtime.decode import STRATEGIES
+from refusion.runtime.decode.steps import Commit, DecodeTrace, Outputs, Step, StepMachine, Tokens
+
+if TYPE_CHECKING:
+    from refusion.runtime.decode.llada import DiffusionParams
+    from refusion.runtime.params import DecodeParams
+
+    Params = DecodeParams | DiffusionParams
 
 FinishReason = Literal["eos", "length", "timeout", "cancelled"]
 Detokenize = Callable[[list[int]], str]
@@ -69,7 +74,7 @@ class GenerationResult:
 
 
 class Request:
-    def __init__(self, prompt_ids: list[int], params: DecodeParams, steps: StepMachine, trace: DecodeTrace,
+    def __init__(self, prompt_ids: list[int], params: Params, steps: StepMachine, trace: DecodeTrace,
                  capacity: int, eos_id: int, detokenize: Detokenize | None, backend: str,
                  timeout_s: float | None = None):
         self.id = next(_ids)
@@ -87,6 +92,15 @@ class Request:
         self.inbox: Outputs | None = None  # its last forward's outputs, for the next step
         self.started = 0.0
         self.runner_seconds = 0.0
+
+    @staticmethod
+    def create(tokens: Tokens, params: Params, logits: bool, detokenize: Detokenize | None = None,
+               backend: str = "", timeout_s: float | None = None) -> Request:
+        """A request of params.mode's strategy over `tokens` (`logits`: the graphs have that output)."""
+        strategy, trace = STRATEGIES[params.mode], DecodeTrace()
+        steps = strategy.steps(tokens, params, trace, logits)
+        return Request(tokens.prompt, params, steps, trace, strategy.kv_capacity(len(tokens.prompt), params),
+                       tokens.eos_id, detokenize, backend, timeout_s)
 
     # -- the caller's side -------------------------------------------------------------------
     def cancel(self) -> None:

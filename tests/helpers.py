@@ -6,8 +6,10 @@ import json
 from pathlib import Path
 
 from refusion.runtime.core.export_manifest import ExportManifest
-from refusion.runtime.decode import DecodeTrace, Tokens, ar_decode, refusion_decode
+from refusion.runtime.decode.steps import Tokens
 from refusion.runtime.params import DecodeParams
+from refusion.runtime.request import GenerationResult, Request
+from refusion.runtime.scheduler import Scheduler
 from refusion.tools.checks.fixtures.checkpoints import TinySpec
 
 REPO = Path(__file__).resolve().parents[1]
@@ -53,8 +55,18 @@ MIXED_SETTINGS = [
 ]
 
 
+def decode_on(runner, tokens: Tokens, params, logits: bool = False) -> GenerationResult:
+    """One request by itself through a scheduler over `runner` (the only driver of step machines), with
+    `tokens`' own mask and EOS ids: its tokens, commits and stats."""
+    scheduler = Scheduler(runner)
+    try:
+        return scheduler.submit(Request.create(tokens, params, logits)).result()
+    finally:
+        scheduler.close()
+
+
 def decode_alone(export: Path, jobs: list[tuple[list[int], dict]]) -> list[list[int]]:
-    """Each job's tokens decoded by itself on onnxruntime CPU (no engine): the oracle."""
+    """Each job's tokens decoded by itself on onnxruntime CPU: the oracle."""
     from refusion.runtime.runners.onnxruntime import OrtRunner
 
     manifest = ExportManifest.load(export)
@@ -63,16 +75,9 @@ def decode_alone(export: Path, jobs: list[tuple[list[int], dict]]) -> list[list[
 
 
 def decode_alone_on(runner, manifest: ExportManifest, jobs: list[tuple[list[int], dict]]) -> list[list[int]]:
-    """Each job decoded by itself on `runner` (slot 0, no engine)."""
-    out = []
-    for ids, settings in jobs:
-        params = DecodeParams(**settings)
-        decode = ar_decode if params.mode == "ar" else refusion_decode
-        tokens = Tokens(ids, manifest.mask_token_id, manifest.eos_token_id)
-        committed = {p: t for c in decode(runner, tokens, params, DecodeTrace(), False)
-                     for p, t in zip(c.positions, c.token_ids)}
-        out.append([committed[p] for p in sorted(committed)])
-    return out
+    """Each job decoded by itself on `runner`, one request at a time."""
+    tokens = [Tokens(ids, manifest.mask_token_id, manifest.eos_token_id) for ids, _ in jobs]
+    return [decode_on(runner, t, DecodeParams(**settings)).token_ids for t, (_, settings) in zip(tokens, jobs)]
 
 
 def chat_jobs(export: Path, n: int, settings: list[dict]) -> list[tuple[list[int], dict]]:

@@ -12,6 +12,7 @@ from tqdm import tqdm
 
 from refusion.export.progress import ProgressEvent
 from refusion.runtime.core.errors import RefusionError
+from refusion.runtime.decode import MODES
 from refusion.runtime.runners import BACKENDS
 
 _QUIET = "refusion.quiet"  # ctx.meta key, shared by a command and its group
@@ -103,7 +104,7 @@ def version_option(f: Any) -> Any:
 # The decode settings and load options of `refusion-run generate` and `refusion-run chat`.
 _RECORDED = "default: the export's recorded value"
 _DECODE_OPTIONS = (
-    click.option("--mode", type=click.Choice(["refusion", "ar"]), default="refusion", show_default=True),
+    click.option("--mode", type=click.Choice(MODES), default="refusion", show_default=True),
     click.option("--gen-length", type=int, help=f"Tokens to generate ({_RECORDED})."),
     click.option("--slot-size", type=int, help=f"Tokens per slot ({_RECORDED})."),
     click.option("--serial-blocks", type=int,

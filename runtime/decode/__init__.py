@@ -1,58 +1,47 @@
-"""The decode strategies, each a step machine (decode/steps.py): ReFusion (decode/refusion.py),
-autoregressive (decode/ar.py) and the LLaDA-style baseline (decode/llada.py). `run_on` drives one on
-a Runner directly; the engine (runtime/engine.py) drives many at once."""
+"""The decode strategies, each a step machine (decode/steps.py), behind one table: all the rest of the
+runtime asks of a mode (DecodeParams, the Generator, the TensorRT runner's request check, the CLIs'
+choices) it asks of `STRATEGIES`, so a new strategy is a module here and a row below."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
-from refusion.runtime.decode import ar, refusion
-from refusion.runtime.decode.ar import ar_steps
-from refusion.runtime.decode.refusion import refusion_steps
-from refusion.runtime.decode.steps import Commit, DecodeTrace, Forward, KVMove, Outputs, StepMachine, Tokens
-from refusion.runtime.params import DecodeParams
-from refusion.runtime.runners.base import Runner
+from refusion.runtime.core.errors import RefusionError
+from refusion.runtime.decode import ar, llada, refusion
+from refusion.runtime.decode.steps import DecodeTrace, StepMachine, Tokens
 
-__all__ = ["DecodeTrace", "Tokens", "ar_decode", "kv_capacity", "refusion_decode", "run_on", "steps_for"]
-
-
-def kv_capacity(prompt_length: int, params: DecodeParams) -> int:
-    """KV tokens a request of params.mode needs."""
-    return (ar if params.mode == "ar" else refusion).kv_capacity(prompt_length, params)
+Steps = Callable[[Tokens, Any, DecodeTrace, bool], StepMachine]  # (tokens, params, trace, logits output?)
 
 
-def steps_for(tokens: Tokens, params: DecodeParams, trace: DecodeTrace, logits: bool) -> StepMachine:
-    """The step machine of params.mode."""
-    strategy = refusion_steps if params.mode == "refusion" else ar_steps
-    return strategy(tokens, params, trace, logits)
+@dataclass(frozen=True)
+class Strategy:
+    steps: Steps
+    settings: tuple[str, ...]  # the params its steps read (the rest of DecodeParams is left unread)
+    kv_capacity: Callable[[int, Any], int]  # KV tokens a request needs, from its prompt length
+    positions: Callable[[Any], int]  # positions the generation takes after the prompt
+    # TensorRT: (gen_length, slot size, serial blocks) the engines' limits must hold; None: no profile takes
+    # its forwards
+    profile_needs: Callable[[Any], tuple[int, int, int]] | None
+    check: Callable[[Any], None] = lambda params: None  # mode-specific rules on DecodeParams
+    public: bool = True  # a DecodeParams mode: offered by the API, the CLIs and the server
 
 
-def run_on(runner: Runner, steps: StepMachine, capacity: int, slot: int = 0) -> Iterator[Commit]:
-    """Drive one step machine on `runner`'s KV region `slot`, yielding its commits."""
-    runner.allocate_kv(capacity, slot)
-    sent: Outputs | None = None
-    while True:
-        try:
-            step = steps.send(sent)
-        except StopIteration:
-            return
-        sent = None
-        if isinstance(step, Forward):
-            sent = runner.run(step.graph, step.input_ids, step.position_ids, step.attention_mask, step.past,
-                              step.write_at, slot)
-        elif isinstance(step, KVMove):
-            runner.move_kv(step.src, step.dst, step.length, slot)
-        else:
-            yield step
+_SAMPLING = ("temperature", "seed")
+STRATEGIES: dict[str, Strategy] = {
+    "refusion": Strategy(refusion.refusion_steps, _SAMPLING + ("gen_length", "slot_size", "serial_num_blocks",
+                                                              "slot_threshold", "token_threshold"),
+                         refusion.kv_capacity, refusion.positions, refusion.profile_needs, refusion.check),
+    "ar": Strategy(ar.ar_steps, _SAMPLING + ("gen_length",), ar.kv_capacity, ar.positions, ar.profile_needs),
+    # the benchmark's baseline, with its own params (llada.DiffusionParams)
+    "llada": Strategy(llada.llada_steps, ("gen_length", "steps", "block_length", "order", "early_exit"),
+                      llada.kv_capacity, llada.positions, None, public=False),
+}
+MODES = tuple(name for name, s in STRATEGIES.items() if s.public)  # DecodeParams' modes
 
 
-def refusion_decode(runner: Runner, tokens: Tokens, params: DecodeParams, trace: DecodeTrace,
-                    logits: bool) -> Iterator[Commit]:
-    """ReFusion on one runner, alone (the parity tests' entry point)."""
-    return run_on(runner, refusion_steps(tokens, params, trace, logits), kv_capacity(len(tokens.prompt), params))
-
-
-def ar_decode(runner: Runner, tokens: Tokens, params: DecodeParams, trace: DecodeTrace,
-              logits: bool) -> Iterator[Commit]:
-    """Autoregressive decoding on one runner, alone."""
-    return run_on(runner, ar_steps(tokens, params, trace, logits), kv_capacity(len(tokens.prompt), params))
+def strategy(mode: str) -> Strategy:
+    if mode not in STRATEGIES:
+        raise RefusionError(f"mode={mode!r} is not one of {', '.join(map(repr, STRATEGIES))}.")
+    return STRATEGIES[mode]

@@ -2,18 +2,31 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from refusion.runtime.decode import masks
 from refusion.runtime.decode.forwards import Forwards
 from refusion.runtime.decode.kv_cache import KVCache
 from refusion.runtime.decode.steps import Commit, DecodeTrace, StepMachine, Tokens
-from refusion.runtime.params import DecodeParams
+
+if TYPE_CHECKING:
+    from refusion.runtime.params import DecodeParams
 
 
 def kv_capacity(prompt_length: int, params: DecodeParams) -> int:
     """KV tokens a request needs: the prompt and every generated token."""
     return prompt_length + params.gen_length
+
+
+def positions(params: DecodeParams) -> int:
+    return params.gen_length
+
+
+def profile_needs(params: DecodeParams) -> tuple[int, int, int]:
+    """One token a forward: to the engines' limits, gen_length blocks of one token."""
+    return params.gen_length, 1, params.gen_length
 
 
 def ar_steps(tokens: Tokens, params: DecodeParams, trace: DecodeTrace, logits: bool) -> StepMachine:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -11,7 +12,9 @@ from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.decode import masks, policy
 from refusion.runtime.decode.kv_cache import KVCache
 from refusion.runtime.decode.steps import DecodeTrace, Forward
-from refusion.runtime.params import DecodeParams
+
+if TYPE_CHECKING:
+    from refusion.runtime.params import DecodeParams
 
 
 class Forwards:

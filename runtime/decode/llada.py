@@ -12,8 +12,9 @@ logits and its confidence the softmax probability; the `num_transfer[i]` most co
 drafts are committed (ties: lowest position first). Decoding stops when every position is
 filled; the answer is the tokens up to the first EOS in position order.
 
-Here it runs on the same Runner and the same network as ReFusion, through the planner
-graph (no KV written). Our network's attention is causal in sequence order, so this is
+Here it runs through the same scheduler, Runner and network as ReFusion, on the planner
+graph (no KV written); it takes its own params (DiffusionParams), so it is a bench's method, not a
+mode the CLIs or the server offer. Our network's attention is causal in sequence order, so this is
 ReFusion's network read LLaDA-style (a mask sees the prompt and the span *before* it),
 not a bidirectional LLaDA: the decoding schedule and its cost are LLaDA's, the model is
 ours. `order="clean_first"` feeds the committed tokens first and then the masks (each
@@ -29,16 +30,14 @@ is filled, which is the most such a decoder can save without changing its answer
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass, field
-from typing import Literal
+from dataclasses import dataclass
+from typing import ClassVar, Literal
 
 import numpy as np
 
 from refusion.runtime.core.errors import RefusionError
-from refusion.runtime.decode import masks, run_on
-from refusion.runtime.decode.steps import Commit, DecodeTrace, Forward, StepMachine
-from refusion.runtime.runners.base import Runner
+from refusion.runtime.decode import masks
+from refusion.runtime.decode.steps import Commit, DecodeTrace, Forward, StepMachine, Tokens
 
 Order = Literal["position", "clean_first"]
 FORWARD_KIND = "diffusion_step"
@@ -46,6 +45,7 @@ FORWARD_KIND = "diffusion_step"
 
 @dataclass(frozen=True)
 class DiffusionParams:
+    mode: ClassVar[str] = "llada"  # its row in decode.STRATEGIES
     gen_length: int = 64
     steps: int = 64
     block_length: int = 32
@@ -85,24 +85,6 @@ class DiffusionParams:
         return f"steps={self.steps} block={self.block_length} ({per:g} tok/step{extra})"
 
 
-@dataclass
-class DiffusionResult:
-    token_ids: list[int]  # the whole span in position order (gen_length tokens)
-    tokens: int  # generated tokens through the first EOS
-    trace: DecodeTrace = field(default_factory=DecodeTrace)
-    wall_seconds: float = 0.0
-    engine_seconds: float = 0.0
-    filled: int = 0  # positions committed when decoding stopped
-
-    @property
-    def forward_count(self) -> int:
-        return sum(self.trace.forwards.values())
-
-    @property
-    def answer_ids(self) -> list[int]:
-        return self.token_ids[: self.tokens]
-
-
 def num_transfer_tokens(masked: int, steps: int) -> list[int]:
     """LLaDA's `get_num_transfer_tokens`: `masked` tokens over `steps` steps, evenly, the
     remainder one each to the first steps."""
@@ -110,15 +92,23 @@ def num_transfer_tokens(masked: int, steps: int) -> list[int]:
     return [base + (1 if i < rest else 0) for i in range(steps)]
 
 
-def diffusion_steps(prompt: list[int], mask_id: int, params: DiffusionParams, trace: DecodeTrace,
-                    eos_id: int) -> StepMachine:
+def kv_capacity(prompt_length: int, params: DiffusionParams) -> int:
+    """A KV region of one token: the runner binds an (empty) past view of it; nothing is cached."""
+    return 1
+
+
+def positions(params: DiffusionParams) -> int:
+    return params.gen_length
+
+
+def llada_steps(tokens: Tokens, params: DiffusionParams, trace: DecodeTrace, logits: bool) -> StepMachine:
     """LLaDA-style decoding of one prompt as a step machine (see the module docstring): each step
     hands out one planner Forward over prompt + span and commits the tokens it fills."""
-    p0, gen = len(prompt), params.gen_length
-    span = np.full(gen, mask_id, dtype=np.int64)
+    p0, gen, eos_id = len(tokens.prompt), params.gen_length, tokens.eos_id
+    span = np.full(gen, tokens.mask_id, dtype=np.int64)
     is_masked = np.ones(gen, dtype=bool)
-    prompt_arr = np.asarray(prompt, dtype=np.int64)
-    positions = np.arange(p0 + gen, dtype=np.int64)
+    prompt_arr = np.asarray(tokens.prompt, dtype=np.int64)
+    pos_ids = np.arange(p0 + gen, dtype=np.int64)
     mask = masks.causal_after(0, p0 + gen)  # same shape every step: prompt + whole span, past 0
     done, step = False, 0
     for block in range(params.num_blocks):
@@ -133,7 +123,7 @@ def diffusion_steps(prompt: list[int], mask_id: int, params: DiffusionParams, tr
             else:  # committed tokens first, then the masks, each group in position order
                 order = np.concatenate([np.flatnonzero(~is_masked), np.flatnonzero(is_masked)])
             ids = np.concatenate([prompt_arr, span[order]])
-            pos = np.concatenate([positions[:p0], positions[p0:][order]])
+            pos = np.concatenate([pos_ids[:p0], pos_ids[p0:][order]])
             trace.forwards[FORWARD_KIND] += 1
             out = yield Forward(FORWARD_KIND, "planner", ids[None], pos[None], mask, 0, None)
             assert out is not None  # every Forward gets its outputs back
@@ -153,47 +143,7 @@ def diffusion_steps(prompt: list[int], mask_id: int, params: DiffusionParams, tr
             done = params.early_exit and _settled_through_eos(span, is_masked, eos_id)
 
 
-def diffusion_decode(runner: Runner, prompt: list[int], mask_id: int, eos_id: int, params: DiffusionParams,
-                     trace: DecodeTrace | None = None) -> DiffusionResult:
-    """LLaDA-style decoding of one prompt on `runner`, alone."""
-    if not prompt:
-        raise RefusionError("the prompt is empty; give at least one token of prompt.")
-    trace = trace if trace is not None else DecodeTrace()
-    p0, gen = len(prompt), params.gen_length
-    if p0 + gen > runner.manifest.max_positions:
-        raise RefusionError(
-            f"prompt of {p0} tokens + gen_length {gen} exceeds the model's {runner.manifest.max_positions} positions."
-        )
-    engine0, t0 = runner.stats.busy_seconds, time.perf_counter()
-    # a KV region of one token: the runner binds an (empty) past view of it; nothing is cached
-    commits = list(run_on(runner, diffusion_steps(prompt, mask_id, params, trace, eos_id), capacity=1))
-    wall = time.perf_counter() - t0
-    span = np.full(gen, mask_id, dtype=np.int64)
-    for c in commits:
-        span[np.asarray(c.positions) - p0] = c.token_ids
-    is_masked = np.ones(gen, dtype=bool)
-    is_masked[[p - p0 for c in commits for p in c.positions]] = False
-    ids_list = [int(t) for t in span]
-    return DiffusionResult(
-        token_ids=ids_list,
-        tokens=_through_eos_len(ids_list, is_masked, eos_id),
-        trace=trace,
-        wall_seconds=wall,
-        engine_seconds=runner.stats.busy_seconds - engine0,
-        filled=int((~is_masked).sum()),
-    )
-
-
 def _settled_through_eos(span: np.ndarray, is_masked: np.ndarray, eos_id: int) -> bool:
     """An EOS is committed and every position before it is filled."""
     eos = np.flatnonzero((span == eos_id) & ~is_masked)
     return bool(eos.size) and not is_masked[: eos[0]].any()
-
-
-def _through_eos_len(ids: list[int], is_masked: np.ndarray, eos_id: int) -> int:
-    """Tokens up to and including the first EOS; without an EOS, every filled position."""
-    if eos_id in ids:
-        e = ids.index(eos_id)
-        if not is_masked[e]:
-            return e + 1
-    return int((~is_masked).sum())

@@ -3,18 +3,37 @@ exactly, in the order docs/decoding.md describes it."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from refusion.runtime.decode import policy
 from refusion.runtime.decode.forwards import Forwards
 from refusion.runtime.decode.kv_cache import KVCache
 from refusion.runtime.decode.steps import Commit, DecodeTrace, StepMachine, Tokens
-from refusion.runtime.params import DecodeParams
+
+if TYPE_CHECKING:
+    from refusion.runtime.params import DecodeParams
 
 
 def kv_capacity(prompt_length: int, params: DecodeParams) -> int:
     """KV tokens a request needs: prompt and generation, plus one block of infill scratch."""
     return prompt_length + params.padded_gen_length + params.block_length
+
+
+def positions(params: DecodeParams) -> int:
+    """Positions the generation takes after the prompt: gen_length in whole slots, as upstream pads it."""
+    return params.padded_gen_length
+
+
+def profile_needs(params: DecodeParams) -> tuple[int, int, int]:
+    """(gen_length, slot size, serial blocks) the engines' limits must hold."""
+    return params.gen_length, params.slot_size, params.serial_num_blocks
+
+
+def check(params: DecodeParams) -> None:
+    """The generation must cut into serial_num_blocks blocks of whole slots."""
+    _ = params.block_length  # raises, naming the block counts that fit
 
 
 def refusion_steps(tokens: Tokens, params: DecodeParams, trace: DecodeTrace, logits: bool) -> StepMachine:

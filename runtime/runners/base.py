@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from types import TracebackType
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -24,8 +25,11 @@ from refusion.runtime.core.contract import GraphName
 from refusion.runtime.core.dtypes import dtype
 from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.core.export_manifest import ExportManifest
-from refusion.runtime.params import DecodeParams
 from refusion.runtime.runners.stats import RunnerStats
+
+if TYPE_CHECKING:
+    from refusion.runtime.decode.llada import DiffusionParams
+    from refusion.runtime.params import DecodeParams
 
 
 class Runner(ABC):
@@ -60,7 +64,7 @@ class Runner(ABC):
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         self.deactivate()
 
-    def check_request(self, prompt_length: int, params: DecodeParams) -> None:
+    def check_request(self, prompt_length: int, params: DecodeParams | DiffusionParams) -> None:
         """Refuse, before any work, a request outside what this backend was built for.
         onnxruntime takes any shape; TensorRT checks its engines' profiles."""
 

@@ -30,6 +30,7 @@ from refusion.runtime.core.engines_manifest import ENGINE_GRAPH, EngineManifest,
 from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.core.export_manifest import ExportManifest
 from refusion.runtime.core.profiles import check_request, select_profile
+from refusion.runtime.decode import strategy
 from refusion.runtime.params import DecodeParams
 from refusion.runtime.runners.base import PackedRows, RowFeed, Runner, pack_rows
 from refusion.runtime.runners.cuda import DeviceBuffer, Stream, device_info
@@ -37,6 +38,8 @@ from refusion.runtime.runners.kv_pool import DeviceKVPool, ScratchBuffers
 
 if TYPE_CHECKING:
     import tensorrt
+
+    from refusion.runtime.decode.llada import DiffusionParams
 
 ALIGNMENT = 256  # bytes; TensorRT's requirement for tensor addresses
 MIN_TENSORRT = (10, 1)  # the V2 device memory API: IExecutionContext.set_device_memory(ptr, size)
@@ -100,12 +103,12 @@ class TensorRTRunner(Runner):
         return TensorRTRunner(ExportManifest.read(Path(path)), engines, max_requests, max_batch)
 
     # -- requests ----------------------------------------------------------------------------
-    def check_request(self, prompt_length: int, params: DecodeParams) -> None:
-        if params.mode == "ar":
-            # AR decoding feeds one token per forward: a "block" of one token, gen_length of them.
-            check_request(self.limits, prompt_length, params.gen_length, 1, params.gen_length)
-        else:
-            check_request(self.limits, prompt_length, params.gen_length, params.slot_size, params.serial_num_blocks)
+    def check_request(self, prompt_length: int, params: DecodeParams | DiffusionParams) -> None:
+        needs = strategy(params.mode).profile_needs
+        if needs is None:
+            raise RefusionError(f"the {params.mode} strategy's forwards fit none of the TensorRT engine's profiles; "
+                                "run it on onnxruntime (--backend ort-cpu or ort-cuda).")
+        check_request(self.limits, prompt_length, *needs(params))
 
     # -- lifecycle ---------------------------------------------------------------------------
     def _activate(self) -> None:

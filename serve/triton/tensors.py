@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from refusion.runtime.core.errors import RefusionError
+from refusion.runtime.decode import MODES
 from refusion.serve.frontend import ServeRequest
 
 
@@ -31,7 +32,7 @@ INPUTS = (
     ServedTensor("max_tokens", "TYPE_INT32", "tokens to generate (the runtime's gen_length)", "gen_length"),
     ServedTensor("stream", "TYPE_BOOL", "send settled text as it commits, then a final response"),
     ServedTensor("chat", "TYPE_BOOL", "wrap text_input as a user message in the model's chat template"),
-    ServedTensor("mode", "TYPE_STRING", "refusion (default) or ar", "mode"),
+    ServedTensor("mode", "TYPE_STRING", " or ".join([f"{MODES[0]} (default)", *MODES[1:]]), "mode"),
     ServedTensor("slot_size", "TYPE_INT32", "tokens per slot", "slot_size"),
     ServedTensor("serial_num_blocks", "TYPE_INT32", "blocks the generation is cut into", "serial_num_blocks"),
     ServedTensor("slot_threshold", "TYPE_FP32", "slot selection threshold in [0, 1]", "slot_threshold"),

@@ -28,7 +28,7 @@ import pytest
 
 from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.core.export_manifest import ExportManifest
-from refusion.runtime.decode import kv_capacity
+from refusion.runtime.decode import strategy
 from refusion.runtime.generator import Generator
 from refusion.runtime.params import DecodeParams
 from refusion.runtime.request import Request
@@ -161,7 +161,7 @@ def test_mixed_load_from_eight_threads(export, jobs, alone):
     with Generator.from_dir(export, backend="ort-cpu", threads=1) as gen:
         slots = gen.runner.max_requests
         # Warm-up: every slot at the largest capacity of the mix, then a short mix of its own.
-        longest = max(range(len(jobs)), key=lambda j: kv_capacity(len(jobs[j][0]), DecodeParams(**jobs[j][1])))
+        longest = max(range(len(jobs)), key=lambda j: _kv_capacity(*jobs[j]))
         warm = [gen.submit(prompt_ids=jobs[longest][0], **jobs[longest][1]) for _ in range(slots)]
         assert [r.result(timeout=120).token_ids for r in warm] == [alone[longest]] * slots
         del warm
@@ -183,6 +183,11 @@ def test_mixed_load_from_eight_threads(export, jobs, alone):
     assert {"eos", "length", "cancelled", "timeout", "submit", "result"} <= set(reasons), reasons  # the mix is mixed
     growth = rss_after - rss_before
     assert growth < RSS_TOLERANCE, f"RSS grew {growth / 2**20:.1f} MiB over {REQUESTS} requests (seed {SEED})"
+
+
+def _kv_capacity(ids: list[int], settings: dict) -> int:
+    params = DecodeParams(**settings)
+    return strategy(params.mode).kv_capacity(len(ids), params)
 
 
 def _as_expected(plan: Plan, outcome: tuple, alone: list[int], eos: int) -> bool:

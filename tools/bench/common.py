@@ -22,6 +22,7 @@ import numpy as np
 from refusion.export.progress import line
 from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.core.export_manifest import MANIFEST_NAME, ExportManifest
+from refusion.runtime.decode import STRATEGIES
 from refusion.runtime.generator import Generator
 from refusion.runtime.request import SettledText
 from refusion.tools import tasks as T
@@ -80,11 +81,13 @@ def host_info(modules: tuple[str, ...] = ("onnxruntime", "torch", "transformers"
     return info
 
 
+_LABELS = {"gen_length": "gen_length {}", "slot_size": "slot_size {}", "serial_num_blocks": "{} blocks",
+           "slot_threshold": "slot_threshold {:g}", "token_threshold": "token_threshold {:g}"}
+
+
 def settings_label(p: dict[str, Any]) -> str:
-    if p["mode"] == "ar":
-        return f"gen_length {p['gen_length']}"
-    return (f"gen_length {p['gen_length']}, slot_size {p['slot_size']}, {p['serial_num_blocks']} blocks, "
-            f"slot_threshold {p['slot_threshold']:g}, token_threshold {p['token_threshold']:g}")
+    """The decode settings (DecodeParams as a dict) its mode reads, sampling aside: "gen_length 64, ..."."""
+    return ", ".join(_LABELS[name].format(p[name]) for name in STRATEGIES[p["mode"]].settings if name in _LABELS)
 
 
 # ----------------------------------------------------------------------------- closed-loop clients

@@ -27,6 +27,7 @@ import click
 import numpy as np
 
 from refusion.runtime.core.errors import RefusionError
+from refusion.runtime.decode import MODES
 from refusion.runtime.generator import Generator
 from refusion.tools import tasks as T
 from refusion.tools.bench.common import (
@@ -266,7 +267,7 @@ def reproduce_command(cfg: ConcurrencyConfig) -> str:
              f"--warmup {cfg.warmup}"]
     parts += [f"--max-requests {cfg.max_requests}"] if cfg.max_requests else []
     parts += [f"--max-batch {cfg.max_batch}"] if cfg.max_batch else []
-    parts += [f"--mode {cfg.mode}"] if cfg.mode != "refusion" else []
+    parts += [f"--mode {cfg.mode}"] if cfg.mode != ConcurrencyConfig.mode else []  # the default left out
     parts += [f"--profile {cfg.profile}"] if cfg.profile is not None else []
     parts += [f"--out {cfg.out}"] if cfg.out is not None else []
     return " ".join(parts)
@@ -398,7 +399,7 @@ def write_outputs(report: dict[str, Any], out: Path, stem: str, plot: bool, prog
               help="KV regions: requests running at once, more wait (default: the CPU runner's 16).")
 @click.option("--max-batch", type=int, default=None,
               help="Forwards packed into one onnxruntime call (default: min(16, max-requests)).")
-@click.option("--mode", type=click.Choice(["refusion", "ar"]), default="refusion", show_default=True,
+@click.option("--mode", type=click.Choice(MODES), default="refusion", show_default=True,
               help="Decoding; ReFusion takes the export's recorded settings.")
 @click.option("--warmup", type=int, default=32, show_default=True,
               help="Warm-up requests (other held-out prompts) at the highest level, not measured.")

@@ -45,7 +45,7 @@ import numpy as np
 from refusion.export.progress import Progress, line, tick
 from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.core.export_manifest import MANIFEST_NAME, ExportManifest
-from refusion.runtime.decode.llada import DiffusionParams, diffusion_decode
+from refusion.runtime.decode.llada import DiffusionParams
 from refusion.runtime.generator import Generator
 from refusion.runtime.params import DecodeParams
 from refusion.tools import tasks as T
@@ -197,20 +197,13 @@ def build_methods(gen: Generator, settings: list[DecodeParams], diffusion: list[
     mask_id, eos_id = gen.manifest.mask_token_id, gen.manifest.eos_token_id
     runner = gen.runner
 
-    def runtime(params: DecodeParams) -> Callable[[list[int]], Sample]:
+    def runtime(params: DecodeParams | DiffusionParams) -> Callable[[list[int]], Sample]:
+        """A strategy of the runtime, through the Generator's scheduler; fed tokens from its runner's stats."""
         def run(ids: list[int]) -> Sample:
             fed = runner.stats.total.fed
             result = gen.submit_ids(ids, params).result()
             s = result.stats
             return Sample(list(result.token_ids), s.tokens, dict(s.forwards), s.wall_seconds, s.engine_seconds, s.tpf,
-                          runner.stats.total.fed - fed)
-        return run
-
-    def diffusion_run(params: DiffusionParams) -> Callable[[list[int]], Sample]:
-        def run(ids: list[int]) -> Sample:
-            fed = runner.stats.total.fed
-            r = diffusion_decode(runner, ids, mask_id, eos_id, params)
-            return Sample(r.token_ids, r.tokens, dict(r.trace.forwards), r.wall_seconds, r.engine_seconds, r.trace.tpf,
                           runner.stats.total.fed - fed)
         return run
 
@@ -237,7 +230,7 @@ def build_methods(gen: Generator, settings: list[DecodeParams], diffusion: list[
         methods.append(Method(d_id, "diffusion", d.label(), runner.name,
                               {"gen_length": d.gen_length, "steps": d.steps, "block_length": d.block_length,
                                "order": d.order, "early_exit": d.early_exit},
-                              diffusion_run(d), short="llada-" + d_id.split(":")[1]))
+                              runtime(d), short="llada-" + d_id.split(":")[1]))
     if reference is not None:
         chosen = settings if reference_settings == "all" else settings[:1]
         for p in chosen:

@@ -8,12 +8,12 @@ from collections import Counter
 import pytest
 
 from refusion.runtime.core.export_manifest import ExportManifest
-from refusion.runtime.decode import DecodeTrace, Tokens, ar_decode, refusion_decode
+from refusion.runtime.decode.steps import Tokens
 from refusion.runtime.params import DecodeParams
 from refusion.runtime.runners.onnxruntime import OrtRunner
-from tests.tiny_models import frequent_tokens
 from refusion.tools.bench.reference import ar_generate, refusion_generate
-from tests.helpers import MASK_ID, export_peaky
+from tests.helpers import MASK_ID, decode_on, export_peaky
+from tests.tiny_models import frequent_tokens
 
 BRANCHES = ("commit_from_verification", "infill_loop", "eos_in_verification", "eos_in_infill", "fallback_single_slot")
 PROMPTS = ([5, 17, 42, 99, 7], [200, 3, 3, 64, 81, 12, 150, 9, 31])
@@ -36,12 +36,10 @@ def setups(tmp_path_factory):
         runner.deactivate()
 
 
-def _collect(loop, runner, prompt, eos, params):
-    trace = DecodeTrace()
-    committed = {}
-    for commit in loop(runner, Tokens(prompt, MASK_ID, eos), params, trace, logits=False):
-        committed.update(zip(commit.positions, commit.token_ids))
-    return [committed[p] for p in sorted(committed)], trace
+def _collect(runner, prompt, eos, params):
+    """Our tokens (position order) and stats, the request driven by the scheduler alone on `runner`."""
+    result = decode_on(runner, Tokens(prompt, MASK_ID, eos), params)
+    return result.token_ids, result.stats
 
 
 def test_refusion_matches_reference_over_grid(setups):
@@ -55,15 +53,15 @@ def test_refusion_matches_reference_over_grid(setups):
         eos = (frequent[0], frequent[min(3, len(frequent) - 1)], -1)[(i + 2 * variant) % 3]
         params = DecodeParams(gen_length=gen, slot_size=k, serial_num_blocks=blocks,
                               slot_threshold=slot_thr, token_threshold=tok_thr)
-        ours, trace = _collect(refusion_decode, runner, prompt, eos, params)
+        ours, stats = _collect(runner, prompt, eos, params)
         ref = refusion_generate(model, prompt, gen_length=gen, slot_size=k, serial_num_blocks=blocks,
                                 slot_threshold=slot_thr, token_threshold=tok_thr, mask_id=MASK_ID, eos_id=eos)
         case = f"prompt={prompt} eos={eos} k={k} gen={gen} blocks={blocks} thr={slot_thr}/{tok_thr}"
         assert ours == ref.token_ids, case
-        assert trace.tpf == pytest.approx(ref.tpf), case
-        assert dict(trace.branches) == {b: c for b, c in ref.branches.items() if c}, case
-        assert dict(trace.forwards) == {f: c for f, c in ref.forwards.items() if c}, case
-        branches.update(trace.branches)
+        assert stats.tpf == pytest.approx(ref.tpf), case
+        assert stats.branches == {b: c for b, c in ref.branches.items() if c}, case
+        assert stats.forwards == {f: c for f, c in ref.forwards.items() if c}, case
+        branches.update(stats.branches)
     never = [b for b in BRANCHES if branches[b] == 0]
     assert not never, f"branches never exercised over {len(grid)} cases: {never}"
     print(f"{len(grid)} cases, branches: {dict(branches)}")
@@ -72,6 +70,6 @@ def test_refusion_matches_reference_over_grid(setups):
 def test_ar_matches_reference(setups):
     for (model, runner), prompt in itertools.product(setups, PROMPTS):
         eos = frequent_tokens(model, prompt)[2]
-        ours, trace = _collect(ar_decode, runner, prompt, eos, DecodeParams(gen_length=24, mode="ar"))
+        ours, stats = _collect(runner, prompt, eos, DecodeParams(gen_length=24, mode="ar"))
         assert ours == ar_generate(model, prompt, max_new_tokens=24, eos_id=eos)
-        assert trace.forwards["prefill"] == 1 and trace.forwards["decode"] == len(ours) - 1
+        assert stats.forwards["prefill"] == 1 and stats.forwards["decode"] == len(ours) - 1

@@ -17,12 +17,12 @@ import pytest
 
 from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.core.export_manifest import ExportManifest
-from refusion.runtime.decode import DecodeTrace, Tokens, ar_decode, refusion_decode
+from refusion.runtime.decode.steps import Tokens
 from refusion.runtime.params import DecodeParams
 from refusion.runtime.runners import cuda
 from refusion.runtime.runners.onnxruntime import OrtRunner
 from refusion.runtime.runners.tensorrt import TensorRTRunner
-from tests.helpers import MASK_ID, fake_engines
+from tests.helpers import MASK_ID, decode_on, fake_engines
 
 pytest.importorskip("onnxruntime")  # the fakes run the graphs on it
 pytest.importorskip("transformers")  # the fixtures' checkpoints
@@ -32,12 +32,9 @@ LAYOUTS = ((4, 32, 2), (8, 48, 3), (32, 64, 2))  # (slot_size, gen_length, seria
 THRESHOLDS = ((0.9, 0.4), (0.2, 0.7), (0.0, 0.0))
 
 
-def _decode(loop, runner, prompt, eos, params):
-    trace = DecodeTrace()
-    committed = {}
-    for commit in loop(runner, Tokens(prompt, MASK_ID, eos), params, trace, logits=False):
-        committed.update(zip(commit.positions, commit.token_ids))
-    return [committed[p] for p in sorted(committed)], dict(trace.branches), dict(trace.forwards)
+def _decode(runner, prompt, eos, params):
+    result = decode_on(runner, Tokens(prompt, MASK_ID, eos), params)
+    return result.token_ids, result.stats.branches, result.stats.forwards
 
 
 def test_decode_parity_with_the_ort_runner(peaky_export, fakes, tmp_path):
@@ -56,12 +53,12 @@ def test_decode_parity_with_the_ort_runner(peaky_export, fakes, tmp_path):
             params = DecodeParams(gen_length=gen, slot_size=k, serial_num_blocks=blocks, slot_threshold=st,
                                   token_threshold=tt)
             trt.check_request(len(prompt), params)
-            ours = _decode(refusion_decode, trt, prompt, eos, params)
-            assert ours == _decode(refusion_decode, ort, prompt, eos, params), (k, gen, blocks, st, tt)
+            ours = _decode(trt, prompt, eos, params)
+            assert ours == _decode(ort, prompt, eos, params), (k, gen, blocks, st, tt)
             branches |= set(ours[1])
         ar = DecodeParams(gen_length=20, mode="ar")
         trt.check_request(len(PROMPTS[1]), ar)
-        assert _decode(ar_decode, trt, PROMPTS[1], -1, ar) == _decode(ar_decode, ort, PROMPTS[1], -1, ar)
+        assert _decode(trt, PROMPTS[1], -1, ar) == _decode(ort, PROMPTS[1], -1, ar)
         assert trt._contexts[2].runs == graphs.count("planner") > 0  # the plan profile, every planner forward
         assert trt._contexts[0].runs + trt._contexts[1].runs == graphs.count("infiller")
     assert {"infill_loop", "commit_from_verification"} <= branches
@@ -85,10 +82,10 @@ def test_int4_engine_decodes_as_the_ort_runner(peaky_int4, fakes, tmp_path, monk
         for prompt, (k, gen, blocks) in zip(PROMPTS, LAYOUTS):
             params = DecodeParams(gen_length=gen, slot_size=k, serial_num_blocks=blocks)
             trt.check_request(len(prompt), params)
-            ours = _decode(refusion_decode, trt, prompt, 7, params)
-            assert ours == _decode(refusion_decode, ort, prompt, 7, params), (k, gen, blocks)
+            ours = _decode(trt, prompt, 7, params)
+            assert ours == _decode(ort, prompt, 7, params), (k, gen, blocks)
         ar = DecodeParams(gen_length=20, mode="ar")
-        assert _decode(ar_decode, trt, PROMPTS[1], -1, ar) == _decode(ar_decode, ort, PROMPTS[1], -1, ar)
+        assert _decode(trt, PROMPTS[1], -1, ar) == _decode(ort, PROMPTS[1], -1, ar)
 
 
 def test_present_lands_in_the_cache_at_write_at(peaky_export, fakes, tmp_path):

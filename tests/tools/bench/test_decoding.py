@@ -1,11 +1,10 @@
-"""`refusion-run bench` and the LLaDA-style baseline, on a tiny random (peaky) export: seconds, no trained model."""
+"""`refusion-run bench` on a tiny random (peaky) export: seconds, no trained model."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 from click.testing import CliRunner
 
@@ -13,158 +12,23 @@ pytest.importorskip("onnxruntime")
 pytest.importorskip("transformers")
 
 from refusion.runtime.core.errors import RefusionError  # noqa: E402
-from refusion.runtime.generator import Generator  # noqa: E402
-from refusion.tools.bench import common  # noqa: E402
 from refusion.tools.bench import decoding as B  # noqa: E402
 from refusion.tools.cli_common import ErrorReportingGroup  # noqa: E402
-from refusion.runtime.decode.llada import (  # noqa: E402
-    FORWARD_KIND,
-    DiffusionParams,
-    diffusion_decode,
-    num_transfer_tokens,
-)
 
-VOCAB = 384
-MASK_ID = VOCAB - 1
 GEN = 16
 SETTINGS = "4,1,0.6,0.3;4,2,0.5,0.1"
 DIFFUSION = "16,8;8,8,exit"
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> Path:
+def checkpoint(peaky_export) -> Path:
     """A peaky tiny Qwen3 with the fixture tokenizer and a mask id, saved as an HF checkpoint."""
-    from refusion.tools.checks.fixtures.tokenizer_files import write_tokenizer
-    from tests.tiny_models import make_peaky_model
-
-    ckpt = tmp_path_factory.mktemp("bench") / "ckpt"
-    make_peaky_model(0, vocab_size=VOCAB).save_pretrained(ckpt, safe_serialization=True)
-    write_tokenizer(ckpt)
-    config = json.loads((ckpt / "config.json").read_text())
-    config["mask_token_id"] = MASK_ID
-    (ckpt / "config.json").write_text(json.dumps(config))
-    return ckpt
+    return peaky_export.parent / "ckpt0"  # export_peaky's, beside its export
 
 
 @pytest.fixture(scope="module")
-def export_dir(checkpoint, tmp_path_factory) -> Path:
-    from refusion.export.exporter import export_onnx
-
-    return export_onnx(checkpoint, tmp_path_factory.mktemp("bench") / "onnx", validate=False)
-
-
-@pytest.fixture(scope="module")
-def gen(export_dir):
-    with Generator.from_dir(export_dir, backend="ort-cpu", threads=1) as g:
-        yield g
-
-
-def _spy(runner):
-    calls = []
-    inner = runner._run
-
-    def run(graph, ids, pos, mask, past, write_at, slot):
-        calls.append((graph, ids.shape[1], past, write_at, pos[0].tolist(), ids[0].tolist()))
-        return inner(graph, ids, pos, mask, past, write_at, slot)
-
-    runner._run = run
-    return calls
-
-
-# ----------------------------------------------------------------------------- the baseline
-
-
-def test_num_transfer_tokens_is_llada_schedule():
-    assert num_transfer_tokens(32, 32) == [1] * 32
-    assert num_transfer_tokens(10, 4) == [3, 3, 2, 2]
-    assert sum(num_transfer_tokens(7, 3)) == 7
-
-
-@pytest.mark.parametrize("steps, block", [(16, 8), (8, 8), (4, 16)])
-def test_diffusion_fills_every_position_and_counts_every_forward(gen, steps, block):
-    prompt = [5, 17, 42, 9]
-    calls = _spy(gen.runner)
-    try:
-        res = diffusion_decode(gen.runner, prompt, MASK_ID, gen.manifest.eos_token_id,
-                               DiffusionParams(gen_length=GEN, steps=steps, block_length=block))
-    finally:
-        del gen.runner._run
-    assert res.filled == GEN and len(res.token_ids) == GEN
-    assert res.forward_count == steps == len(calls) == res.trace.forwards[FORWARD_KIND]
-    # every step: the planner (no KV kept) over prompt + the whole span, no past, positions in order
-    assert all(c[:5] == ("planner", len(prompt) + GEN, 0, None, list(range(len(prompt) + GEN))) for c in calls)
-    assert res.trace.tpf == pytest.approx(GEN / steps)
-    assert res.tokens == len(common.through_eos(res.token_ids, gen.manifest.eos_token_id))
-    assert 0 < res.engine_seconds <= res.wall_seconds
-
-
-def test_diffusion_commits_the_most_confident_masks_in_block_order(gen):
-    """One token a step, blocks left to right, each time the most confident mask of the current block."""
-    prompt = [5, 17, 42, 9]
-    feeds, probs = [], []
-    inner = gen.runner._run
-
-    def run(graph, ids, pos, mask, past, write_at, slot):
-        out = inner(graph, ids, pos, mask, past, write_at, slot)
-        feeds.append(ids[0, len(prompt):].copy())
-        probs.append(out["argmax_probs"][0, len(prompt):].copy())
-        return out
-
-    gen.runner._run = run
-    try:
-        res = diffusion_decode(gen.runner, prompt, MASK_ID, -1, DiffusionParams(gen_length=GEN, steps=GEN, block_length=8))
-    finally:
-        del gen.runner._run
-    feeds.append(np.array(res.token_ids))
-    for t in range(GEN):
-        masked = feeds[t] == MASK_ID
-        filled = np.flatnonzero(masked & (feeds[t + 1] != MASK_ID))
-        assert masked.sum() == GEN - t and len(filled) == 1  # exactly one mask filled per step
-        block = slice(0, 8) if t < 8 else slice(8, 16)
-        candidates = np.flatnonzero(masked[block]) + block.start
-        assert filled[0] == candidates[np.argmax(probs[t][candidates])]
-    assert res.tokens == GEN  # no EOS (-1): every position counts
-
-
-def test_diffusion_early_exit_keeps_the_answer_and_saves_forwards(gen):
-    prompt = [5, 17, 42, 9]
-    full = diffusion_decode(gen.runner, prompt, MASK_ID, -1, DiffusionParams(gen_length=GEN, steps=GEN, block_length=8))
-    eos = full.token_ids[3]  # a token the model commits early on: used as EOS
-    full = diffusion_decode(gen.runner, prompt, MASK_ID, eos, DiffusionParams(gen_length=GEN, steps=GEN, block_length=8))
-    fast = diffusion_decode(gen.runner, prompt, MASK_ID, eos,
-                            DiffusionParams(gen_length=GEN, steps=GEN, block_length=8, early_exit=True))
-    assert fast.answer_ids == full.answer_ids and full.tokens <= 4
-    assert fast.forward_count < full.forward_count == GEN
-
-
-def test_diffusion_clean_first_feeds_committed_tokens_before_masks(gen):
-    prompt = [5, 17, 42, 9]
-    calls = _spy(gen.runner)
-    try:
-        res = diffusion_decode(gen.runner, prompt, MASK_ID, -1,
-                               DiffusionParams(gen_length=GEN, steps=8, block_length=16, order="clean_first"))
-    finally:
-        del gen.runner._run
-    assert res.filled == GEN and res.forward_count == 8
-    span = list(range(len(prompt), len(prompt) + GEN))
-    for t, call in enumerate(calls):  # step t: 2t committed tokens first, then the GEN - 2t masks
-        pos, ids = call[4][len(prompt):], call[5][len(prompt):]
-        c = 2 * t
-        assert sorted(pos) == span and pos[:c] == sorted(pos[:c]) and pos[c:] == sorted(pos[c:])
-        assert ids[c:] == [MASK_ID] * (GEN - c)
-    final = dict(zip(calls[-1][4][len(prompt):], calls[-1][5][len(prompt):]))
-    assert all(final[p] == res.token_ids[p - len(prompt)] for p in calls[-1][4][len(prompt):][:14])
-
-
-@pytest.mark.parametrize("params, match", [
-    (dict(gen_length=16, steps=16, block_length=5), "multiple of block_length"),
-    (dict(gen_length=16, steps=3, block_length=8), "shared equally"),
-    (dict(gen_length=16, steps=32, block_length=16), "at least one token"),
-    (dict(gen_length=16, steps=16, block_length=16, order="random"), "order="),
-])
-def test_diffusion_bad_params(params, match):
-    with pytest.raises(RefusionError, match=match):
-        DiffusionParams(**params)
+def export_dir(peaky_export) -> Path:
+    return peaky_export
 
 
 # ----------------------------------------------------------------------------- interleaving

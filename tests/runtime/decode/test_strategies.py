@@ -1,0 +1,76 @@
+"""The strategy table is the one place a mode is looked up: what each declares, who asks it, and no
+branching on a mode's name anywhere else in the product."""
+
+from __future__ import annotations
+
+import ast
+
+import pytest
+
+from refusion.runtime import DecodeParams, RefusionError
+from refusion.runtime.decode import MODES, STRATEGIES, strategy
+from refusion.runtime.decode.llada import DiffusionParams
+from tests.helpers import REPO
+
+PACKAGES = ("runtime", "export", "engines", "serve", "tools")
+
+
+def test_each_strategy_declares_its_needs():
+    refusion = DecodeParams(gen_length=30, slot_size=4, serial_num_blocks=2)  # padded to 32: blocks of 16
+    ar = DecodeParams(gen_length=30, mode="ar")
+    llada = DiffusionParams(gen_length=32, steps=32, block_length=16)
+    assert MODES == ("refusion", "ar") and set(STRATEGIES) == {"refusion", "ar", "llada"}
+    assert STRATEGIES["refusion"].kv_capacity(10, refusion) == 10 + 32 + 16  # prompt, whole slots, a block of scratch
+    assert STRATEGIES["ar"].kv_capacity(10, ar) == 40
+    assert STRATEGIES["llada"].kv_capacity(10, llada) == 1  # no KV kept
+    assert (refusion.positions, ar.positions, STRATEGIES["llada"].positions(llada)) == (32, 30, 32)
+    assert STRATEGIES["refusion"].profile_needs(refusion) == (30, 4, 2)
+    assert STRATEGIES["ar"].profile_needs(ar) == (30, 1, 30)  # one token a forward
+    assert STRATEGIES["llada"].profile_needs is None
+    assert "slot_size" in STRATEGIES["refusion"].settings and "slot_size" not in STRATEGIES["ar"].settings
+
+
+def test_decode_params_take_the_public_modes_only():
+    with pytest.raises(RefusionError, match=r"mode='llada' is not one of 'refusion', 'ar'"):
+        DecodeParams(mode="llada")
+    with pytest.raises(RefusionError, match="cannot be cut into serial_num_blocks=3"):  # refusion's own check
+        DecodeParams(gen_length=32, slot_size=4, serial_num_blocks=3)
+    DecodeParams(gen_length=32, slot_size=4, serial_num_blocks=3, mode="ar")  # AR reads no blocks
+    with pytest.raises(RefusionError, match="mode='fast' is not one of 'refusion', 'ar', 'llada'"):
+        strategy("fast")
+
+
+def test_the_clis_offer_the_tables_modes():
+    from refusion.tools.bench.concurrency import bench_concurrency
+    from refusion.tools.run_cli import cli
+
+    for command in (cli.commands["generate"], cli.commands["chat"], bench_concurrency):
+        mode = next(p for p in command.params if p.name == "mode")
+        assert tuple(mode.type.choices) == MODES
+
+
+def _mode_comparisons(tree: ast.AST) -> list[int]:
+    """Lines that compare something named `mode` with a string: a branch on a strategy's name."""
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            operands = [node.left, *node.comparators]
+            named = any((isinstance(o, ast.Name) and o.id == "mode") or (isinstance(o, ast.Attribute) and o.attr == "mode")
+                        or (isinstance(o, ast.Subscript) and isinstance(o.slice, ast.Constant) and o.slice.value == "mode")
+                        for o in operands)
+            if named and any(_names_a_mode(o) for o in operands):
+                lines.append(node.lineno)
+    return lines
+
+
+def _names_a_mode(node: ast.AST) -> bool:
+    """A string, or a tuple, list or set of them."""
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return any(_names_a_mode(e) for e in node.elts)
+    return isinstance(node, ast.Constant) and isinstance(node.value, str)
+
+
+def test_no_code_branches_on_a_modes_name():
+    found = [f"{file.relative_to(REPO)}:{line}" for package in PACKAGES for file in sorted((REPO / package).rglob("*.py"))
+             for line in _mode_comparisons(ast.parse(file.read_text()))]
+    assert not found, "branches on a mode's name outside decode.STRATEGIES: " + ", ".join(found)
