@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
+from typing import Any
 
 from refusion.runtime.core.export_manifest import ExportManifest
 from refusion.runtime.decode.steps import Tokens
@@ -107,3 +109,12 @@ def fake_engines(export: Path, output: Path, limits=None, **target) -> Path:
 def assert_nothing_published(out: Path) -> None:
     assert not (out / "refusion.json").exists(), f"{out} looks like a complete export"
     assert not list(out.parent.glob(f".{out.name}.partial-*")), "staging directory left behind"
+
+
+def pyproject() -> dict[str, Any]:
+    """The project's pyproject.toml, parsed (tomllib is Python 3.11's; the dev extra brings tomli to 3.10)."""
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:
+        import tomli as tomllib
+    return tomllib.loads((REPO / "pyproject.toml").read_text())
