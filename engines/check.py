@@ -26,6 +26,7 @@ from refusion.export.compare import (
     CaseRunner,
     ComparisonReport,
     Feed,
+    OrtSessions,
     Outputs,
     Tolerance,
     cases,
@@ -39,7 +40,6 @@ from refusion.runtime.core.export_manifest import ExportManifest
 from refusion.runtime.core.files import sha256_file
 from refusion.runtime.core.profiles import DecodeLimits, select_profile
 from refusion.runtime.runners.base import RowFeed
-from refusion.export.compare import OrtSessions
 from refusion.runtime.runners.ort_session import import_onnxruntime
 from refusion.runtime.runners.tensorrt import TensorRTRunner
 

@@ -46,7 +46,7 @@ def graph_problems(manifest: ExportManifest, graph: GraphName) -> list[str]:
     try:
         model = onnx.load(str(file), load_external_data=False)
         found = graph_io(manifest, graph)
-    except Exception as e:  # onnx raises DecodeError and others for a damaged protobuf
+    except Exception as e:  # noqa: BLE001 - onnx raises DecodeError and others for a damaged protobuf
         return [f"{file} is not a readable ONNX graph ({type(e).__name__})"]
     spec = manifest.graphs[graph]
     declared = [("in", t.name, t.dtype, list(t.axes)) for t in spec.inputs]

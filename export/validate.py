@@ -11,20 +11,20 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from refusion.export.progress import Progress, line, silent, tick
 from refusion.export.compare import (
     CaseRunner,
     ComparisonReport,
     Feed,
+    OrtSessions,
     Outputs,
     Tolerance,
     cases,
     compare_runners,
 )
+from refusion.export.progress import Progress, line, silent, tick
+from refusion.export.weights_file import map_weights
 from refusion.runtime.core.contract import GraphName, past_key_name, past_value_name
 from refusion.runtime.core.export_manifest import ExportManifest
-from refusion.export.compare import OrtSessions
-from refusion.export.weights_file import map_weights
 
 TOLERANCE = {"float32": Tolerance(1e-4), "float16": Tolerance(2e-2)}
 # int4 exports: torch runs the dequantized weights, onnxruntime's MatMulNBits (accuracy level 1) computes in

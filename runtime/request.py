@@ -194,8 +194,7 @@ class Request:
         if reason is None:
             token_ids = [committed[p] for p in sorted(committed)]
         else:  # stopped early: only what settled, the contiguous run from the prompt's end
-            token_ids = list(itertools.takewhile(lambda t: t is not None,
-                                                 (committed.get(p) for p in itertools.count(start))))
+            token_ids = [committed[p] for p in itertools.takewhile(committed.__contains__, itertools.count(start))]
         answer = token_ids[: token_ids.index(self.eos_id)] if self.eos_id in token_ids else token_ids
         upto_eos = token_ids[: len(answer) + 1] if self.eos_id in token_ids else token_ids
         if reason is None:

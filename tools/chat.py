@@ -150,7 +150,7 @@ class ChatSession:
 def _typed(prompt: str) -> Iterator[str]:
     """What the user types, line by line, until Ctrl-D; Ctrl-C at the prompt starts a fresh line."""
     with contextlib.suppress(ImportError):
-        import readline  # noqa: F401  (line editing and history for input())
+        import readline  # noqa: F401 - line editing and history for input()
     while True:
         try:
             yield input(prompt)

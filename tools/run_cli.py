@@ -24,7 +24,9 @@ from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.core.export_manifest import ExportManifest
 from refusion.runtime.generator import GenerationResult, Generator
 from refusion.runtime.params import DecodeParams
+from refusion.tools.bench.concurrency import bench_concurrency
 from refusion.tools.bench.decoding import bench
+from refusion.tools.bench.serving import bench_serve
 from refusion.tools.chat import chat
 from refusion.tools.cli_common import (
     ErrorReportingGroup,
@@ -34,8 +36,6 @@ from refusion.tools.cli_common import (
     progress,
     version_option,
 )
-from refusion.tools.bench.concurrency import bench_concurrency
-from refusion.tools.bench.serving import bench_serve
 from refusion.tools.serve_command import client, serve
 
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Generator
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 
@@ -11,10 +11,14 @@ from refusion.runtime.core.contract import GraphName
 from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.decode import masks, policy
 from refusion.runtime.decode.kv_cache import KVCache
-from refusion.runtime.decode.steps import DecodeTrace, Forward
+from refusion.runtime.decode.steps import DecodeTrace, Forward, KVMove, Outputs
 
 if TYPE_CHECKING:
     from refusion.runtime.params import DecodeParams
+
+T = TypeVar("T")
+Calls = Generator[Forward | KVMove, Outputs | None, T]  # hands out forwards (and KV moves), returns what they tell
+Drafts = tuple[np.ndarray, np.ndarray]  # token ids and the probability of each
 
 
 class Forwards:
@@ -32,19 +36,20 @@ class Forwards:
             )
 
     def run(self, kind: str, graph: GraphName, ids: np.ndarray, pos: np.ndarray, mask: np.ndarray, past: int,
-            write_at: int | None = None) -> Iterator[Forward]:
+            write_at: int | None = None) -> Calls[Outputs]:
         self.trace.forwards[kind] += 1
         out = yield Forward(kind, graph, ids[None].astype(np.int64), pos[None].astype(np.int64), mask, past, write_at)
+        assert out is not None  # the driver sends every Forward's outputs back
         return out
 
-    def draft(self, out: dict[str, np.ndarray], sample: bool) -> tuple[np.ndarray, np.ndarray]:
+    def draft(self, out: Outputs, sample: bool) -> Drafts:
         """(token ids, softmax probability of each) from a forward's heads."""
         if sample and self.rng is not None:
             ids = policy.gumbel_argmax(out["logits"][0], self.params.temperature, self.rng)
             return ids, policy.softmax_prob_of(out["logits"][0], ids)
         return out["argmax_ids"][0], out["argmax_probs"][0]
 
-    def prefill_plan(self, prompt: np.ndarray, masks_ids: np.ndarray, mask_pos: np.ndarray):
+    def prefill_plan(self, prompt: np.ndarray, masks_ids: np.ndarray, mask_pos: np.ndarray) -> Calls[Drafts]:
         """The first plan: prompt and masks in one infiller pass; the prompt's KV is kept."""
         ids = np.concatenate([prompt, masks_ids])
         pos = np.concatenate([np.arange(len(prompt)), mask_pos])
@@ -52,18 +57,18 @@ class Forwards:
         self.cache.commit(len(prompt))
         return self.draft({k: v[:, len(prompt):] for k, v in out.items()}, sample=True)
 
-    def plan(self, masks_ids: np.ndarray, mask_pos: np.ndarray):
+    def plan(self, masks_ids: np.ndarray, mask_pos: np.ndarray) -> Calls[Drafts]:
         c = self.cache.length
         out = yield from self.run("plan", "planner", masks_ids, mask_pos, masks.causal_after(c, len(masks_ids)), c)
         return self.draft(out, sample=True)
 
-    def verify(self, ids: np.ndarray, pos: np.ndarray):
+    def verify(self, ids: np.ndarray, pos: np.ndarray) -> Calls[np.ndarray]:
         """Drafted slots after the prefix, causally; their KV lands right after the prefix."""
         c = self.cache.length
         out = yield from self.run("verify", "infiller", ids, pos, masks.causal_after(c, len(ids)), c, c)
         return out["input_probs"][0]
 
-    def infill_pass(self, kind: str, rows: np.ndarray, pos: np.ndarray, a: int, scratch_rows: int):
+    def infill_pass(self, kind: str, rows: np.ndarray, pos: np.ndarray, a: int, scratch_rows: int) -> Calls[np.ndarray]:
         """One pass over every row's window [a, k): draft (planner) or verify (infiller)."""
         k = self.params.slot_size
         n, window = rows.shape[0], k - a

@@ -4,13 +4,13 @@ The strategies (runtime/decode/) are step machines: generators that yield a `For
 receive its outputs back through `send`, yield a `KVMove` for the runner to do, or yield a
 `Commit` when tokens become final. All coordinates are request-local (KV token 0 is the
 request's first prompt token), so whoever drives them decides where the request's KV lives
-and may gather forwards from many requests into one call (runtime/engine.py).
+and may gather forwards from many requests into one call (runtime/scheduler.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Generator
 from collections import Counter
+from collections.abc import Generator
 from dataclasses import dataclass, field
 
 import numpy as np

@@ -1,4 +1,5 @@
-"""The TensorRT-facing modules type-check against tensorrt-stubs (fixed by tools/checks/trt_stubs.py).
+"""The modules pyproject's [tool.mypy] lists type-check, the TensorRT-facing ones against tensorrt-stubs
+(fixed by tools/checks/trt_stubs.py), with that configuration as it stands (mypy reads it from pyproject).
 
 Needs the stubs (`pip install --no-deps --target build/tensorrt-stubs tensorrt-stubs==10.13.0.35.1`)
 and mypy; skipped without them.
@@ -13,39 +14,23 @@ from pathlib import Path
 import pytest
 
 from refusion.tools.checks import trt_stubs
-
-REPO = Path(__file__).resolve().parents[2]
-MODULES = ["refusion.engines.build", "refusion.runtime.core.engines_manifest", "refusion.runtime.core.profiles",
-           "refusion.engines.check", "refusion.engines.onnx_support", "refusion.runtime.runners.tensorrt",
-           "refusion.runtime.runners.cuda", "refusion.runtime.runners.kv_pool"]
-# The same settings as [tool.mypy] in pyproject.toml, with this test's own paths.
-CONFIG = """[mypy]
-python_version = 3.10
-mypy_path = {stubs}:{src}
-follow_imports = silent
-check_untyped_defs = True
-warn_unused_ignores = True
-[mypy-tensorrt,tensorrt.*,tensorrt_bindings,tensorrt_bindings.*]
-ignore_errors = True
-[mypy-tensorrt_libs,tensorrt_libs.*,polygraphy.*,cuda.*,onnxruntime.*]
-ignore_missing_imports = True
-"""
+from tests.helpers import REPO, pyproject
 
 
-def test_tensorrt_facing_modules_type_check(tmp_path):
+def test_the_configured_modules_type_check(tmp_path):
     if trt_stubs.find_stubs() is None:
         pytest.skip(f"tensorrt-stubs not installed: pip install --no-deps --target {trt_stubs.STUBS_TARGET} "
                     "tensorrt-stubs==10.13.0.35.1")
     pytest.importorskip("mypy")
-    stubs = trt_stubs.write_stubs(tmp_path / "stubs")
-    src = trt_stubs.write_package_view(REPO, tmp_path / "src")
-    config = tmp_path / "mypy.ini"
-    config.write_text(CONFIG.format(stubs=stubs, src=src))
-    args = [sys.executable, "-m", "mypy", "--config-file", str(config), "--cache-dir", str(REPO / "build" / "mypy-cache")]
-    for module in MODULES:
-        args += ["-m", module]
-    result = subprocess.run(args, capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    # mypy_path is relative to where mypy runs: lay the stubs and the package view out there, in tmp_path
+    stubs, src = (Path(p) for p in pyproject()["tool"]["mypy"]["mypy_path"].split(":"))
+    trt_stubs.write_stubs(tmp_path / stubs)
+    trt_stubs.write_package_view(REPO, tmp_path / src)
+    args = [sys.executable, "-m", "mypy", "--config-file", str(REPO / "pyproject.toml"),
+            "--cache-dir", str(REPO / "build" / "mypy-cache")]
+    result = subprocess.run(args, capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
+    assert f"in {len(pyproject()['tool']['mypy']['modules'])} source files" in result.stdout
 
 
 def test_stub_fixes():

@@ -102,6 +102,7 @@ def test_onnx_errors(store, tmp_path):
     assert result.exit_code == 2 and "'int8' is not one of" in result.stderr
 
 
+@pytest.mark.slow  # the installed console script, in a subprocess
 def test_installed_script(exported, tmp_path):
     script = Path(sys.executable).parent / "refusion-export"
     if not script.is_file():

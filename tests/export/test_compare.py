@@ -8,10 +8,10 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from refusion.runtime.decode import masks
 from refusion.export.compare import CaseRunner, ComparisonReport, Tolerance, cases, compare_runners, feed_shape
 from refusion.runtime.core.contract import GRAPH_NAMES
 from refusion.runtime.core.errors import RefusionError
+from refusion.runtime.decode import masks
 
 TOL = Tolerance(1e-4)
 MANIFEST = SimpleNamespace(path="tiny", dtype="float16", vocab_size=50, mask_token_id=49, num_layers=2, kv_heads=2,

@@ -10,8 +10,8 @@ import pytest
 
 from refusion.export.checkpoint import Checkpoint
 from refusion.runtime.core.export_manifest import ExportManifest
-from tests.helpers import SPECS
 from refusion.tools.checks.fixtures.checkpoints import TinySpec, make_checkpoint
+from tests.helpers import SPECS
 
 
 def _graph_outputs(path, name: str) -> list[str]:

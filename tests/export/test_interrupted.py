@@ -29,6 +29,7 @@ from refusion.export.publish import clean_leftovers, cleanup_on_signals
 from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.core.export_manifest import MANIFEST_NAME, PENDING_NAME, ExportManifest
 
+pytestmark = pytest.mark.slow  # exports killed by signals, in child processes
 ROOT = Path(__file__).resolve().parents[2]
 INTERRUPTED = ", left by an interrupted run"
 
@@ -42,7 +43,7 @@ import json, os, pathlib, signal, sys, time, traceback
 for sig in (signal.SIGTERM, signal.SIGHUP):  # a nohup'd pytest must not hand down an ignored SIGHUP
     signal.signal(sig, signal.SIG_DFL)
 
-import torch  # noqa: F401  (the children use it; import once here)
+import torch  # noqa: F401 - the children use it; imported once here
 import refusion.export.exporter as exporter
 import refusion.export.publish as publish
 import refusion.export.validate as validate

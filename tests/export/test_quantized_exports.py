@@ -15,15 +15,15 @@ import pytest
 from click.testing import CliRunner
 
 from refusion.export.calibration import TASK_EXAMPLES
+from refusion.export.compare import cases
 from refusion.export.exporter import export_onnx
 from refusion.export.quantize import QuantizeOptions, unpack_int4
 from refusion.export.validate import validate_export
-from refusion.export.compare import cases
+from refusion.export.weights_file import map_weights
 from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.core.export_manifest import ExportManifest
 from refusion.runtime.core.quantization import scale_name
 from refusion.runtime.generator import Generator
-from refusion.export.weights_file import map_weights
 from refusion.tools.export_cli import cli
 from tests.helpers import assert_nothing_published
 

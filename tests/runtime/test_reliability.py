@@ -36,7 +36,8 @@ from tests.helpers import chat_jobs, decode_alone
 
 pytest.importorskip("onnxruntime")
 pytest.importorskip("torch")
-pytestmark = pytest.mark.skipif(not Path("/proc/self/statm").is_file(), reason="reads RSS from /proc (Linux)")
+pytestmark = [pytest.mark.slow,  # eight threads of mixed load, RSS measured
+              pytest.mark.skipif(not Path("/proc/self/statm").is_file(), reason="reads RSS from /proc (Linux)")]
 
 REPO = Path(__file__).resolve().parents[2]
 REQUESTS = int(os.environ.get("REFUSION_RELIABILITY_REQUESTS", "300"))

@@ -37,7 +37,7 @@ def test_the_examples_run(tmp_path):
         for written, real in paths.items():
             block = block.replace(f'"{written}"', repr(str(real)))
         with contextlib.redirect_stdout(out):
-            exec(compile(block, f"docs/api.md example {i + 1}", "exec"), namespace)  # noqa: S102
+            exec(compile(block, f"docs/api.md example {i + 1}", "exec"), namespace)  # noqa: S102 - the docs' examples
     printed = out.getvalue()
     assert "ort-cpu float32" in printed
     assert "{'weights': 1.0, 'validation': 1.0}" in printed

@@ -33,7 +33,6 @@ from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.generator import Generator
 from refusion.serve.triton.client import request_body, stream_events
 from refusion.tools import tasks as T
-from refusion.tools.cli_common import progress as echo_progress
 from refusion.tools.bench.common import (
     LevelRun,
     Progress,
@@ -54,6 +53,7 @@ from refusion.tools.bench.common import (
     through_eos,
     write_report,
 )
+from refusion.tools.cli_common import progress as echo_progress
 
 DEFAULT_LEVELS = "1,2,4,8,16,32"
 DEFAULT_REQUESTS = 256

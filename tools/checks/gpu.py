@@ -113,12 +113,11 @@ def long_positions(export16: Path, export32: Path, engines: Path) -> bool:
     a prefill of the longest prompt plus a block, and a block over the longest past, the last
     token at position max_prompt + gen_length + block - 1 (random tokens and past KV)."""
     from refusion.engines.check import TensorRTCases
-    from refusion.export.compare import Case, Tolerance, compare_runners
+    from refusion.export.compare import Case, OrtSessions, Tolerance, compare_runners
     from refusion.runtime.core.contract import GRAPH_NAMES, past_key_name, past_value_name
     from refusion.runtime.core.export_manifest import ExportManifest
     from refusion.runtime.core.profiles import DecodeLimits
     from refusion.runtime.decode.masks import causal_after
-    from refusion.export.compare import OrtSessions
     from refusion.runtime.runners.tensorrt import TensorRTRunner
 
     limits = DecodeLimits(**LIMITS)

@@ -29,7 +29,7 @@ STUBS_DIST = "tensorrt-stubs"
 STUBS_VERSION = "10.13.0.35.1"
 REPO = Path(__file__).resolve().parents[2]
 STUBS_TARGET = REPO / "build" / "tensorrt-stubs"
-PACKAGES = {"engines": "engines", "export": "export", "runtime": "runtime", "tools": "tools"}
+PACKAGES = {"engines": "engines", "export": "export", "runtime": "runtime", "serve": "serve", "tools": "tools"}
 _DEF = re.compile(r"^(?P<head>\s*def \w+\()(?P<params>.*)(?P<tail>\)\s*(->.*)?:.*)$")
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from refusion.runtime.decode import masks, policy
 from refusion.runtime.core.errors import RefusionError
+from refusion.runtime.decode import masks, policy
 from refusion.runtime.params import DecodeParams
 
 

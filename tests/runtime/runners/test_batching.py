@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from refusion.runtime.decode import masks
 from refusion.runtime.core.engines_manifest import FORMAT_VERSION, EngineManifest
 from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.core.export_manifest import ExportManifest
 from refusion.runtime.core.profiles import DecodeLimits, engine_profiles, select_profile
+from refusion.runtime.decode import masks
 from refusion.runtime.generator import Generator
 from refusion.runtime.runners.base import RowFeed, Runner
 from refusion.runtime.runners.tensorrt import TensorRTRunner

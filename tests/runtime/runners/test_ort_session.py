@@ -51,8 +51,7 @@ def test_runner_refuses_a_graph_that_differs_from_the_contract(manifest, change,
 
 
 def test_matching_contract_loads_and_the_comparator_path_checks_too(manifest):
-    from refusion.export.compare import cases
-    from refusion.export.compare import OrtSessions
+    from refusion.export.compare import OrtSessions, cases
     from refusion.runtime.runners.onnxruntime import OrtRunner
 
     with OrtRunner(manifest):

@@ -11,12 +11,12 @@ from click.testing import CliRunner
 pytest.importorskip("onnxruntime")
 pytest.importorskip("torch")
 
-from refusion.runtime.core.errors import RefusionError  # noqa: E402
-from refusion.runtime.generator import Generator  # noqa: E402
-from refusion.tools.bench import common  # noqa: E402
-from refusion.tools.bench import concurrency as C  # noqa: E402
-from refusion.tools.run_cli import cli  # noqa: E402
-from refusion.tools.tasks import held_out  # noqa: E402
+from refusion.runtime.core.errors import RefusionError
+from refusion.runtime.generator import Generator
+from refusion.tools.bench import common
+from refusion.tools.bench import concurrency as C
+from refusion.tools.run_cli import cli
+from refusion.tools.tasks import held_out
 
 REPO = Path(__file__).resolve().parents[3]
 

@@ -11,9 +11,9 @@ from click.testing import CliRunner
 pytest.importorskip("onnxruntime")
 pytest.importorskip("transformers")
 
-from refusion.runtime.core.errors import RefusionError  # noqa: E402
-from refusion.tools.bench import decoding as B  # noqa: E402
-from refusion.tools.cli_common import ErrorReportingGroup  # noqa: E402
+from refusion.runtime.core.errors import RefusionError
+from refusion.tools.bench import decoding as B
+from refusion.tools.cli_common import ErrorReportingGroup
 
 GEN = 16
 SETTINGS = "4,1,0.6,0.3;4,2,0.5,0.1"
@@ -120,7 +120,7 @@ def _check_outputs(out: Path, n: int, reference: bool) -> dict:
 
 def _has_matplotlib() -> bool:
     try:
-        import matplotlib  # noqa: F401
+        import matplotlib  # noqa: F401 - only whether it imports
     except ImportError:
         return False
     return True

@@ -29,7 +29,6 @@ import torch
 import transformers
 from transformers import DynamicCache
 
-from tests.tiny_models import TINY_MASK_ID, frequent_tokens, make_peaky_model
 from refusion.tools.bench.reference import (
     BRANCHES,
     FORWARD_KINDS,
@@ -37,6 +36,7 @@ from refusion.tools.bench.reference import (
     ar_generate,
     refusion_generate,
 )
+from tests.tiny_models import TINY_MASK_ID, frequent_tokens, make_peaky_model
 
 PROMPT = list(range(10, 26))
 P = len(PROMPT)
@@ -215,7 +215,10 @@ def test_invariants_with_eos(models):
                 continue
             seen_eos += 1
             last_block = (max(res.positions) - P) // block_length
-            by_block = lambda blk: [t for p, t in zip(res.positions, res.token_ids) if (p - P) // block_length == blk]
+
+            def by_block(blk: int) -> list[int]:
+                return [t for p, t in zip(res.positions, res.token_ids) if (p - P) // block_length == blk]
+
             for blk in range(last_block):
                 assert len(by_block(blk)) == block_length and eos not in by_block(blk)
             assert eos in by_block(last_block)
@@ -585,7 +588,7 @@ def _upstream_generate_refusion():
     # pandas, tqdm) are not needed for them.
     body = src[src.index("def add_gumbel_noise") : src.index("def main():")]
     namespace = {"torch": torch, "F": torch.nn.functional, "np": __import__("numpy"), "math": math}
-    exec(body, namespace)
+    exec(body, namespace)  # noqa: S102 - upstream's own functions, from the mirror's generate.py
     return namespace["generate_refusion"]
 
 

@@ -9,12 +9,13 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+pytestmark = pytest.mark.slow  # a real tritonserver, and the bench on both sides
 pytest.importorskip("pytriton", reason="serving needs the serve extra: pip install -e '.[serve]'")
 pytest.importorskip("onnxruntime")
 pytest.importorskip("torch")  # the embedded model is a checkpoint: the bench exports it first
 
-from refusion.runtime.core.errors import RefusionError  # noqa: E402
-from refusion.tools.bench import serving as S  # noqa: E402
+from refusion.runtime.core.errors import RefusionError
+from refusion.tools.bench import serving as S
 
 REPO = Path(__file__).resolve().parents[3]
 REQUESTS = 6

@@ -14,8 +14,8 @@ from onnx import numpy_helper
 
 from refusion.runtime.core.profiles import DecodeLimits
 from refusion.tools.checks import gpu as gpu_check
-from tests.helpers import fake_engines
 from tests.fakes import CpuBoundCudaRunner
+from tests.helpers import fake_engines
 
 REPO = Path(__file__).resolve().parents[3]
 

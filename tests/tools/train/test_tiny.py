@@ -13,9 +13,9 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-import torch  # noqa: E402
+import torch
 
-from refusion.tools.train import tiny as TT  # noqa: E402
+from refusion.tools.train import tiny as TT
 
 # A one-layer model and a few steps: seconds, yet every part of the loop (micro-batches,
 # clipping, AdamW, the schedule, state saves) runs.

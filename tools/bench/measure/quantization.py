@@ -22,7 +22,6 @@ from refusion.runtime.runners import ort_session
 from refusion.tools import tasks as T
 
 
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--work", type=Path, required=True)
