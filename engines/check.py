@@ -36,7 +36,7 @@ from refusion.export.compare import (
 from refusion.runtime.core.contract import GraphName, past_key_name, past_value_name
 from refusion.runtime.core.engines_manifest import EngineManifest
 from refusion.runtime.core.errors import RefusionError
-from refusion.runtime.core.export_manifest import ExportManifest
+from refusion.runtime.core.export_manifest import MANIFEST_NAME, ExportManifest
 from refusion.runtime.core.files import sha256_file
 from refusion.runtime.core.profiles import DecodeLimits, select_profile
 from refusion.runtime.runners.base import RowFeed
@@ -65,7 +65,7 @@ def check_engines(path: str | Path, report: Report = print) -> bool:
 def source_export(engines: EngineManifest) -> ExportManifest:
     """The export the engines were built from, checked unchanged since (by sha256)."""
     export_dir = Path(engines.source["export"])
-    if not (export_dir / "refusion.json").is_file():
+    if not (export_dir / MANIFEST_NAME).is_file():
         raise RefusionError(f"the check needs the export the engines were built from, {export_dir}, and it is gone; "
                             f"rebuild from an export you keep: {engines.rebuild_command}")
     for name, digest in engines.source["sha256"].items():

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import click
 
+from refusion.runtime.core.engines_manifest import ENGINES_MANIFEST
 from refusion.runtime.core.errors import RefusionError
 from refusion.tools.build_command import build_command, check_engines
 from refusion.tools.cli_common import ErrorReportingGroup, progress, quiet_option, version_option
@@ -93,7 +94,7 @@ def onnx_command(checkpoint: str, revision: str | None, output: Path, dtype: str
 def check_command(export_dir: Path) -> None:
     """Check an export (every file's size and sha256, the graphs against refusion.json, then
     onnxruntime CPU against torch) or engines (TensorRT against onnxruntime); exit 0 only when all pass."""
-    if (export_dir / "engines.json").is_file():
+    if (export_dir / ENGINES_MANIFEST).is_file():
         if not check_engines(export_dir):
             raise RefusionError(f"{export_dir}: the TensorRT engines disagree with onnxruntime (report above).")
         return

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+import click
 import numpy as np
 
 from refusion.export.progress import line
@@ -91,6 +92,32 @@ def settings_label(p: dict[str, Any]) -> str:
 
 
 # ----------------------------------------------------------------------------- closed-loop clients
+
+
+def check_sizes(cfg: Any, requests_per_client: int) -> None:
+    """A closed-loop bench's sizes (its config's threads, requests, repeats, warmup and levels), before any work;
+    `requests_per_client`: what the message suggests for a steady state."""
+    for name in ("threads", "requests", "repeats"):
+        if getattr(cfg, name) < 1:
+            raise RefusionError(f"--{name} {getattr(cfg, name)} must be at least 1.")
+    if cfg.warmup < 0:
+        raise RefusionError(f"--warmup {cfg.warmup} must be 0 or more.")
+    if cfg.requests < max(cfg.levels):
+        raise RefusionError(f"--requests {cfg.requests} is fewer than concurrency {max(cfg.levels)}: every client "
+                            f"needs requests; give --requests {requests_per_client * max(cfg.levels)} or more for a "
+                            "steady state.")
+
+
+def level_options(default_levels: str, default_repeats: int) -> Callable[[Any], Any]:
+    """--concurrency and --repeats, as every closed-loop bench takes them."""
+    def decorate(f: Any) -> Any:
+        f = click.option("--repeats", type=int, default=default_repeats, show_default=True,
+                         help="Passes over the levels, interleaved; tokens/s is the median pass's, latencies pool "
+                              "them all.")(f)
+        return click.option("--concurrency", "levels", default=default_levels, show_default=True,
+                            help="Concurrency levels (client threads), comma-separated; 1 is the baseline and must "
+                                 "be among them.")(f)
+    return decorate
 
 
 def parse_levels(text: str) -> tuple[int, ...]:

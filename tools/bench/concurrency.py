@@ -34,10 +34,12 @@ from refusion.tools.bench.common import (
     LevelRun,
     Progress,
     answer_ids,
+    check_sizes,
     closed_loop,
     finish_plot,
     format_percentiles,
     host_info,
+    level_options,
     median_run,
     parse_levels,
     profile_report,
@@ -104,14 +106,7 @@ def run_level(gen: Generator, prompts: list[list[int]], settings: dict[str, Any]
 
 def run_concurrency_bench(cfg: ConcurrencyConfig, progress: Progress = echo_progress) -> dict[str, Any]:
     """Run every level (and the profile); write the outputs into cfg.out (if set); return the report."""
-    for name in ("threads", "requests", "repeats"):
-        if getattr(cfg, name) < 1:
-            raise RefusionError(f"--{name} {getattr(cfg, name)} must be at least 1.")
-    if cfg.warmup < 0:
-        raise RefusionError(f"--warmup {cfg.warmup} must be 0 or more.")
-    if cfg.requests < max(cfg.levels):
-        raise RefusionError(f"--requests {cfg.requests} is fewer than concurrency {max(cfg.levels)}: every client "
-                            f"needs requests; give --requests {8 * max(cfg.levels)} or more for a steady state.")
+    check_sizes(cfg, requests_per_client=8)
     if cfg.profile is not None and cfg.profile not in cfg.levels:
         raise RefusionError(f"--profile {cfg.profile} is not one of the levels {','.join(map(str, cfg.levels))}.")
     try:
@@ -388,12 +383,9 @@ def write_outputs(report: dict[str, Any], out: Path, stem: str, plot: bool, prog
 
 @click.command("bench-concurrency")
 @click.argument("model_dir", type=click.Path(path_type=Path))
-@click.option("--concurrency", "levels", default=DEFAULT_LEVELS, show_default=True,
-              help="Concurrency levels (client threads), comma-separated; 1 is the baseline and must be among them.")
+@level_options(DEFAULT_LEVELS, DEFAULT_REPEATS)
 @click.option("--requests", type=int, default=DEFAULT_REQUESTS, show_default=True,
               help="Requests per level: the first N held-out prompts, the same at every level.")
-@click.option("--repeats", type=int, default=DEFAULT_REPEATS, show_default=True,
-              help="Passes over the levels, interleaved; tokens/s is the median pass's, latencies pool them all.")
 @click.option("--threads", type=int, default=1, show_default=True, help="onnxruntime intra-op threads.")
 @click.option("--max-requests", type=int, default=None,
               help="KV regions: requests running at once, more wait (default: the CPU runner's 16).")

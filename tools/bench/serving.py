@@ -38,11 +38,13 @@ from refusion.tools.bench.common import (
     Progress,
     Timing,
     answer_ids,
+    check_sizes,
     closed_loop,
     finish_plot,
     format_percentiles,
     host_info,
     inter_token_latency,
+    level_options,
     parse_levels,
     percentiles,
     prompts_digest,
@@ -81,17 +83,6 @@ class ServeBenchConfig:
     @property
     def stem(self) -> str:
         return f"serve-threads{self.threads}" + (f"-batch{self.max_batch}" if self.max_batch else "")
-
-
-def check_config(cfg: ServeBenchConfig) -> None:
-    for name in ("threads", "requests", "repeats"):
-        if getattr(cfg, name) < 1:
-            raise RefusionError(f"--{name} {getattr(cfg, name)} must be at least 1.")
-    if cfg.warmup < 0:
-        raise RefusionError(f"--warmup {cfg.warmup} must be 0 or more.")
-    if cfg.requests < max(cfg.levels):
-        raise RefusionError(f"--requests {cfg.requests} is fewer than concurrency {max(cfg.levels)}: every client "
-                            f"needs requests; give --requests {4 * max(cfg.levels)} or more for a steady state.")
 
 
 # ----------------------------------------------------------------------------- one request over HTTP
@@ -221,7 +212,7 @@ class Bench:
 
 def run_serve_bench(cfg: ServeBenchConfig, progress: Progress = echo_progress) -> dict[str, Any]:
     """Start the server, run every level on both sides, write the outputs into cfg.out (if set); the report."""
-    check_config(cfg)
+    check_sizes(cfg, requests_per_client=4)
     try:
         examples = T.held_out(cfg.requests + cfg.warmup)
     except ValueError as e:
@@ -580,12 +571,9 @@ def write_outputs(report: dict[str, Any], out: Path, stem: str, plot: bool, prog
 
 @click.command("bench-serve")
 @click.argument("model_dir", type=click.Path(path_type=Path))
-@click.option("--concurrency", "levels", default=DEFAULT_LEVELS, show_default=True,
-              help="Concurrency levels (client threads), comma-separated; 1 is the baseline and must be among them.")
+@level_options(DEFAULT_LEVELS, DEFAULT_REPEATS)
 @click.option("--requests", type=int, default=DEFAULT_REQUESTS, show_default=True,
               help="Requests per level and side: the first N held-out prompts, the same at every level.")
-@click.option("--repeats", type=int, default=DEFAULT_REPEATS, show_default=True,
-              help="Passes over the levels, interleaved; tokens/s is the median pass's, latencies pool them all.")
 @click.option("--threads", type=int, default=1, show_default=True, help="onnxruntime intra-op threads, both sides.")
 @click.option("--max-requests", type=int, default=None, help="KV regions, both sides (default: the CPU runner's).")
 @click.option("--max-batch", type=int, default=None,
