@@ -1,4 +1,4 @@
-"""The one dtype table agrees with what ONNX, torch, safetensors and numpy call each type."""
+"""The one dtype table agrees with what ONNX, onnxruntime, torch, safetensors and numpy call each type."""
 
 from __future__ import annotations
 
@@ -21,8 +21,26 @@ def test_every_spelling_names_the_same_type(name):
     assert torch.empty(0, dtype=torch_type).element_size() == row.itemsize
     assert dtypes.from_onnx(row.onnx) is row and dtypes.from_trt(row.trt) is row
     assert dtypes.from_safetensors(row.safetensors) is row
+    assert dtypes.from_onnxruntime(row.onnxruntime) is row
     if name != "bfloat16":  # numpy has no bfloat16: its bytes are held as uint16
         assert row.numpy == np.dtype(name)
+
+
+def test_onnxruntime_names_are_those_of_its_sessions(tmp_path):
+    """What an onnxruntime session reports as each input's type is the table's onnxruntime column."""
+    ort = pytest.importorskip("onnxruntime")
+    graph = onnx.helper.make_graph(
+        [onnx.helper.make_node("Identity", [f"x{i}"], [f"y{i}"]) for i in range(5)], "types",
+        [onnx.helper.make_tensor_value_info(f"x{i}", dtypes.dtype(name).onnx, [1])
+         for i, name in enumerate(("float32", "float16", "int64", "int32", "bool"))],
+        [onnx.helper.make_tensor_value_info(f"y{i}", dtypes.dtype(name).onnx, [1])
+         for i, name in enumerate(("float32", "float16", "int64", "int32", "bool"))])
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    assert [dtypes.from_onnxruntime(i.type).name for i in session.get_inputs()] == [
+        "float32", "float16", "int64", "int32", "bool"]
+    assert dtypes.from_onnxruntime("tensor(string)") is None
 
 
 def test_export_flags_and_errors():
