@@ -1,31 +1,17 @@
 """Token-level masked-diffusion decoding without KV reuse (LLaDA-style): the benchmark's baseline.
 
-LLaDA (Nie et al. 2025, `generate.py`, `remasking="low_confidence"`, temperature 0) decodes a
-fixed span of `gen_length` masks in `steps` forwards. The span is cut into blocks of
-`block_length` done left to right (semi-autoregressive); each block gets
-`steps / num_blocks` steps, and step i commits `num_transfer[i]` of the block's masks
-(the block's mask count spread evenly over its steps, the remainder to the first steps).
-Every step feeds the *whole* sequence again, prompt + generation span (committed tokens
-and the remaining masks, in position order), with no past: no KV is reused from one step
-to the next. At every masked position of the current block the draft is the argmax of the
-logits and its confidence the softmax probability; the `num_transfer[i]` most confident
-drafts are committed (ties: lowest position first). Decoding stops when every position is
-filled; the answer is the tokens up to the first EOS in position order.
+LLaDA (Nie et al. 2025, `generate.py`, `remasking="low_confidence"`, temperature 0) decodes a span of
+`gen_length` masks in `steps` forwards: blocks of `block_length` left to right, `steps / num_blocks` steps
+each, step i committing the `num_transfer[i]` most confident drafts of the block's masks (ties: lowest
+position first). Every step feeds prompt + the whole span again with no past: no KV is reused. The answer
+is the tokens up to the first EOS in position order.
 
-Here it runs through the same scheduler, Runner and network as ReFusion, on the planner
-graph (no KV written); it takes its own params (DiffusionParams), so it is a bench's method, not a
-mode the CLIs or the server offer. Our network's attention is causal in sequence order, so this is
-ReFusion's network read LLaDA-style (a mask sees the prompt and the span *before* it),
-not a bidirectional LLaDA: the decoding schedule and its cost are LLaDA's, the model is
-ours. `order="clean_first"` feeds the committed tokens first and then the masks (each
-with its true position id, as ReFusion's training does), so every mask sees every
-committed token; the default is position order.
-
-Standard setting used by the benchmark: steps = gen_length (one token per step) and
-block_length 32, LLaDA's own defaults (`gen_length=steps=128, block_length=32`) scaled to
-our gen_length; steps = gen_length / 2 is LLaDA's usual "2 tokens per step" speed-up.
-`early_exit=True` (not LLaDA) stops once an EOS is committed and every position before it
-is filled, which is the most such a decoder can save without changing its answers.
+It runs through the same scheduler, Runner and network as ReFusion, on the planner graph (no KV written):
+our attention is causal in sequence order, so this is ReFusion's network read LLaDA-style, with LLaDA's
+schedule and cost. `order="clean_first"` feeds the committed tokens before the masks (each at its true
+position), so every mask sees every committed token. `early_exit=True` (not LLaDA) stops once an EOS is
+committed and every position before it is filled. It takes its own params (DiffusionParams), so it is a
+bench's method, not a mode the CLIs or the server offer.
 """
 
 from __future__ import annotations
