@@ -72,11 +72,13 @@ def _reverse(rng: random.Random) -> tuple[str, str]:
     return f"reverse: {s}", s[::-1]
 
 
-def _lookup(rng: random.Random) -> tuple[str, str]:
-    """c3 a7 b1 d9; get b c b -> b1 c3 b1 (4-9 distinct letter keys, digit values, 3-8 queries)."""
-    keys = rng.sample(_LOWER, rng.randint(4, 9))
+def lookup_example(rng: random.Random, keys_range: tuple[int, int] = (4, 9),
+                   queries_range: tuple[int, int] = (3, 8)) -> tuple[str, str]:
+    """c3 a7 b1 d9; get b c b -> b1 c3 b1 (4-9 distinct letter keys, digit values, 3-8 queries; training's
+    curriculum draws smaller tables)."""
+    keys = rng.sample(_LOWER, rng.randint(*keys_range))
     values = {k: rng.randint(0, 9) for k in keys}
-    queries = [rng.choice(keys) for _ in range(rng.randint(3, 8))]
+    queries = [rng.choice(keys) for _ in range(rng.randint(*queries_range))]
     table = " ".join(f"{k}{values[k]}" for k in keys)
     return f"{table}; get {' '.join(queries)}", " ".join(f"{q}{values[q]}" for q in queries)
 
@@ -99,7 +101,7 @@ GENERATORS: dict[str, Callable[[random.Random], tuple[str, str]]] = {
     "add": _add,
     "sort": _sort,
     "reverse": _reverse,
-    "lookup": _lookup,
+    "lookup": lookup_example,
     "list": _list,
     "upper": _upper,
 }
@@ -167,3 +169,24 @@ def make_dataset(seed: int, n: int, tasks: tuple[str, ...] = TASKS) -> list[Exam
 def score(example: Example, text: str) -> bool:
     """Exact match of the answer, ignoring surrounding whitespace."""
     return text.strip() == example.answer.strip()
+
+
+# Sentences a system prompt is made of in training (the model learns to read past them); the held-out
+# tasks never depend on them.
+_SYSTEM_SENTENCES = (
+    "You are a helpful robot.", "You are a careful helper.", "Answer briefly.", "Be exact.",
+    "Reply with the answer only.", "You run on a small board.", "Think of the task and answer it.",
+    "Keep answers short.", "Never add extra words.", "You help a team of engineers.",
+    "The user gives one task at a time.", "Tasks are checked exactly.", "Answer in plain text.",
+)
+
+
+def system_prompt(rng: random.Random, max_chars: int = 200) -> str:
+    """A system prompt of 1 to 10 sentences, at most max_chars characters."""
+    out: list[str] = []
+    for _ in range(rng.randint(1, 10)):
+        s = rng.choice(_SYSTEM_SENTENCES)
+        if len(" ".join(out + [s])) > max_chars:
+            break
+        out.append(s)
+    return " ".join(out) or _SYSTEM_SENTENCES[0]

@@ -104,9 +104,10 @@ class Encoder:
                        tok.convert_tokens_to_ids(MASK), len(tok))
         self.tok = tok
 
-    def prompt(self, text: str) -> list[int]:
-        chat = self.tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                            add_generation_prompt=True)
+    def prompt(self, text: str, before: list[dict[str, str]] = ()) -> list[int]:
+        """The chat-templated prompt: `before` (system and earlier turns), then the user's text."""
+        messages = [*before, {"role": "user", "content": text}]
+        chat = self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return self.backend.encode(chat, add_special_tokens=False).ids
 
     def response(self, answer: str) -> list[int]:
@@ -170,7 +171,8 @@ class Sequence:
     weight: float  # 1 / (p * response length) for this example's masked tokens
 
 
-def refusion_sequence(prompt: list[int], response: list[int], rng: random.Random, args, ids: Ids) -> Sequence:
+def refusion_sequence(prompt: list[int], response: list[int], rng: random.Random, args, ids: Ids,
+                      ordered_prob: float = 0.0) -> Sequence:
     sizes, weights = slot_size_choices(args.slot_sizes)
     k = rng.choices(sizes, weights)[0]
     span = math.ceil(len(response) / k) * k
@@ -180,9 +182,11 @@ def refusion_sequence(prompt: list[int], response: list[int], rng: random.Random
     n_slots = span // k
     t = rng.random()
     p = (1 - args.eps) * t + args.eps
-    masked = [rng.random() < p for _ in range(n_slots)]
+    ordered = rng.random() < ordered_prob  # a plain AR example: every slot clean, in position order
+    masked = [False if ordered else rng.random() < p for _ in range(n_slots)]
     clean = [s for s in range(n_slots) if not masked[s]]
-    rng.shuffle(clean)
+    if not ordered:
+        rng.shuffle(clean)
     noisy = [s for s in range(n_slots) if masked[s]]
 
     p0 = len(prompt)
@@ -257,8 +261,39 @@ def batch_for_step(step: int, enc: Encoder, args) -> list[Sequence]:
     seqs = []
     for _ in range(args.batch_size):
         ex = T.training_example(rng, tasks, weights)
-        seqs.append(refusion_sequence(enc.prompt(ex.prompt), enc.response(ex.answer), rng, args, enc.ids))
+        if ex.task == "lookup" and step < args.lookup_curriculum:
+            ex = easier_lookup(rng, step / args.lookup_curriculum)
+        before = conversation_before(rng, tasks, weights, args)
+        prompt = enc.prompt(ex.prompt, before)
+        while len(prompt) > args.max_prompt and before:  # too long: drop the oldest turn, then the system prompt
+            before = before[2:] if before[0]["role"] == "user" else before[1:]
+            prompt = enc.prompt(ex.prompt, before)
+        ordered_prob = 1.0 if step < args.ar_steps else args.ordered_prob
+        seqs.append(refusion_sequence(prompt, enc.response(ex.answer), rng, args, enc.ids, ordered_prob))
     return seqs
+
+
+def easier_lookup(rng: random.Random, progress: float) -> T.Example:
+    """A lookup of 2 keys and 1 query at progress 0, up to 2-9 keys and 1-8 queries at 1. Retrieval by
+    key (an induction circuit) forms only after a long plateau on the full task; on small tables it forms
+    early and then carries over (docs/training.md, "Curriculum")."""
+    grow = round(7 * progress)
+    while True:
+        prompt, answer = T.lookup_example(rng, (2, 2 + grow), (1, 1 + grow))
+        if prompt not in T.held_out_prompts():
+            return T.Example("lookup", prompt, answer)
+
+
+def conversation_before(rng: random.Random, tasks, weights, args) -> list[dict[str, str]]:
+    """What may precede the user's turn: a system prompt, earlier turns (other tasks, answered right)."""
+    before: list[dict[str, str]] = []
+    if rng.random() < args.system_prob:
+        before.append({"role": "system", "content": T.system_prompt(rng)})
+    if rng.random() < args.history_prob:
+        for _ in range(rng.randint(1, 3)):
+            turn = T.training_example(rng, tasks, weights)
+            before += [{"role": "user", "content": turn.prompt}, {"role": "assistant", "content": turn.answer}]
+    return before
 
 
 def task_mix(args) -> tuple[tuple[str, ...], tuple[float, ...]]:
@@ -362,7 +397,8 @@ def fmt_acc(table: dict[str, float]) -> str:
 HYPER = (  # what a saved state must agree on to be resumed
     "seed", "layers", "hidden", "intermediate", "heads", "kv_heads", "head_dim", "rope_theta", "max_positions",
     "steps", "batch_size", "lr", "min_lr_ratio", "warmup", "weight_decay", "beta2", "grad_clip", "slot_sizes",
-    "tail_slot_prob", "eps", "tasks", "task_weights",
+    "tail_slot_prob", "eps", "tasks", "task_weights", "lookup_curriculum", "ordered_prob", "ar_steps", "system_prob",
+    "history_prob", "max_prompt",
 )
 
 
@@ -569,7 +605,8 @@ def parser() -> argparse.ArgumentParser:
     tr.add_argument("--work-dir", default="/tmp/refusion-tiny-train", help="training state and log")
     tr.add_argument("--restart", action="store_true", help="ignore a saved state and start over")
     tr.add_argument("--seed", type=int, default=0)
-    tr.add_argument("--threads", type=int, default=2)
+    tr.add_argument("--threads", type=int, default=1,
+                    help="torch threads: with 2, a busy second core stalls every step (docs/training.md)")
     # model
     tr.add_argument("--layers", type=int, default=4)
     tr.add_argument("--hidden", type=int, default=192)
@@ -580,7 +617,7 @@ def parser() -> argparse.ArgumentParser:
     tr.add_argument("--rope-theta", type=float, default=10000.0)
     tr.add_argument("--max-positions", type=int, default=256)
     # optimisation
-    tr.add_argument("--steps", type=int, default=4000)
+    tr.add_argument("--steps", type=int, default=8000)
     tr.add_argument("--batch-size", type=int, default=64)
     tr.add_argument("--micro-batches", type=int, default=4, help="the batch sorted by length and run in this many parts")
     tr.add_argument("--lr", type=float, default=2e-3)
@@ -593,12 +630,20 @@ def parser() -> argparse.ArgumentParser:
     tr.add_argument("--slot-sizes", default="4:0.3,8:0.3,16:0.2,32:0.2", help="slot size k: weight, drawn per example")
     tr.add_argument("--tail-slot-prob", type=float, default=0.5, help="chance of one extra all-pad slot after the response")
     tr.add_argument("--eps", type=float, default=1e-3, help="p = (1 - eps) t + eps")
+    tr.add_argument("--ar-steps", type=int, default=2500,
+                    help="the first steps train the AR reading alone (every example plain AR), as upstream starts from Qwen3")
+    tr.add_argument("--ordered-prob", type=float, default=0.2, help="after --ar-steps, the share of plain AR examples")
+    tr.add_argument("--lookup-curriculum", type=int, default=2000,
+                    help="lookups grow from 2 keys / 1 query to the full task over this many steps")
+    tr.add_argument("--system-prob", type=float, default=0.15, help="chance of a system prompt before the user's turn")
+    tr.add_argument("--history-prob", type=float, default=0.25, help="chance of 1-3 earlier turns (other tasks, answered)")
+    tr.add_argument("--max-prompt", type=int, default=190, help="prompt tokens at most: earlier turns dropped to fit")
     tr.add_argument("--tasks", default=",".join(T.TASKS))
-    tr.add_argument("--task-weights", default="add:2,lookup:2", help="task:weight for the tasks drawn more often (others 1)")
+    tr.add_argument("--task-weights", default="add:2,lookup:3", help="task:weight for the tasks drawn more often (others 1)")
     # progress
     tr.add_argument("--log-every", type=int, default=10)
     tr.add_argument("--save-every", type=int, default=100)
-    tr.add_argument("--eval-every", type=int, default=300)
+    tr.add_argument("--eval-every", type=int, default=500)
     tr.add_argument("--eval-n", type=int, default=120)
     tr.set_defaults(func=train)
 

@@ -57,6 +57,33 @@ def test_refusion_sequence_layout():
     assert seen_masked and seen_clean
 
 
+def test_plain_ar_examples_are_whole_and_in_order():
+    ids = TT.Ids(pad=100, eos=102, mask=103, vocab=104)
+    args = TT.parser().parse_args(["train"])
+    prompt, response = list(range(10)), [20 + i for i in range(13)] + [ids.eos]
+    s = TT.refusion_sequence(prompt, response, random.Random(0), args, ids, ordered_prob=1.0)
+    assert ids.mask not in s.ids and s.pos == list(range(len(s.ids)))
+    assert s.ar[len(prompt) - 1:len(prompt) + len(response) - 1] == response  # next-token targets throughout
+
+
+def test_the_curriculum_and_the_conversations_around_a_task():
+    tok = TT.build_tokenizer()
+    enc = TT.Encoder(tok)
+    args = TT.parser().parse_args(["train"])
+    rng = random.Random(0)
+    for progress in (0.0, 0.5, 1.0):
+        for _ in range(50):
+            ex = TT.easier_lookup(rng, progress)
+            table, queries = ex.prompt.split("; get ")
+            assert 2 <= len(table.split()) <= 2 + round(7 * progress) and 1 <= len(queries.split()) <= 1 + round(7 * progress)
+    early, late = TT.batch_for_step(0, enc, args), TT.batch_for_step(args.ar_steps, enc, args)
+    assert not any(enc.ids.mask in s.ids for s in early)  # the AR phase: plain next-token examples only
+    assert any(enc.ids.mask in s.ids for s in late)
+    texts = [tok.decode(s.ids) for step in range(3) for s in TT.batch_for_step(step, enc, args)]
+    assert any("<|im_start|>system" in t for t in texts) and any(t.count("<|im_start|>user") > 1 for t in texts)
+    assert all(max(s.pos) < 256 for step in range(3) for s in TT.batch_for_step(step, enc, args))  # fits the positions
+
+
 # ----------------------------------------------------------------------------- training runs
 
 
