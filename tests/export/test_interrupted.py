@@ -56,7 +56,7 @@ def patch(stage, marker, output):
     def pause():
         marker.touch()
         # short sleeps: a signal that lands on another thread (torch's pool) still runs the
-        # Python handler within 10 ms
+        # Python handler within 10 ms; the 120 s in all only guard against a hang (the test signals it)
         for _ in range(12000):
             time.sleep(0.01)
         os._exit(99)  # never signalled
@@ -184,6 +184,8 @@ class Child:
         self.status: int | None = None
 
     def wait_marker(self, each=lambda: None, timeout: float = 60) -> None:
+        """Until the child is at its stage (the marker exists): a condition, polled; `timeout` only guards
+        against a hang."""
         deadline = time.monotonic() + timeout
         while not self.marker.exists():
             each()
@@ -472,7 +474,9 @@ def test_signal_to_this_process_cleans_up_and_restores_handlers(ckpt, tmp_path, 
             handler = signal.getsignal(sig)
             assert callable(handler) and handler is not _caller_handler, "no handler of the exporter's"
             os.kill(os.getpid(), sig)
-            for _ in range(1000):  # the handler runs in the main thread, whichever thread got the signal
+            # the handler runs in the main thread, whichever thread got the signal, within a short sleep
+            # (a long one would not wake); the 10 s in all only guard against a hang
+            for _ in range(1000):
                 time.sleep(0.01)
             raise AssertionError(f"{sig.name} did not interrupt the export")
 

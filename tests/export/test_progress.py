@@ -173,7 +173,7 @@ def run_in_terminal(args: list[str], timeout: float = 120) -> tuple[int, str]:
                             env={**os.environ, "OMP_NUM_THREADS": "1"})  # a tiny model: threads only contend
     os.close(slave)
     out = b""
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + timeout  # a hang guard: the loop ends when the child closes the terminal
     while time.monotonic() < deadline:
         if select.select([master], [], [], 0.5)[0]:
             try:

@@ -18,6 +18,7 @@ from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.core.export_manifest import ExportManifest
 from refusion.runtime.generator import Generator
 from refusion.runtime.runners.onnxruntime import OrtRunner
+from tests.gate import ForwardGate
 from tests.helpers import MIXED_SETTINGS, chat_jobs, decode_alone
 
 pytest.importorskip("onnxruntime")
@@ -76,11 +77,13 @@ def test_eight_threads_share_one_generator(export, jobs, alone):
 
 def test_cancel_midway_frees_the_slot_and_leaves_the_others_alone(export, jobs, alone):
     with Generator.from_dir(export, backend="ort-cpu", threads=1, max_requests=4, max_batch=4) as gen:
-        _slow_down(gen, 0.005)  # so that the cancel surely lands before the victim's own end
-        victim = gen.submit(prompt_ids=jobs[0][0], gen_length=64, mode="ar")
-        others = [gen.submit(prompt_ids=ids, **settings) for ids, settings in jobs[1:6]]
-        first = next(iter(victim.events()))  # it has started: one commit is in
-        victim.cancel()
+        with ForwardGate(gen.runner) as gate:  # nothing runs until every request is in
+            victim = gen.submit(prompt_ids=jobs[0][0], gen_length=64, mode="ar")
+            others = [gen.submit(prompt_ids=ids, **settings) for ids, settings in jobs[1:6]]
+            gate.hold_when(lambda: victim.commits)
+            gate.wait_held()  # it has started (one commit is in) and is held before its next forward
+            first = victim.commits[0]
+            victim.cancel()
         cancelled = victim.result(timeout=60)
         assert victim.done and cancelled.finish_reason == "cancelled"
         assert cancelled.commits[0] == first and len(cancelled.token_ids) < 64
@@ -90,17 +93,6 @@ def test_cancel_midway_frees_the_slot_and_leaves_the_others_alone(export, jobs, 
         assert gen.scheduler.in_flight == 0 and sorted(gen.scheduler._free_regions) == [0, 1, 2, 3]
 
 
-def _slow_down(gen: Generator, seconds: float) -> None:
-    """Every forward of gen's runner (single or batched) takes `seconds` longer."""
-    run = gen.runner._session_run
-
-    def slow(*args):
-        time.sleep(seconds)
-        return run(*args)
-
-    gen.runner._session_run = slow
-
-
 def _full(result) -> list[int]:
     committed = {p: t for c in result.commits for p, t in zip(c.positions, c.token_ids)}
     start = len(result.prompt_ids)
@@ -108,24 +100,54 @@ def _full(result) -> list[int]:
 
 
 def test_timeout_ends_with_what_settled(export, jobs):
-    with Generator.from_dir(export, backend="ort-cpu", threads=1) as gen:
-        _slow_down(gen, 0.02)  # a slow backend: ~3 forwards fit in the deadline
-        res = gen.generate(prompt_ids=jobs[0][0], gen_length=64, slot_size=4, serial_num_blocks=4,
-                           slot_threshold=0.0, token_threshold=1.0, timeout_s=0.07)
+    with Generator.from_dir(export, backend="ort-cpu", threads=1) as gen, ForwardGate(gen.runner) as gate:
+        gate.hold_when(lambda: gate.passed >= 3)
+        request = gen.submit(prompt_ids=jobs[0][0], gen_length=64, slot_size=4, serial_num_blocks=4,
+                             slot_threshold=0.0, token_threshold=1.0, timeout_s=600)
+        gate.wait_held()  # three forwards done, the fourth held
+        request.deadline = time.monotonic()  # its deadline passes while the fourth forward runs
+        gate.open()
+        res = request.result(timeout=60)
         assert res.finish_reason == "timeout"
-        assert 0 < res.stats.forward_count < 10
+        assert res.stats.forward_count == 4  # none after the deadline
         assert res.text == gen.tokenizer.decode(res.token_ids)
 
 
-def test_closing_a_stream_cancels_its_request(export, jobs):
-    with Generator.from_dir(export, backend="ort-cpu", threads=1) as gen:
-        stream = gen.stream(prompt_ids=None, prompt="sort: 9 8 7 6 5 4 3 2 1", chat=True, gen_length=64, slot_size=4,
-                            serial_num_blocks=4, slot_threshold=0.0, token_threshold=1.0)
-        next(stream)
+@pytest.mark.parametrize("stop", ["cancel", "timeout"])
+def test_a_waiting_request_that_is_cancelled_or_expires_ends_without_waiting_its_turn(export, stop):
+    """One KV region, held by a busy request; the waiting one ends at the scheduler's next round
+    (its deadline measured on the real clock), while the busy one is still held mid-decode."""
+    with Generator.from_dir(export, backend="ort-cpu", threads=1, max_requests=1, max_batch=1) as gen, \
+            ForwardGate(gen.runner) as gate:
+        busy = gen.submit(prompt_ids=[5, 6, 7], gen_length=64, mode="ar")
+        gate.wait_held()  # busy's prefill, held
+        waiting = gen.submit(prompt_ids=[5, 6, 7], gen_length=64, mode="ar", timeout_s=0.05)
+        if stop == "cancel":
+            waiting.cancel()
+        else:
+            time.sleep(max(0.0, waiting.deadline - time.monotonic()) + 0.01)  # to the deadline, not a guess
+            assert time.monotonic() > waiting.deadline
+        gate.allow(1)  # one more forward of busy's; the round after it admits (and ends) the waiting one
+        result = waiting.result(timeout=60)
+        assert result.finish_reason == {"cancel": "cancelled", "timeout": "timeout"}[stop]
+        assert result.stats.forward_count == 0 and result.token_ids == []
+        gate.wait_held()
+        assert not busy.done and gate.passed == 1  # it did not wait for the busy one
+        busy.cancel()
+
+
+def test_closing_a_stream_cancels_its_request(export, monkeypatch):
+    with Generator.from_dir(export, backend="ort-cpu", threads=1) as gen, ForwardGate(gen.runner) as gate:
+        requests = []
+        submit = gen.submit
+        monkeypatch.setattr(gen, "submit", lambda *args, **kw: requests.append(submit(*args, **kw)) or requests[-1])
+        gate.hold_when(lambda: requests and requests[0].commits)
+        stream = gen.stream("sort: 9 8 7 6 5 4 3 2 1", chat=True, gen_length=64, mode="ar")
+        next(stream)  # its first piece (AR commits in order); the next forward is held
+        gate.wait_held()
         stream.close()
-        deadline = time.monotonic() + 10
-        while gen.scheduler.in_flight and time.monotonic() < deadline:
-            time.sleep(0.01)
+        gate.open()
+        assert requests[0].result(timeout=60).finish_reason == "cancelled"
         assert gen.scheduler.in_flight == 0
 
 
@@ -151,12 +173,13 @@ def test_a_failing_request_fails_alone(export, jobs, alone):
 
 def test_result_wait_and_closed_generator(export):
     gen = Generator.from_dir(export, backend="ort-cpu", threads=1)
-    _slow_down(gen, 0.05)
-    request = gen.submit(prompt_ids=[5, 6, 7], gen_length=64, slot_size=4, serial_num_blocks=4,
-                         slot_threshold=0.0, token_threshold=1.0)
-    with pytest.raises(RefusionError, match=r"has no result after 0.01 s; it goes on"):
-        request.result(timeout=0.01)
-    gen.close()  # cancels what is in flight
+    with ForwardGate(gen.runner) as gate:  # the request cannot end while the test waits for it
+        request = gen.submit(prompt_ids=[5, 6, 7], gen_length=64, slot_size=4, serial_num_blocks=4,
+                             slot_threshold=0.0, token_threshold=1.0)
+        with pytest.raises(RefusionError, match=r"has no result after 0.01 s; it goes on"):
+            request.result(timeout=0.01)
+        gate.wait_held()
+        gate.close_generator(gen)  # cancels what is in flight
     assert request.result(timeout=10).finish_reason == "cancelled"
     with pytest.raises(RefusionError, match=r"this Generator is closed"):
         gen.submit(prompt_ids=[5, 6, 7])
@@ -214,18 +237,6 @@ def test_stream_ends_with_the_results_text_across_a_gap(export):
         positions = sorted(p for c in result.commits for p in c.positions)
         assert positions != list(range(positions[0], positions[0] + len(positions)))  # the case has a gap
         assert "".join(gen.stream(messages=messages)) == result.text
-
-
-def test_a_request_cancelled_while_waiting_ends_at_once(export):
-    with Generator.from_dir(export, backend="ort-cpu", threads=1, max_requests=1, max_batch=1) as gen:
-        _slow_down(gen, 0.02)
-        busy = gen.submit(prompt_ids=[5, 6, 7], gen_length=64, mode="ar")
-        waiting = gen.submit(prompt_ids=[5, 6, 7], gen_length=64, mode="ar")
-        waiting.cancel()
-        t0 = time.monotonic()
-        assert waiting.result(timeout=10).finish_reason == "cancelled"
-        assert time.monotonic() - t0 < 0.5 and not busy.done  # it did not wait for the busy one
-        busy.cancel()
 
 
 def test_a_scheduler_failure_fails_the_running_requests_instead_of_hanging(export, monkeypatch):

@@ -181,7 +181,9 @@ def test_mixed_load_from_eight_threads(export, jobs, alone):
              if not _as_expected(plan, outcome := outcomes[plan.index], alone[plan.job], manifest.eos_token_id)]
     assert not wrong, f"seed {SEED}, {len(wrong)} of {REQUESTS} not as expected:\n" + "\n".join(wrong[:20])
     reasons = Counter(o[1] for o in outcomes.values())
-    assert {"eos", "length", "cancelled", "timeout", "submit", "result"} <= set(reasons), reasons  # the mix is mixed
+    # The mix is mixed. Not "timeout": whether a 1-30 ms deadline falls before a request's end depends on the
+    # machine's speed (each that does is checked above; test_concurrency.py times requests out deterministically).
+    assert {"eos", "length", "cancelled", "submit", "result"} <= set(reasons), reasons
     growth = rss_after - rss_before
     assert growth < RSS_TOLERANCE, f"RSS grew {growth / 2**20:.1f} MiB over {REQUESTS} requests (seed {SEED})"
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import os
+import platform
 import pty
 import select
 import signal
@@ -141,7 +142,7 @@ class Pty:
 
     def expect(self, text: str, timeout: float = 60) -> str:
         """Read until `text` shows; returns what came before it."""
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + timeout  # a hang guard only
         while text not in self.screen:
             assert time.monotonic() < deadline, f"no {text!r} after {self.screen!r}; all: {self.transcript!r}"
             if select.select([self.fd], [], [], 0.2)[0]:
@@ -154,8 +155,16 @@ class Pty:
     def type(self, text: str) -> None:
         os.write(self.fd, text.encode())
 
+    def wait_reading(self, timeout: float = 60) -> None:
+        """Until the child's main thread waits in select/poll for what is typed (readline's loop: a SIGINT
+        from then on interrupts it; one that lands before it, between the prompt and the wait, is missed)."""
+        deadline = time.monotonic() + timeout  # a hang guard only: the condition itself is exact
+        while not _waits_for_input(self.pid):
+            assert time.monotonic() < deadline, f"chat is not reading input; screen: {self.screen!r}"
+            time.sleep(0.01)
+
     def exit_code(self, timeout: float = 30) -> int:
-        """The child's exit code once it ends; killed (and -9) if it has not after `timeout` s."""
+        """The child's exit code once it ends; killed (and -9) if it has not after `timeout` s (a hang guard)."""
         deadline = time.monotonic() + timeout
         while not (ended := os.waitpid(self.pid, os.WNOHANG))[0] and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -164,6 +173,22 @@ class Pty:
             ended = os.waitpid(self.pid, 0)
         os.close(self.fd)
         return os.waitstatus_to_exitcode(ended[1])
+
+
+# select, pselect6, poll, ppoll by machine (for kernels whose /proc/PID/wchan names no function)
+_WAIT_SYSCALLS = {"x86_64": {"23", "270", "7", "271"}, "aarch64": {"72", "73"}}
+
+
+def _waits_for_input(pid: int) -> bool:
+    """The process's main thread is blocked in select or poll."""
+    try:
+        wchan = Path(f"/proc/{pid}/wchan").read_text()
+        if "select" in wchan or "poll" in wchan:
+            return True
+        syscall = Path(f"/proc/{pid}/syscall").read_text().split()
+    except OSError:
+        return False
+    return bool(syscall) and syscall[0] in _WAIT_SYSCALLS.get(platform.machine(), set())
 
 
 def test_a_typed_session(tiny_dir, gen):
@@ -177,8 +202,9 @@ def test_a_typed_session(tiny_dir, gen):
         term.expect("> ")
         term.type("/settings mode=ar\r")
         assert "mode=ar" in term.expect("> ")
-        time.sleep(0.5)  # as a person would: readline misses a SIGINT sent in the instant it prints the prompt
-        term.type("half a line, then Ctrl-C\x03")  # at the prompt: a fresh line, the session goes on
+        term.type("half a line, then Ctrl-C")
+        term.wait_reading()  # readline misses a SIGINT sent before it waits for input
+        term.type("\x03")  # at the prompt: a fresh line, the session goes on
         term.expect("> ")
         term.type("/help\r")
         assert "/settings k=v ..." in term.expect("> ")

@@ -23,6 +23,7 @@ from refusion.runtime.generator import Generator
 from refusion.runtime.runners.base import RowFeed, Runner
 from refusion.runtime.runners.tensorrt import TensorRTRunner
 from tests.fakes import CpuBoundCudaRunner
+from tests.gate import ForwardGate
 from tests.helpers import MIXED_SETTINGS, chat_jobs, decode_alone_on, fake_engines
 
 pytest.importorskip("onnxruntime")  # the fakes run the graphs on it
@@ -48,11 +49,14 @@ def serve_together(runner: Runner, manifest: ExportManifest, jobs: list, victim:
     submitted first and cancelled after its first commit, while the others run beside it."""
     gen = Generator(manifest, runner, None)
     try:
-        cancelled = gen.submit(prompt_ids=victim, gen_length=64, mode="ar") if victim else None
-        requests = [gen.submit(prompt_ids=ids, **settings) for ids, settings in jobs]
+        with ForwardGate(runner) as gate:  # nothing runs until every request is in
+            cancelled = gen.submit(prompt_ids=victim, gen_length=64, mode="ar") if victim else None
+            requests = [gen.submit(prompt_ids=ids, **settings) for ids, settings in jobs]
+            if cancelled is not None:
+                gate.hold_when(lambda: cancelled.commits)
+                gate.wait_held()  # its first commit is in, its next forward held: it cannot end on its own
+                cancelled.cancel()
         if cancelled is not None:
-            next(iter(cancelled.events()))
-            cancelled.cancel()
             assert cancelled.result(timeout=60).finish_reason == "cancelled"
         results = [r.result(timeout=120) for r in requests]
         assert gen.scheduler.in_flight == 0 and sorted(gen.scheduler._free_regions) == list(range(runner.max_requests))
