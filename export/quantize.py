@@ -25,15 +25,17 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from refusion.export.progress import Progress, line
-from refusion.runtime.core.dims import expected_weights, is_linear_weight
+from refusion.runtime.core.dims import ModelDims, expected_weights, is_linear_weight
 from refusion.runtime.core.dtypes import dtype
 from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.core.quantization import (
     CALIBRATED,
     INT4_DTYPES,
     METHODS,
+    MIN_BLOCK,
     Quantization,
     block_problem,
+    input_sizes,
     is_quantized_weight,
     scale_name,
 )
@@ -54,7 +56,7 @@ class QuantizeOptions:
     """What `refusion-export onnx --quantize ...` asked for."""
 
     method: str  # int4-rtn | int4-awq
-    block_size: int = 128
+    block_size: int | None = None  # None: the largest of TESTED_BLOCKS that divides the model (default_block)
     calibration: Path | None = None  # int4-awq: a text file, one prompt per line; None: the built-in set
     calibration_samples: int | None = None  # the first N prompts; None: export/calibration.py's default
 
@@ -77,21 +79,37 @@ def plan_quantization(options: QuantizeOptions, ckpt: Checkpoint, export_dtype: 
             f"--quantize {options.method} with --dtype {dtype(export_dtype).flag} is not supported: "
             "onnxruntime's CPU provider runs no bfloat16 MatMul (so the export cannot be validated) and TensorRT "
             "documents fp32 and fp16 scales only; use --dtype fp16 (TensorRT) or fp32.")
-    problem = block_problem(ckpt.dims, options.block_size)
+    block = default_block(ckpt.dims, progress) if options.block_size is None else options.block_size
+    problem = block_problem(ckpt.dims, block)
     if problem:
-        raise RefusionError(f"--block-size {options.block_size}: {problem}; pass another --block-size.")
-    if options.block_size not in TESTED_BLOCKS:
-        line(progress, f"note: --block-size {options.block_size}: TensorRT documents INT4 blocks of "
+        raise RefusionError(f"--block-size {block}: {problem}; pass another --block-size.")
+    if block not in TESTED_BLOCKS:
+        line(progress, f"note: --block-size {block}: TensorRT documents INT4 blocks of "
                        f"{' and '.join(map(str, TESTED_BLOCKS))} only; onnxruntime runs any power of two >= 16")
     if options.method not in CALIBRATED:
         if options.calibration is not None or options.calibration_samples is not None:
             raise RefusionError(f"--calibration and --calibration-samples apply to "
                                 f"{', '.join(CALIBRATED)} only, not {options.method}; drop them.")
-        return QuantPlan(Quantization(options.method, options.block_size), [])
+        return QuantPlan(Quantization(options.method, block), [])
     from refusion.export.calibration import calibration_set
 
     prompts, sha = calibration_set(ckpt, options.calibration, options.calibration_samples, progress)
-    return QuantPlan(Quantization(options.method, options.block_size, len(prompts), sha), prompts)
+    return QuantPlan(Quantization(options.method, block, len(prompts), sha), prompts)
+
+
+def default_block(dims: ModelDims, progress: Progress) -> int:
+    """The largest block TensorRT documents (TESTED_BLOCKS: 128, else 64) that divides every linear's input,
+    said in the progress output."""
+    tested = sorted(TESTED_BLOCKS, reverse=True)
+    for block in tested:
+        if not block_problem(dims, block):
+            sizes = ", ".join(f"{name} {k}" for name, k in input_sizes(dims).items())
+            line(progress, f"int4 block size {block}: the largest of {' and '.join(map(str, tested))} that divides "
+                           f"every linear's input ({sizes}); --block-size sets another")
+            return block
+    raise RefusionError(f"neither int4 block size {' nor '.join(map(str, tested))} (the ones TensorRT documents) "
+                        f"fits: {block_problem(dims, tested[-1])}; pass --block-size (onnxruntime runs any power of "
+                        f"two >= {MIN_BLOCK} that divides them).")
 
 
 def float_tensors(ckpt: Checkpoint, plan: QuantPlan | None, progress: Progress) -> Iterator[tuple[str, torch.Tensor]]:

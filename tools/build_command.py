@@ -10,7 +10,8 @@ from pathlib import Path
 
 import click
 
-from refusion.runtime.core.profiles import DecodeLimits
+from refusion.runtime.core.export_manifest import ExportManifest
+from refusion.runtime.core.profiles import export_limits
 from refusion.tools.cli_common import progress
 
 
@@ -19,10 +20,15 @@ from refusion.tools.cli_common import progress
 @click.option("--output", "-o", required=True, type=click.Path(path_type=Path), help="Engines directory to create.")
 @click.option("--precision", type=click.Choice(["fp16", "bf16", "fp32"]), default=None,
               help="Engine precision; the export's dtype (the default), which decides what stays fp32.")
-@click.option("--max-prompt", type=int, default=2048, show_default=True, help="Longest prompt, in tokens.")
-@click.option("--gen-length", type=int, default=512, show_default=True, help="Longest generation, in tokens.")
-@click.option("--slot-size", type=int, default=32, show_default=True, help="Typical slot size (sets opt shapes).")
-@click.option("--serial-blocks", type=int, default=4, show_default=True, help="Typical serial blocks.")
+@click.option("--max-prompt", type=int, default=None,
+              help="Longest prompt, in tokens [default: what fits beside --gen-length in the model's positions, "
+                   "at most 2048].")
+@click.option("--gen-length", type=int, default=None,
+              help="Longest generation, in tokens [default: the export's recorded gen_length].")
+@click.option("--slot-size", type=int, default=None,
+              help="Typical slot size (sets opt shapes) [default: the export's recorded slot_size].")
+@click.option("--serial-blocks", type=int, default=None,
+              help="Typical serial blocks [default: the export's recorded serial_num_blocks].")
 @click.option("--max-slots", type=int, default=None,
               help="Slots per block the engines take [default: gen-length / serial-blocks / slot-size]; "
                    "raise it to serve fewer, longer blocks.")
@@ -34,19 +40,24 @@ from refusion.tools.cli_common import progress
 @click.option("--strongly-typed", is_flag=True, help="Keep every type of the export exactly (no precision flags).")
 @click.option("--workspace", type=float, default=None, help="Builder workspace limit in GiB [default: TensorRT's].")
 @click.option("--force", is_flag=True, help="Replace OUTPUT if it exists.")
-def build_command(export_dir: Path, output: Path, precision: str | None, max_prompt: int, gen_length: int,
-                  slot_size: int, serial_blocks: int, max_slots: int | None, max_batch: int,
-                  timing_cache: Path | None, strongly_typed: bool, workspace: float | None, force: bool) -> None:
+def build_command(export_dir: Path, output: Path, precision: str | None, max_prompt: int | None,
+                  gen_length: int | None, slot_size: int | None, serial_blocks: int | None, max_slots: int | None,
+                  max_batch: int, timing_cache: Path | None, strongly_typed: bool, workspace: float | None,
+                  force: bool) -> None:
     """Build the TensorRT engine for EXPORT_DIR (a `refusion-export onnx` directory): one engine, holding the
-    weights once, runs both planner and infiller forwards."""
+    weights once, runs both planner and infiller forwards. Limits left out are the export's recorded decode
+    settings (refusion.json `defaults`) and the longest prompt that fits beside them."""
     from refusion.engines.build import build_engines, plan_build
 
-    limits = DecodeLimits(max_prompt, gen_length, slot_size, serial_blocks, max_slots, max_batch)
+    export = ExportManifest.read(export_dir)
+    limits = export_limits(export.defaults, export.max_positions, max_prompt=max_prompt, gen_length=gen_length,
+                           slot_size=slot_size, serial_blocks=serial_blocks, max_slots=max_slots, max_batch=max_batch)
     plan = plan_build(export_dir, output, limits, precision=precision, strongly_typed=strongly_typed,
                       workspace_gib=workspace, timing_cache=timing_cache)
     progress(f"an engine for prompts <= {limits.max_prompt}, gen_length <= {limits.gen_length}, blocks <= "
               f"{limits.block_length} tokens, {limits.max_batch} request(s) per batch; KV capacity "
-              f"{limits.kv_capacity} tokens per request")
+              f"{limits.kv_capacity} tokens per request (limits not given: the export's recorded decode settings "
+              f"and the longest prompt beside them in its {export.max_positions} positions)")
     click.echo(str(build_engines(plan, force=force, report=progress)))
 
 

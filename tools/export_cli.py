@@ -56,7 +56,7 @@ def _need_export_extra() -> None:
               help="int4 weights for the decoder layers' linears (docs/quantization.md).")
 @click.option("--block-size", type=int, default=None,
               help="With --quantize: input rows per int4 scale, a power of two >= 16 dividing every linear's input "
-                   "[default: 128].")
+                   "[default: 128, else 64: the largest TensorRT documents that divides the model].")
 @click.option("--calibration", type=click.Path(path_type=Path), default=None,
               help="With int4-awq: a text file, one prompt per line [default: the built-in set].")
 @click.option("--calibration-samples", type=int, default=None,
@@ -76,10 +76,10 @@ def onnx_command(checkpoint: str, revision: str | None, output: Path, dtype: str
     t0 = time.perf_counter()
     if quantize is None and (block_size, calibration, calibration_samples) != (None, None, None):
         raise RefusionError("--block-size, --calibration and --calibration-samples need --quantize int4-rtn|int4-awq.")
-    block = QuantizeOptions.block_size if block_size is None else block_size
-    options = QuantizeOptions(quantize, block, calibration, calibration_samples) if quantize else None
+    options = QuantizeOptions(quantize, block_size, calibration, calibration_samples) if quantize else None
     path = resolve_checkpoint(checkpoint, revision, progress)  # after the flags are checked: it may download
-    what = f"{dtype}{f', {quantize} block {options.block_size}' if options else ''}{', with logits' if logits else ''}"
+    block = f" block {block_size}" if block_size else ""  # left out: the exporter says which it takes
+    what = f"{dtype}{f', {quantize}{block}' if options else ''}{', with logits' if logits else ''}"
     progress(f"exporting {path} -> {output} ({what})")
     out = export_onnx(path, output, dtype=dtype, logits=logits, mask_token_id=mask_token_id,
                       force=force, validate=validate, quantize=options, progress=progress)

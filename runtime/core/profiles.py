@@ -35,6 +35,7 @@ from refusion.runtime.core.contract import (
     GraphName,
     GraphSpec,
 )
+from refusion.runtime.core.defaults import DecodeDefaults
 from refusion.runtime.core.errors import RefusionError
 
 Range = tuple[int, int, int]  # min, opt, max
@@ -99,6 +100,19 @@ class DecodeLimits:
         return [f"--max-prompt {self.max_prompt}", f"--gen-length {self.gen_length}", f"--slot-size {self.slot_size}",
                 f"--serial-blocks {self.serial_blocks}", f"--max-slots {self.max_slots}",
                 f"--max-batch {self.max_batch}"]
+
+
+def export_limits(defaults: DecodeDefaults, max_positions: int, *, max_prompt: int | None = None,
+                  gen_length: int | None = None, slot_size: int | None = None, serial_blocks: int | None = None,
+                  max_slots: int | None = None, max_batch: int = 1) -> DecodeLimits:
+    """What `refusion-export build` builds for by default: the decode settings the export recorded
+    (refusion.json `defaults`: gen_length, slot_size, serial_num_blocks) and the longest prompt that fits
+    beside that generation in the model's positions, at most DecodeLimits' 2048. Each value given overrides."""
+    gen_length = defaults.gen_length if gen_length is None else gen_length
+    if max_prompt is None:
+        max_prompt = min(DecodeLimits.max_prompt, max_positions - gen_length)
+    return DecodeLimits(max_prompt, gen_length, defaults.slot_size if slot_size is None else slot_size,
+                        defaults.serial_num_blocks if serial_blocks is None else serial_blocks, max_slots, max_batch)
 
 
 @dataclass(frozen=True)

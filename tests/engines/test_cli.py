@@ -7,7 +7,10 @@ import importlib.util
 import pytest
 from click.testing import CliRunner
 
+from refusion.runtime.core.defaults import DecodeDefaults
 from refusion.runtime.core.errors import RefusionError
+from refusion.runtime.core.export_manifest import ExportManifest
+from refusion.runtime.core.profiles import DecodeLimits, export_limits
 from refusion.tools.build_command import build_command, check_engines
 from tests.helpers import fake_engines
 
@@ -23,6 +26,20 @@ def test_build_refuses_before_tensorrt(exports, tmp_path):
         result = runner.invoke(build_command, [str(exports["fp32"]), "-o", str(out), "--max-prompt", "64"])
         assert isinstance(result.exception, RefusionError)
         assert "pip install 'refusion-trt[trt]'" in str(result.exception) and not out.exists()
+
+
+def test_build_takes_the_exports_recorded_limits_by_default(tiny_export, tmp_path):
+    """The embedded model: 256 positions, defaults gen_length 64, slot_size 4, 4 blocks (the paper's 2048 + 512
+    would not fit); a flag overrides its own limit, and the prompt limit follows a longer generation."""
+    manifest = ExportManifest.read(tiny_export)
+    assert export_limits(manifest.defaults, manifest.max_positions) == DecodeLimits(192, 64, 4, 4)
+    assert export_limits(manifest.defaults, manifest.max_positions, gen_length=128, max_batch=2) == \
+        DecodeLimits(128, 128, 4, 4, max_batch=2)
+    assert export_limits(DecodeDefaults(), 40960) == DecodeLimits()  # ReFusion-8B: the paper's limits, as before
+    result = CliRunner().invoke(build_command, [str(tiny_export), "-o", str(tmp_path / "engines")])
+    assert "an engine for prompts <= 192, gen_length <= 64, blocks <= 16 tokens" in result.stderr
+    if importlib.util.find_spec("tensorrt") is None:  # no flag needed to get as far as TensorRT
+        assert isinstance(result.exception, RefusionError) and "pip install 'refusion-trt[trt]'" in str(result.exception)
 
 
 def test_check_engines_entry_point(peaky_export, fakes, tmp_path, capsys):

@@ -118,3 +118,13 @@ def test_installed_script(exported, tmp_path):
     assert "Traceback" not in fail.stderr
     assert fail.stderr.splitlines()[-1].startswith("error: checkpoint "), fail.stderr
     assert sum(line.startswith("error") for line in fail.stderr.splitlines()) == 1
+
+
+def test_int4_takes_the_largest_block_that_divides_the_model_and_says_so(tmp_path):
+    from refusion.models import EMBEDDED_MODEL  # hidden 192: 128 does not divide it, 64 does
+
+    result = run("onnx", EMBEDDED_MODEL, "-o", tmp_path / "int4", "--quantize", "int4-rtn", "--no-validate")
+    assert result.exit_code == 0, result.output
+    assert "int4 block size 64: the largest of 128 and 64 that divides every linear's input" in result.stderr
+    assert json.loads((tmp_path / "int4" / "refusion.json").read_text())["quantization"]["block_size"] == 64
+

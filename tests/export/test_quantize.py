@@ -11,8 +11,9 @@ import torch
 
 from refusion.export import awq
 from refusion.export.model import DecoderLayer
-from refusion.export.quantize import dequantize, pack_int4, rtn, unpack_int4
+from refusion.export.quantize import default_block, dequantize, pack_int4, rtn, unpack_int4
 from refusion.runtime.core.dims import ModelDims
+from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.core.quantization import block_problem, largest_block
 
 onnx = pytest.importorskip("onnx")
@@ -80,6 +81,19 @@ def test_block_sizes_of_the_embedded_model():
     assert "not a power of two >= 16" in block_problem(d, 48)
     assert "not a power of two >= 16" in block_problem(d, 8)
     assert "cannot be quantized" in block_problem(dims(hidden=200, inter=512, heads=4, head_dim=50), 16)
+
+
+def test_the_default_block_is_128_else_64_and_says_which():
+    said: list[str] = []
+    assert default_block(dims(), said.append) == 64  # the embedded model: hidden 192
+    assert said == ["int4 block size 64: the largest of 128 and 64 that divides every linear's input (hidden_size "
+                    "192, num_heads x head_dim 192, intermediate_size 512); --block-size sets another"]
+    assert default_block(dims(hidden=256, heads=4, head_dim=64, inter=768), said.append) == 128
+    assert said[-1].startswith("int4 block size 128: the largest of 128 and 64")
+    with pytest.raises(RefusionError, match=r"neither int4 block size 128 nor 64 \(the ones TensorRT documents\) "
+                                            r"fits: block size 64 does not divide hidden_size 96 .* is 32; pass "
+                                            r"--block-size"):
+        default_block(dims(hidden=96, heads=2, head_dim=48, inter=256), said.append)
 
 
 # -- AWQ --------------------------------------------------------------------------------------------

@@ -55,8 +55,6 @@ from refusion.tools.cli_common import progress as echo_progress
 DEFAULT_LEVELS = "1,2,4,8,16"
 DEFAULT_REQUESTS = 256
 DEFAULT_REPEATS = 5
-TARGET_LEVEL = 16  # issue 11: aggregate tokens/s at 16 concurrent requests >= 3x single-stream, identical tokens
-TARGET_SPEEDUP = 3.0
 TIME_PARTS = ("onnxruntime", "packing", "kv_moves", "engine_python", "idle")
 
 
@@ -240,20 +238,7 @@ def make_report(cfg: ConcurrencyConfig, export_dir: Path, runner_info: dict[str,
             "host": host_info(("onnxruntime", "numpy")), "load_average": load, "command": reproduce_command(cfg),
         },
         "levels": levels,
-        "target": target(levels),
     }
-
-
-def target(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Issue 11's target: aggregate tokens/s at 16 concurrent requests >= 3x single-stream, identical tokens."""
-    goal = (f"aggregate tokens/s at {TARGET_LEVEL} concurrent requests >= {TARGET_SPEEDUP:g}x single-stream, "
-            "identical tokens")
-    row = next((r for r in rows if r["concurrency"] == TARGET_LEVEL), None)
-    if row is None:
-        return {"target": goal, "measured": False}
-    return {"target": goal, "measured": True, "speedup": row["speedup"],
-            "identical": f"{row['identical']}/{row['compared']}",
-            "met": bool(row["speedup"] >= TARGET_SPEEDUP and row["identical"] == row["compared"])}
 
 
 def reproduce_command(cfg: ConcurrencyConfig) -> str:
@@ -272,7 +257,7 @@ def reproduce_command(cfg: ConcurrencyConfig) -> str:
 
 
 def render_markdown(report: dict[str, Any]) -> str:
-    meta, rows, t = report["meta"], report["levels"], report["target"]
+    meta, rows = report["meta"], report["levels"]
     host = meta["host"]
     lines = [
         f"# refusion-run bench-concurrency: {meta['mode']}, {meta['threads']} thread(s)",
@@ -323,12 +308,6 @@ def render_markdown(report: dict[str, Any]) -> str:
                      + " | ".join(f"{100 * e['share'][p]:.0f}%" for p in TIME_PARTS)
                      + f" | {ms.get('onnxruntime', 0):.3f} | {ms.get('engine_python', 0):.3f} | "
                      f"{1000 / r['output_tokens_per_second']:.3f} |")
-    lines += ["", "## Target", ""]
-    if t["measured"]:
-        lines.append(f"- {t['target']}: **{'met' if t['met'] else 'missed'}**: {t['speedup']:.2f}x, identical "
-                     f"{t['identical']}.")
-    else:
-        lines.append(f"- {t['target']}: not measured (no level {TARGET_LEVEL}).")
     lines += ["", f"Reproduce: `{meta['command']}`", ""]
     return "\n".join(lines)
 
@@ -348,10 +327,7 @@ def render_plot(report: dict[str, Any], path: Path) -> None:
                        for t, r in zip(tps, rows)]).T
     ax1.errorbar(cs, tps, yerr=spread, fmt="o-", color="tab:red", capsize=3, label="measured (median pass, range)")
     ax1.plot(cs, [tps[0] * c for c in cs], "--", color="gray", label="linear in concurrency")
-    if TARGET_LEVEL in cs:
-        ax1.scatter([TARGET_LEVEL], [TARGET_SPEEDUP * tps[0]], marker="*", s=150, color="tab:green", zorder=3,
-                    label=f"target: {TARGET_SPEEDUP:g}x at {TARGET_LEVEL}")
-    ax1.set_ylim(0, max(tps) * 1.6 if TARGET_LEVEL not in cs else max(max(tps), TARGET_SPEEDUP * tps[0]) * 1.3)
+    ax1.set_ylim(0, max(tps) * 1.6)
     ax1.set_ylabel("aggregate output tokens / s")
     ax1.set_title("throughput")
     for key, style, label in (("latency_ms", "o-", "request latency"), ("ttft_ms", "s-", "TTFT")):

@@ -20,7 +20,7 @@ process and machine noise cancels; each ratio carries a bootstrap 95% interval o
 Tokens are counted the same way for every method: generated tokens in position order up to
 and including the first EOS (all of them when there is none).
 
-Writes OUT/bench.md (tables and the targets), OUT/bench.json (everything, per prompt too)
+Writes OUT/bench.md (tables, and ReFusion against the other methods), OUT/bench.json (everything, per prompt too)
 and OUT/bench.png (accuracy against tokens/s, log x, one point per method and setting: the
 shape of the paper's Figure 1; needs matplotlib).
 """
@@ -60,12 +60,6 @@ DEFAULT_SETTINGS = "8,1,0.9,0.4;8,2,0.9,0.4;4,4,0.9,0.4;4,4,0.7,0.2;8,4,0.7,0.2;
 DEFAULT_DIFFUSION = "64,32;32,32;64,32,exit"
 DEFAULT_GEN_LENGTH = 64
 BOOTSTRAP = 2000
-
-# The targets of issue 5 (reported in results/bench/bench.md).
-TARGET_SPEEDUP_VS_AR = 2.33
-TARGET_ACCURACY_POINTS = 1.0
-TARGET_SPEEDUP_VS_REFERENCE = 3.0
-PAPER_SPEEDUP_VS_DIFFUSION = 18.0
 
 
 # ----------------------------------------------------------------------------- settings
@@ -436,7 +430,7 @@ def make_report(cfg: BenchConfig, methods: list[Method], samples: dict[str, list
             "command": reproduce_command(cfg),
         },
         "methods": rows,
-        "targets": targets(rows),
+        "comparisons": comparisons(rows),
         "per_prompt": {
             "tasks": [ex.task for ex in examples],
             **{m.id: {"correct": [int(s.correct) for s in samples[m.id]], "tokens": [s.tokens for s in samples[m.id]],
@@ -466,35 +460,25 @@ def _reference_of(m: Method, by_id: dict[str, Method]) -> str | None:
     return None
 
 
-def targets(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """The issue's three targets, evaluated on this run."""
+def comparisons(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """ReFusion against AR, LLaDA-style diffusion and the PyTorch reference on this run: the ratios and what
+    they are made of. (The project's targets for them live in docs/benchmark.md, not in what the bench prints.)"""
     ar = next(r for r in rows if r["id"] == "ar")
     rf = [r for r in rows if r["family"] == "refusion"]
-    out: dict[str, Any] = {}
-    per_setting = []
-    for r in rf:
-        delta = 100 * (r["accuracy"] - ar["accuracy"])
-        s = r["ratios"]["vs_ar"]["ratio"]
-        per_setting.append({"id": r["id"], "setting": r["setting"], "speedup_vs_ar": s, "accuracy_delta_points": delta,
-                            "met": bool(s >= TARGET_SPEEDUP_VS_AR and delta >= -TARGET_ACCURACY_POINTS - 1e-9),
-                            # speedup = (tokens/forward ratio) x (forwards/s ratio)
-                            "tokens_per_forward_ratio": r["tokens_per_forward"] / ar["tokens_per_forward"],
-                            "forward_speed_ratio": r["forwards_per_second"] / ar["forwards_per_second"]})
-    out["refusion_vs_ar"] = {"target": f">= {TARGET_SPEEDUP_VS_AR}x AR tokens/s at accuracy within "
-                                       f"{TARGET_ACCURACY_POINTS:g} point of AR",
-                             "met": any(p["met"] for p in per_setting), "settings": per_setting}
+    out: dict[str, Any] = {"refusion_vs_ar": {"settings": [
+        {"id": r["id"], "setting": r["setting"], "speedup_vs_ar": r["ratios"]["vs_ar"]["ratio"],
+         "accuracy_delta_points": 100 * (r["accuracy"] - ar["accuracy"]),
+         # speedup = (tokens/forward ratio) x (forwards/s ratio)
+         "tokens_per_forward_ratio": r["tokens_per_forward"] / ar["tokens_per_forward"],
+         "forward_speed_ratio": r["forwards_per_second"] / ar["forwards_per_second"]} for r in rf]}}
     if any("vs_diffusion" in r["ratios"] for r in rf):
         out["refusion_vs_diffusion"] = {
-            "paper": f">{PAPER_SPEEDUP_VS_DIFFUSION:g}x vs LLaDA/Dream",
             "settings": [{"id": r["id"], "speedup": r["ratios"]["vs_diffusion"]["ratio"],
                           "ci95": r["ratios"]["vs_diffusion"]["ci95"]} for r in rf],
         }
     refs = [r for r in rows if "vs_reference" in r["ratios"]]
     if refs:
         out["runtime_vs_reference"] = {
-            "target": f">= {TARGET_SPEEDUP_VS_REFERENCE}x the PyTorch reference loop, same checkpoint and threads",
-            "met": all(r["ratios"]["vs_reference"]["ratio"] >= TARGET_SPEEDUP_VS_REFERENCE for r in refs
-                       if r["family"] == "refusion"),
             "settings": [{"id": r["id"], "speedup": r["ratios"]["vs_reference"]["ratio"],
                           "ci95": r["ratios"]["vs_reference"]["ci95"],
                           "same_tokens": f"{r['same_tokens_as_reference']}/{r['n']}"} for r in refs],
@@ -568,24 +552,23 @@ def render_markdown(report: dict[str, Any]) -> str:
     for r in rows:
         lines.append(f"| {r['method']} | {r['setting']} | "
                      + " | ".join(f"{100 * r['accuracy_by_task'].get(t, float('nan')):.0f}" for t in tasks_) + " |")
-    lines += ["", "## Targets", ""]
-    t = report["targets"]
-    rv = t["refusion_vs_ar"]
-    lines.append(f"- ReFusion {rv['target']}: **{'met' if rv['met'] else 'missed'}**. "
+    lines += ["", "## ReFusion against the other methods", ""]
+    c = report["comparisons"]
+    rv = c["refusion_vs_ar"]["settings"]
+    lines.append("- Against AR, tokens/s and accuracy: "
                  + "; ".join(f"{p['setting']}: {p['speedup_vs_ar']:.2f}x, {p['accuracy_delta_points']:+.1f} points"
-                             for p in rv["settings"]) + ".")
+                             for p in rv) + ".")
     lines.append("  Speedup vs AR = tokens/forward ratio x forward-speed ratio: "
                  + "; ".join(f"{p['setting']}: {p['tokens_per_forward_ratio']:.2f} x {p['forward_speed_ratio']:.2f}"
-                             for p in rv["settings"]) + ".")
-    if "refusion_vs_diffusion" in t:
-        d = t["refusion_vs_diffusion"]
-        lines.append(f"- ReFusion vs LLaDA-style token-level diffusion (paper {d['paper']}): "
-                     + "; ".join(f"{s['id'].split(':', 1)[1]} {s['speedup']:.1f}x" for s in d["settings"]) + ".")
-    if "runtime_vs_reference" in t:
-        rr = t["runtime_vs_reference"]
-        lines.append(f"- Runtime {rr['target']}: **{'met' if rr['met'] else 'missed'}**. "
-                     + "; ".join(f"{s['id']}: {s['speedup']:.2f}x (same tokens {s['same_tokens']})" for s in rr["settings"])
-                     + ".")
+                             for p in rv) + ".")
+    if "refusion_vs_diffusion" in c:
+        lines.append("- Against LLaDA-style token-level diffusion, tokens/s: "
+                     + "; ".join(f"{s['id'].split(':', 1)[1]} {s['speedup']:.1f}x"
+                                 for s in c["refusion_vs_diffusion"]["settings"]) + ".")
+    if "runtime_vs_reference" in c:
+        lines.append("- The runtime against the PyTorch reference loop (same checkpoint and threads), tokens/s: "
+                     + "; ".join(f"{s['id']}: {s['speedup']:.2f}x (same tokens {s['same_tokens']})"
+                                 for s in c["runtime_vs_reference"]["settings"]) + ".")
     lines += ["", f"Reproduce: `{meta['command']}`", ""]
     return "\n".join(lines)
 

@@ -75,7 +75,7 @@ def test_report_per_level(report):
         assert all(v >= 0 for v in r["engine"]["seconds"].values()), r["engine"]["seconds"]
         assert r["engine"]["counters"]["rows"] >= r["engine"]["counters"]["calls"] > 0
     assert levels[0]["speedup"] == 1.0 and levels[0]["engine"]["rows_per_forward"] == 1.0  # one request at a time
-    assert rep["target"] == {"target": C.target([])["target"], "measured": False}  # no level 16 here
+    assert "target" not in rep  # the project's targets are docs/benchmark.md's, not the bench's output
     assert rep["meta"]["command"].startswith(f"refusion-run bench-concurrency {rep['meta']['model']} "
                                              "--concurrency 1,2,4 --requests 8 --repeats 2")
 
@@ -86,16 +86,10 @@ def test_outputs_written(report):
     assert {p.name for p in out.iterdir()} == {f"{stem}.md", f"{stem}.json", f"{stem}.png", f"{stem}-profile.txt"}
     md = (out / f"{stem}.md").read_text()
     assert md.count("\n| 4 |") == 2 and f"Reproduce: `{rep['meta']['command']}`" in md
+    assert "target" not in md.lower()
     assert json.loads((out / f"{stem}.json").read_text())["levels"][2]["identical"] == 16
     profile = (out / f"{stem}-profile.txt").read_text()
     assert profile.startswith("concurrency 4 under cProfile") and "_advance" in profile
-
-
-def test_target_needs_the_speedup_and_identical_tokens():
-    row = {"concurrency": 16, "speedup": 3.2, "identical": 64, "compared": 64}
-    assert C.target([row])["met"]
-    assert not C.target([{**row, "identical": 63}])["met"]
-    assert not C.target([{**row, "speedup": 2.9}])["met"]
 
 
 @pytest.mark.parametrize("kwargs, match", [
