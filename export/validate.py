@@ -51,12 +51,11 @@ def validate_export(path: str | Path, seed: int = 0, pending: bool = False,
     counter = _Counter(progress, 2 * sum(len(case.graphs) for case in todo))  # both runners take every forward
     q = manifest.quantization
     tolerance = (INT4_TOLERANCE if q else TOLERANCE)[manifest.dtype]
-    label = f"{manifest.dtype}, {q.method} block {q.block_size}" if q else manifest.dtype
     # Unpacked sessions: measured on one ReFusion-8B layer, the session's peak 5.4 -> 4.3 GiB (fp16), 4.8 -> 3.7
     # GiB (int4), its forwards 2.5-7x slower (docs/quantization.md).
     sessions = OrtSessions(manifest, unpacked=True)
     return compare_runners(counter.wrap(sessions), counter.wrap(TorchRunner(manifest)), todo,
-                           tolerance, label)
+                           tolerance, manifest.precision)
 
 
 class _Counter:

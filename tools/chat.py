@@ -5,7 +5,7 @@
 Each answer is decoded over the chat template of the whole conversation and printed as its text
 settles; a stats line (tokens/s, tokens/forward) follows on stderr. On a terminal it reads what
 you type (Ctrl-C cancels an answer and keeps the conversation; Ctrl-D or /quit leaves); with
-piped stdin every line is one user turn and only the answers are printed.
+piped stdin every line is one user turn and stdout gets only the answers.
 """
 
 from __future__ import annotations
@@ -165,7 +165,7 @@ def _typed(prompt: str) -> Iterator[str]:
 @click.argument("model_dir", type=click.Path(path_type=Path))
 @click.option("--system", default=None, help="A system message that opens the conversation.")
 @click.option("--no-thinking", is_flag=True, help="Render the chat template with enable_thinking=False.")
-@click.option("--no-stats", is_flag=True, help="No stats line after each answer (/stats switches it).")
+@click.option("--no-stats", is_flag=True, help="No stats line on stderr after each answer (/stats switches it).")
 @decode_options
 @load_options
 @click.pass_context
@@ -174,9 +174,9 @@ def chat(ctx: click.Context, model_dir: Path, system: str | None, no_thinking: b
          token_threshold: float | None, temperature: float, seed: int | None, backend: str, threads: int | None,
          low_memory: bool, verify: bool) -> None:
     """Chat with the export or engines in MODEL_DIR. On a terminal, type a message and Enter; /help lists the
-    commands (/settings, /stats, /reset, /quit). With piped stdin each line is one user turn and only the
-    answers are printed; the exit code is 1 if a turn failed. Decode settings left out take the values the
-    export recorded for its model."""
+    commands (/settings, /stats, /reset, /quit). With piped stdin each line is one user turn, stdout gets the
+    answers alone and stderr a stats line after each (none with --no-stats) and any error; the exit code is 1 if
+    a turn failed. Decode settings left out take the values the export recorded for its model."""
     settings = decode_settings(mode, gen_length, slot_size, serial_blocks, slot_threshold, token_threshold,
                                temperature, seed)
     with Generator.from_dir(model_dir, backend=backend, threads=threads, verify=verify, low_memory=low_memory) as gen:

@@ -1,6 +1,6 @@
 """What both CLIs share: RefusionError -> one `error: ...` line on stderr and exit code 1; progress
 on stderr (bars on a terminal, plain lines elsewhere, nothing with --quiet); --version; the decode
-and load options of `refusion-run generate` and `chat`."""
+and load options of `refusion-run generate` and `chat`; a PROMPT argument of `-` read from stdin."""
 
 from __future__ import annotations
 
@@ -149,3 +149,20 @@ def decode_settings(mode: str, gen_length: int | None, slot_size: int | None, se
     return dict(gen_length=gen_length, slot_size=slot_size, serial_num_blocks=serial_blocks,
                 slot_threshold=slot_threshold, token_threshold=token_threshold, temperature=temperature, seed=seed,
                 mode=mode)
+
+
+STDIN_PROMPT = "-"
+
+
+def read_prompt(prompt: str | None) -> str | None:
+    """PROMPT as given, or stdin's text for `-` (UTF-8, without the newline that ends it)."""
+    if prompt != STDIN_PROMPT:
+        return prompt
+    data = sys.stdin.buffer.read()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise RefusionError(f"the prompt on stdin is not UTF-8 text: byte {data[e.start]:#04x} at offset {e.start}; "
+                            "pipe UTF-8 text.") from None
+    return text[:-1] if text.endswith("\n") else text
+

@@ -34,6 +34,7 @@ from refusion.tools.cli_common import (
     decode_settings,
     load_options,
     progress,
+    read_prompt,
     version_option,
 )
 from refusion.tools.serve_command import client, serve
@@ -61,7 +62,8 @@ def _prompt_ids(text: str | None) -> list[int] | None:
 @click.option("--no-thinking", is_flag=True, help="With --chat: render the template with enable_thinking=False.")
 @click.option("--prompt-ids", help="Exact prompt token ids, comma-separated (no template, no tokenizer).")
 @click.option("--stream", is_flag=True, help="Print text as the settled prefix grows.")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object: token_ids, text, stats.")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print one JSON object: text, token_ids, prompt_ids, finish_reason, stats.")
 @decode_options
 @load_options
 def generate(model_dir: Path, prompt: str | None, chat: bool, no_thinking: bool, prompt_ids: str | None,
@@ -70,7 +72,10 @@ def generate(model_dir: Path, prompt: str | None, chat: bool, no_thinking: bool,
              temperature: float, seed: int | None, backend: str, threads: int | None, low_memory: bool,
              verify: bool) -> None:
     """Generate a continuation of PROMPT (or --prompt-ids) with the export or engines in MODEL_DIR.
-    Decode settings left out take the values the export recorded for its model."""
+    Decode settings left out take the values the export recorded for its model. PROMPT - reads the prompt
+    from stdin (its trailing newline dropped)."""
+    if (prompt is None) == (prompt_ids is None):
+        raise RefusionError("give a PROMPT (or - to read it from stdin) or --prompt-ids 1,2,3, not both.")
     if stream and as_json:
         raise RefusionError("--stream and --json do not combine; choose one.")
     if chat and prompt_ids is not None:
@@ -80,8 +85,9 @@ def generate(model_dir: Path, prompt: str | None, chat: bool, no_thinking: bool,
         ExportManifest.read(model_dir).defaults, **decode_settings(mode, gen_length, slot_size, serial_blocks,
                                                                    slot_threshold, token_threshold, temperature, seed))
     prompt_kwargs = dict(prompt_ids=_prompt_ids(prompt_ids), chat=chat, enable_thinking=not no_thinking)
+    prompt = read_prompt(prompt)
     with Generator.from_dir(model_dir, backend=backend, threads=threads, verify=verify, low_memory=low_memory) as gen:
-        progress(f"{gen.runner.name}: {gen.manifest.path} ({gen.manifest.dtype})")
+        progress(f"{gen.runner.name}: {gen.manifest.path} ({gen.manifest.precision})")
         if stream:
             for piece in gen.stream(prompt, **prompt_kwargs, **asdict(params)):
                 click.echo(piece, nl=False)
@@ -90,8 +96,8 @@ def generate(model_dir: Path, prompt: str | None, chat: bool, no_thinking: bool,
             return
         result = gen.generate(prompt, **prompt_kwargs, **asdict(params))
     if as_json:
-        click.echo(json.dumps({"token_ids": result.token_ids, "text": result.text,
-                               "prompt_ids": result.prompt_ids, "stats": result.stats.to_json()}))
+        click.echo(json.dumps({"text": result.text, "token_ids": result.token_ids, "prompt_ids": result.prompt_ids,
+                               "finish_reason": result.finish_reason, "stats": result.stats.to_json()}))
         return
     click.echo(result.text)
     progress(_summary(result))

@@ -24,7 +24,7 @@ from refusion.runtime.runners import BACKENDS
 from refusion.serve.triton.client import generate, request_body, stream_events
 from refusion.serve.triton.launcher import Ports, TritonServer, check_export
 from refusion.serve.triton.settings import ServeSettings
-from refusion.tools.cli_common import decode_options, decode_settings, progress, quiet_option
+from refusion.tools.cli_common import decode_options, decode_settings, progress, quiet_option, read_prompt
 
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
@@ -98,7 +98,9 @@ def client(prompt: str, url: str, model_name: str, chat: bool, stream: bool, as_
            mode: str, gen_length: int | None, slot_size: int | None, serial_blocks: int | None,
            slot_threshold: float | None, token_threshold: float | None, temperature: float, seed: int | None) -> None:
     """Send PROMPT to a server started with `refusion-run serve` and print the answer. Decode settings
-    left out take the values the served export recorded (--gen-length is the request's max_tokens)."""
+    left out take the values the served export recorded (--gen-length is the request's max_tokens).
+    PROMPT - reads the prompt from stdin (its trailing newline dropped)."""
+    prompt = read_prompt(prompt)
     if stream and as_json:
         raise RefusionError("--stream and --json do not combine; choose one.")
     settings = decode_settings(mode, gen_length, slot_size, serial_blocks, slot_threshold, token_threshold,

@@ -22,7 +22,7 @@ from typing import Any
 
 from refusion.runtime.core.contract import GraphName
 from refusion.runtime.core.errors import RefusionError
-from refusion.runtime.core.export_manifest import check_format
+from refusion.runtime.core.export_manifest import MANIFEST_NAME, check_format
 from refusion.runtime.core.fields import Fields
 from refusion.runtime.core.files import sha256_file
 from refusion.runtime.core.profiles import DecodeLimits, ProfileSpec
@@ -93,6 +93,12 @@ class EngineManifest:
         path = Path(path)
         file = path / ENGINES_MANIFEST
         if not file.is_file():
+            if (path / MANIFEST_NAME).is_file():  # an export: the engines go to a directory of their own
+                engines = path.parent / "engines"
+                raise RefusionError(
+                    f"{path} holds no TensorRT engines ({ENGINES_MANIFEST} is missing): it is an export. Build them "
+                    f"with `refusion-export build {path} --output {engines}` and pass {engines}, or run the export "
+                    "itself on onnxruntime (--backend ort-cpu or ort-cuda).")
             raise RefusionError(
                 f"{path} holds no TensorRT engines ({ENGINES_MANIFEST} is missing); build them with "
                 f"`refusion-export build EXPORT_DIR --output {path}`."

@@ -100,6 +100,12 @@ class ExportManifest:
     def max_positions(self) -> int:
         return self.dims.max_position_embeddings
 
+    @property
+    def precision(self) -> str:
+        """The dtype, and the int4 quantization of an int4 export: "float32, int4-awq block 64"."""
+        q = self.quantization
+        return f"{self.dtype}, {q.method} block {q.block_size}" if q else self.dtype
+
     def graph_path(self, name: GraphName) -> Path:
         return self.path / self.graph_files[name]
 
@@ -170,10 +176,7 @@ class ExportManifest:
                     f"{path} is an unfinished export ({PENDING_NAME}, no {MANIFEST_NAME}): it was interrupted or "
                     "failed validation and must not be used. Delete it and re-run `refusion-export onnx`."
                 )
-            raise RefusionError(
-                f"{path} is not a refusion export: {MANIFEST_NAME} is missing. "
-                f"Create one with `refusion-export onnx CHECKPOINT --output {path}`."
-            )
+            raise RefusionError(f"{path} is not a refusion export: {MANIFEST_NAME} is missing. {_instead(path)}")
         try:
             raw = json.loads(file.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as e:
@@ -181,6 +184,20 @@ class ExportManifest:
         fields = Fields(file, raw, REEXPORT)
         check_format(fields, FORMAT, FORMAT_VERSION, "re-export")
         return _parse(path, fields)
+
+
+def _instead(path: Path) -> str:
+    """What to pass instead of a directory without refusion.json: an export one level down (`refusion-export
+    demo` writes out/demo/onnx), the export of a checkpoint, or a new export."""
+    below = sorted(p.parent for p in path.glob(f"*/{MANIFEST_NAME}") if not p.parent.name.startswith("."))
+    if below:
+        shown = " and ".join(map(str, below[:3])) + (" ..." if len(below) > 3 else "")
+        return f"{shown} {'is an export' if len(below) == 1 else 'are exports'}: pass {'it' if len(below) == 1 else 'one'}."
+    if (path / "config.json").is_file():
+        out = Path("out") / f"{path.resolve().name}-onnx"
+        return (f"It is a checkpoint (config.json): export it first with `refusion-export onnx {path} --output {out}`, "
+                f"then pass {out}.")
+    return f"Create one with `refusion-export onnx CHECKPOINT --output {path}`."
 
 
 def _digest(section: Any) -> str:

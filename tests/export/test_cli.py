@@ -128,3 +128,11 @@ def test_int4_takes_the_largest_block_that_divides_the_model_and_says_so(tmp_pat
     assert "int4 block size 64: the largest of 128 and 64 that divides every linear's input" in result.stderr
     assert json.loads((tmp_path / "int4" / "refusion.json").read_text())["quantization"]["block_size"] == 64
 
+
+
+def test_check_and_inspect_name_an_export_one_level_down(exported, tmp_path):
+    parent = tmp_path / "demo"  # `refusion-export demo` writes its export to out/demo/onnx
+    shutil.copytree(exported, parent / "onnx")
+    for command in ("check", "inspect"):
+        assert_user_error(run(command, parent), f"{parent} is not a refusion export: refusion.json is missing. "
+                                                f"{parent / 'onnx'} is an export: pass it.")

@@ -81,6 +81,14 @@ def test_settings_and_stats_commands(tiny_dir, gen):
     assert sum("tokens/s" in e for e in err) == 1 and "(stats off)" in err  # /stats switched it off
 
 
+def test_no_stats_prints_nothing_but_the_answers(tiny_dir, gen):
+    out = chat(tiny_dir, f"{SORT}\n{REVERSE}\n", "--no-stats")
+    assert out.exit_code == 0, out.output
+    assert out.stdout == f"{answer(gen, SORT)}\n{answer(gen, SORT, REVERSE)}\n" and out.stderr == ""
+    shown = " ".join(CliRunner().invoke(cli, ["chat", "--help"]).stdout.split())
+    assert "stdout gets the answers alone and stderr a stats line after each (none with --no-stats)" in shown
+
+
 def test_no_stats_reset_and_system(tiny_dir, gen):
     out = chat(tiny_dir, f"{SORT}\n/reset\n{SORT}\n", "--no-stats", "--system", "be brief")
     assert out.exit_code == 0, out.output

@@ -90,3 +90,56 @@ def test_verify_reads_every_files_sha256(tiny_dir, tmp_path):
     assert out.exit_code == 1 and "tokenizer.json has sha256" in out.stderr, out.output
     unverified = run(broken, PROMPT, "--chat", "--backend", "ort-cpu")  # found only when the tokenizer parses it
     assert unverified.exit_code == 1 and "tokenizer.json' is corrupt" in unverified.stderr, unverified.output
+
+
+def test_json_carries_the_finish_reason(tiny_dir):
+    data = json.loads(run(tiny_dir, PROMPT, "--chat", "--json").stdout)
+    with generator.Generator.from_dir(tiny_dir, backend="ort-cpu") as gen:
+        result = gen.generate(PROMPT, chat=True)
+    assert data["finish_reason"] == result.finish_reason and data["token_ids"] == result.token_ids
+    cut = json.loads(run(tiny_dir, "--prompt-ids", "5,6,7", "--mode", "ar", "--gen-length", "2", "--json").stdout)
+    assert cut["finish_reason"] in ("length", "eos") and len(cut["token_ids"]) <= 2
+
+
+def test_a_dash_reads_the_prompt_from_stdin(tiny_dir):
+    given = run(tiny_dir, PROMPT, "--chat", "--json")
+    piped = CliRunner().invoke(cli, ["generate", str(tiny_dir), "-", "--chat", "--json"], input=f"{PROMPT}\n")
+    assert piped.exit_code == 0, piped.output
+    assert json.loads(piped.stdout)["prompt_ids"] == json.loads(given.stdout)["prompt_ids"]  # the newline dropped
+    bad = CliRunner().invoke(cli, ["generate", str(tiny_dir), "-"], input=b"sort: \xff 3\n")
+    assert bad.exit_code == 1 and "error: the prompt on stdin is not UTF-8 text: byte 0xff at offset 6" in bad.stderr
+    assert "PROMPT - reads the prompt from stdin" in " ".join(CliRunner().invoke(cli, ["generate", "--help"]).stdout.split())
+
+
+def test_no_prompt_is_refused_before_anything_loads(tmp_path):
+    out = run(tmp_path / "not-even-there")
+    assert out.exit_code == 1
+    assert "error: give a PROMPT (or - to read it from stdin) or --prompt-ids 1,2,3, not both." in out.stderr
+
+
+def test_the_banner_names_the_int4_quantization(tiny_dir, tmp_path):
+    from refusion.export.quantize import QuantizeOptions
+
+    int4 = export_onnx(EMBEDDED_MODEL, tmp_path / "int4", validate=False, quantize=QuantizeOptions("int4-rtn"))
+    out = run(int4, PROMPT, "--chat", "--backend", "ort-cpu")
+    assert out.exit_code == 0, out.output
+    assert f"ort-cpu: {int4} (float32, int4-rtn block 64)" in out.stderr
+    assert f"ort-cpu: {tiny_dir} (float32)\n" in run(tiny_dir, PROMPT, "--chat", "--backend", "ort-cpu").stderr
+
+
+def test_errors_say_which_directory_to_pass(tiny_dir, tmp_path):
+    out = run(EMBEDDED_MODEL, PROMPT, "--chat")  # a checkpoint, not an export
+    assert out.exit_code == 1
+    assert (f"is not a refusion export: refusion.json is missing. It is a checkpoint (config.json): export it first "
+            f"with `refusion-export onnx {EMBEDDED_MODEL} --output out/refusion-tiny-onnx`, then pass "
+            "out/refusion-tiny-onnx.") in out.stderr
+    trt = run(tiny_dir, PROMPT, "--chat", "--backend", "trt")
+    if "needs TensorRT" not in trt.stderr:  # with TensorRT importable, the engines are what is missing
+        assert (f"error: {tiny_dir} holds no TensorRT engines (engines.json is missing): it is an export. Build them "
+                f"with `refusion-export build {tiny_dir} --output {tiny_dir.parent / 'engines'}` and pass "
+                f"{tiny_dir.parent / 'engines'}") in trt.stderr
+    parent = tmp_path / "demo"  # `refusion-export demo` leaves its export one level down, in out/demo/onnx
+    shutil.copytree(tiny_dir, parent / "onnx")
+    out = run(parent, PROMPT, "--chat")
+    assert f"error: {parent} is not a refusion export: refusion.json is missing. {parent / 'onnx'} is an export: " \
+           "pass it." in out.stderr
