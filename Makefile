@@ -1,7 +1,7 @@
 # The checks, one at a time or together (make lint typecheck test-fast), in the venv the README sets up.
 PYTHON ?= python
 
-.PHONY: test test-fast lint typecheck
+.PHONY: test test-fast lint typecheck docs
 
 test:  # every test, the README's test command: the real Triton servers and the slow ones included
 	$(PYTHON) -m pytest -q
@@ -16,3 +16,6 @@ lint:
 typecheck:
 	$(PYTHON) -m refusion.tools.checks.trt_stubs > /dev/null
 	$(PYTHON) -m mypy
+
+docs:  # run the examples of README.md, docs/api.md and docs/serving.md; rewrite the output blocks they show
+	$(PYTHON) -m refusion.tools.doc_examples --write
