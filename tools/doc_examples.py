@@ -103,6 +103,8 @@ def parse(doc: str, text: str) -> list[Example]:
                            directive.group(1) if directive else "", (directive.group(2) or "") if directive else "")
             if last.directive == "not run" and not last.argument:
                 raise RefusionError(f"{last.where}: `<!-- not run -->` needs a reason: `<!-- not run: WHY -->`.")
+            if last.directive == "server" and lang != "bash":
+                raise RefusionError(f"{last.where}: `<!-- server -->` marks a bash block (its last line starts one).")
             examples.append(last)
         else:
             last = None

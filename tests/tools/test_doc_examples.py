@@ -91,6 +91,8 @@ def test_the_format(doc_root):
     assert examples[2].runnable_code().startswith("echo ") and examples[3].shown is None
     with pytest.raises(RefusionError, match=r"doc.md:2 \(bash\): `<!-- not run -->` needs a reason"):
         D.parse("doc.md", "<!-- not run -->\n```bash\nls\n```\n")
+    with pytest.raises(RefusionError, match=r"`<!-- server -->` marks a bash block"):
+        D.parse("doc.md", "<!-- server -->\n```python\nserve()\n```\n")
 
 
 def test_masks_hide_what_varies_and_nothing_else():
