@@ -3,6 +3,9 @@
 Every greedy request must get exactly the tokens it gets alone (run directly on a runner,
 no scheduler), whatever runs beside it: other settings, AR and ReFusion mixed, other prompt
 lengths, early or no EOS, neighbours cancelled midway.
+
+Work in flight is held by tests/gate.py's ForwardGate, never by a sleep or a long request; every
+`timeout=` of a result() or join() only guards against a hang.
 """
 
 from __future__ import annotations

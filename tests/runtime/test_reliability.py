@@ -12,6 +12,8 @@ warm-up.
 
 The mix (which job, what happens to it, when) is drawn from the seed before anything runs, so a
 failure names the request and reproduces with the same seed, thread interleaving aside.
+
+Every `timeout=` of a result() or join() only guards against a hang.
 """
 
 from __future__ import annotations

@@ -4,6 +4,7 @@ several requests' KV, and the onnxruntime CUDA runner's batched IO binding.
 
 The oracle is each request decoded alone on the same runner (one slot, no engine): every
 greedy request served beside others, its forwards packed with theirs, must get those tokens.
+The cancelled neighbour is held mid-decode by tests/gate.py; the `timeout=`s only guard against a hang.
 """
 
 from __future__ import annotations
