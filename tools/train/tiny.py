@@ -617,7 +617,7 @@ def parser() -> argparse.ArgumentParser:
     tr.add_argument("--rope-theta", type=float, default=10000.0)
     tr.add_argument("--max-positions", type=int, default=256)
     # optimisation
-    tr.add_argument("--steps", type=int, default=8000)
+    tr.add_argument("--steps", type=int, default=6000)
     tr.add_argument("--batch-size", type=int, default=64)
     tr.add_argument("--micro-batches", type=int, default=4, help="the batch sorted by length and run in this many parts")
     tr.add_argument("--lr", type=float, default=2e-3)
