@@ -146,8 +146,9 @@ class Generator:
         positions = strategy(params.mode).positions(params)
         if len(ids) + positions > self.manifest.max_positions:
             raise RefusionError(
-                f"prompt of {len(ids)} tokens + gen_length {positions} exceeds the model's "
-                f"{self.manifest.max_positions} positions; shorten the prompt or gen_length."
+                f"prompt of {len(ids)} tokens + {positions} positions of generation exceeds the model's "
+                f"{self.manifest.max_positions} positions; shorten the prompt or ask for fewer tokens (max_tokens or "
+                f"gen_length; {max(0, self.manifest.max_positions - len(ids))} positions remain after this prompt)."
             )
         self.runner.check_request(len(ids), params)
         m = self.manifest

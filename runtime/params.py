@@ -24,6 +24,7 @@ class DecodeParams:
     temperature: float = 0.0
     seed: int | None = None
     mode: Mode = "refusion"
+    max_tokens: int | None = None  # at most this many new tokens; None: the canvas (gen_length, padded) bounds them
 
     def __post_init__(self) -> None:
         for name in ("gen_length", "slot_size", "serial_num_blocks"):
@@ -31,6 +32,11 @@ class DecodeParams:
             if not _is_int(value) or value <= 0:
                 raise RefusionError(f"{name}={value!r} must be a positive integer.")
             object.__setattr__(self, name, int(value))  # numpy scalars become plain, JSON-safe numbers
+        if self.max_tokens is not None:
+            if not _is_int(self.max_tokens) or self.max_tokens <= 0:
+                raise RefusionError(f"max_tokens={self.max_tokens!r} must be a positive integer (the most new tokens "
+                                    "to return), or None.")
+            object.__setattr__(self, "max_tokens", int(self.max_tokens))
         for name in ("slot_threshold", "token_threshold"):
             value = getattr(self, name)
             if not _is_number(value):
@@ -53,7 +59,7 @@ class DecodeParams:
     @staticmethod
     def with_defaults(defaults: DecodeDefaults, **settings: Any) -> DecodeParams:
         """`settings` over an export's recorded `defaults`: a decode setting left out, or None, takes the
-        export's value; temperature, seed and mode keep the bare defaults."""
+        export's value; temperature, seed, mode and max_tokens keep the bare defaults."""
         names = [f.name for f in fields(DecodeParams)]
         unknown = [name for name in settings if name not in names]
         if unknown:

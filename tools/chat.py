@@ -22,16 +22,17 @@ import click
 from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.generator import Generator
 from refusion.runtime.params import DecodeParams
-from refusion.tools.cli_common import decode_options, decode_settings, load_options
+from refusion.tools.cli_common import decode_options, decode_settings, load_options, load_settings
 
 # /settings keys: short names, and every DecodeParams field by its own name
 ALIASES = {"k": "slot_size", "blocks": "serial_num_blocks", "serial_blocks": "serial_num_blocks"}
-_TYPES = {"gen_length": int, "slot_size": int, "serial_num_blocks": int, "slot_threshold": float,
+_TYPES = {"max_tokens": int, "gen_length": int, "slot_size": int, "serial_num_blocks": int, "slot_threshold": float,
           "token_threshold": float, "temperature": float, "seed": int, "mode": str}
 HELP = """commands:
   /settings             show the decode settings
-  /settings k=v ...     change them: k (slot_size), blocks (serial_num_blocks), gen_length, slot_threshold,
-                        token_threshold, temperature, seed, mode (refusion | ar); e.g. /settings slot_size=4 mode=ar
+  /settings k=v ...     change them: k (slot_size), blocks (serial_num_blocks), max_tokens, gen_length,
+                        slot_threshold, token_threshold, temperature, seed, mode (refusion | ar);
+                        e.g. /settings slot_size=4 mode=ar max_tokens=32 (seed=none, max_tokens=none: unset)
   /stats                switch the stats line after each answer on or off
   /reset                start a new conversation
   /quit                 leave (Ctrl-D too); Ctrl-C cancels the answer being written"""
@@ -127,7 +128,8 @@ class ChatSession:
                 raise RefusionError(f"/settings {item!r} is not key=value with a key among k, blocks, "
                                     f"{', '.join(_TYPES)}; e.g. /settings slot_size=4 mode=ar.")
             try:
-                changed[name] = None if name == "seed" and value.lower() == "none" else _TYPES[name](value)
+                optional = name in ("seed", "max_tokens") and value.lower() == "none"
+                changed[name] = None if optional else _TYPES[name](value)
             except ValueError as e:
                 kind, example = ("an integer", "4") if _TYPES[name] is int else ("a number", "0.5")
                 raise RefusionError(f"/settings {item}: {value!r} is not {kind} (e.g. {name}={example}).") from e
@@ -169,17 +171,14 @@ def _typed(prompt: str) -> Iterator[str]:
 @decode_options
 @load_options
 @click.pass_context
-def chat(ctx: click.Context, model_dir: Path, system: str | None, no_thinking: bool, no_stats: bool, mode: str,
-         gen_length: int | None, slot_size: int | None, serial_blocks: int | None, slot_threshold: float | None,
-         token_threshold: float | None, temperature: float, seed: int | None, backend: str, threads: int | None,
-         low_memory: bool, verify: bool) -> None:
+def chat(ctx: click.Context, model_dir: Path, system: str | None, no_thinking: bool, no_stats: bool,
+         **options: Any) -> None:
     """Chat with the export or engines in MODEL_DIR. On a terminal, type a message and Enter; /help lists the
     commands (/settings, /stats, /reset, /quit). With piped stdin each line is one user turn, stdout gets the
     answers alone and stderr a stats line after each (none with --no-stats) and any error; the exit code is 1 if
     a turn failed. Decode settings left out take the values the export recorded for its model."""
-    settings = decode_settings(mode, gen_length, slot_size, serial_blocks, slot_threshold, token_threshold,
-                               temperature, seed)
-    with Generator.from_dir(model_dir, backend=backend, threads=threads, verify=verify, low_memory=low_memory) as gen:
+    settings = decode_settings(options)
+    with Generator.from_dir(model_dir, **load_settings(options)) as gen:
         session = ChatSession(gen, settings, system, enable_thinking=not no_thinking, stats=not no_stats)
         if not sys.stdin.isatty():
             session.run(sys.stdin)

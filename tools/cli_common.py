@@ -105,7 +105,12 @@ def version_option(f: Any) -> Any:
 _RECORDED = "default: the export's recorded value"
 _DECODE_OPTIONS = (
     click.option("--mode", type=click.Choice(MODES), default="refusion", show_default=True),
-    click.option("--gen-length", type=int, help=f"Tokens to generate ({_RECORDED})."),
+    click.option("--max-tokens", type=int,
+                 help="At most this many new tokens (any N >= 1 that fits the positions; default: none, "
+                      "the canvas length bounds the answer). ReFusion lays out blocks to cover N and cuts the answer there."),
+    click.option("--gen-length", type=int,
+                 help=f"ReFusion's canvas ({_RECORDED}): positions decoded, padded to whole slots and cut into the "
+                      "serial blocks; given with a max-tokens cap, the cap wins and this sets only the block length."),
     click.option("--slot-size", type=int, help=f"Tokens per slot ({_RECORDED})."),
     click.option("--serial-blocks", type=int,
                  help=f"Equal blocks the generation is cut into, decoded in turn ({_RECORDED})."),
@@ -129,26 +134,32 @@ _LOAD_OPTIONS = (
 
 
 def decode_options(f: Any) -> Any:
-    """--mode --gen-length --slot-size --serial-blocks --slot-threshold --token-threshold --temperature --seed."""
+    """--mode --max-tokens --gen-length --slot-size --serial-blocks --slot-threshold --token-threshold --temperature
+    --seed; the command takes them as keyword arguments and hands them to `decode_settings`."""
     for option in reversed(_DECODE_OPTIONS):
         f = option(f)
     return f
 
 
 def load_options(f: Any) -> Any:
-    """--backend --threads --low-memory --verify (Generator.from_dir's options)."""
+    """--backend --threads --low-memory --verify (Generator.from_dir's options; `load_settings` reads them)."""
     for option in reversed(_LOAD_OPTIONS):
         f = option(f)
     return f
 
 
-def decode_settings(mode: str, gen_length: int | None, slot_size: int | None, serial_blocks: int | None,
-                    slot_threshold: float | None, token_threshold: float | None, temperature: float,
-                    seed: int | None) -> dict[str, Any]:
-    """The decode options as Generator settings (None: the export's recorded value)."""
-    return dict(gen_length=gen_length, slot_size=slot_size, serial_num_blocks=serial_blocks,
-                slot_threshold=slot_threshold, token_threshold=token_threshold, temperature=temperature, seed=seed,
-                mode=mode)
+def decode_settings(options: dict[str, Any]) -> dict[str, Any]:
+    """The decode options, taken out of a command's `options`, as Generator settings (None: the export's
+    recorded value)."""
+    names = {"serial_blocks": "serial_num_blocks"}  # option name -> setting name, where they differ
+    taken = ("mode", "max_tokens", "gen_length", "slot_size", "serial_blocks", "slot_threshold", "token_threshold",
+             "temperature", "seed")
+    return {names.get(name, name): options.pop(name) for name in taken}
+
+
+def load_settings(options: dict[str, Any]) -> dict[str, Any]:
+    """The load options, taken out of a command's `options`, as Generator.from_dir's keywords."""
+    return {name: options.pop(name) for name in ("backend", "threads", "low_memory", "verify")}
 
 
 STDIN_PROMPT = "-"
@@ -165,4 +176,3 @@ def read_prompt(prompt: str | None) -> str | None:
         raise RefusionError(f"the prompt on stdin is not UTF-8 text: byte {data[e.start]:#04x} at offset {e.start}; "
                             "pipe UTF-8 text.") from None
     return text[:-1] if text.endswith("\n") else text
-

@@ -1,7 +1,7 @@
 """`refusion-run`: generate with an export (or engines), chat, and benchmark decoding methods.
 
     refusion-run generate out/refusion-onnx "prompt" [--chat] [--stream] [--json] [--prompt-ids 1,2,3]
-                 [--mode refusion|ar] [--gen-length N --slot-size K --serial-blocks B
+                 [--mode refusion|ar] [--max-tokens N] [--gen-length N --slot-size K --serial-blocks B
                   --slot-threshold X --token-threshold Y --temperature T --seed S]
                  [--backend ...] [--threads N] [--low-memory] [--verify]
     refusion-run chat out/refusion-onnx [the same decode and load options] [--system TEXT] [--no-stats]
@@ -17,6 +17,7 @@ import json
 import sys
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -33,6 +34,7 @@ from refusion.tools.cli_common import (
     decode_options,
     decode_settings,
     load_options,
+    load_settings,
     progress,
     read_prompt,
     version_option,
@@ -67,10 +69,7 @@ def _prompt_ids(text: str | None) -> list[int] | None:
 @decode_options
 @load_options
 def generate(model_dir: Path, prompt: str | None, chat: bool, no_thinking: bool, prompt_ids: str | None,
-             stream: bool, as_json: bool, mode: str, gen_length: int | None, slot_size: int | None,
-             serial_blocks: int | None, slot_threshold: float | None, token_threshold: float | None,
-             temperature: float, seed: int | None, backend: str, threads: int | None, low_memory: bool,
-             verify: bool) -> None:
+             stream: bool, as_json: bool, **options: Any) -> None:
     """Generate a continuation of PROMPT (or --prompt-ids) with the export or engines in MODEL_DIR.
     Decode settings left out take the values the export recorded for its model. PROMPT - reads the prompt
     from stdin (its trailing newline dropped)."""
@@ -81,12 +80,11 @@ def generate(model_dir: Path, prompt: str | None, chat: bool, no_thinking: bool,
     if chat and prompt_ids is not None:
         raise RefusionError("--chat does not combine with --prompt-ids: token ids are fed exactly as given, "
                             "without the chat template; drop --chat, or give the PROMPT text instead.")
-    params = DecodeParams.with_defaults(  # validated before loading anything
-        ExportManifest.read(model_dir).defaults, **decode_settings(mode, gen_length, slot_size, serial_blocks,
-                                                                   slot_threshold, token_threshold, temperature, seed))
+    params = DecodeParams.with_defaults(ExportManifest.read(model_dir).defaults,  # validated before loading anything
+                                        **decode_settings(options))
     prompt_kwargs = dict(prompt_ids=_prompt_ids(prompt_ids), chat=chat, enable_thinking=not no_thinking)
     prompt = read_prompt(prompt)
-    with Generator.from_dir(model_dir, backend=backend, threads=threads, verify=verify, low_memory=low_memory) as gen:
+    with Generator.from_dir(model_dir, **load_settings(options)) as gen:
         progress(f"{gen.runner.name}: {gen.manifest.path} ({gen.manifest.precision})")
         if stream:
             for piece in gen.stream(prompt, **prompt_kwargs, **asdict(params)):

@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 import click
 
@@ -95,16 +96,14 @@ def serve(model_dir: Path, model_name: str, http_port: int, grpc_port: int, metr
 @click.option("--timeout", "timeout_s", type=float, default=None, help="The request's deadline on the server, seconds.")
 @decode_options
 def client(prompt: str, url: str, model_name: str, chat: bool, stream: bool, as_json: bool, timeout_s: float | None,
-           mode: str, gen_length: int | None, slot_size: int | None, serial_blocks: int | None,
-           slot_threshold: float | None, token_threshold: float | None, temperature: float, seed: int | None) -> None:
+           **options: Any) -> None:
     """Send PROMPT to a server started with `refusion-run serve` and print the answer. Decode settings
     left out take the values the served export recorded (--gen-length is the request's max_tokens).
     PROMPT - reads the prompt from stdin (its trailing newline dropped)."""
     prompt = read_prompt(prompt)
     if stream and as_json:
         raise RefusionError("--stream and --json do not combine; choose one.")
-    settings = decode_settings(mode, gen_length, slot_size, serial_blocks, slot_threshold, token_threshold,
-                               temperature, seed)
+    settings = decode_settings(options)
     body = request_body(prompt, settings, chat=chat, stream=stream, timeout_s=timeout_s)
     t0 = time.perf_counter()
     if stream:

@@ -28,12 +28,12 @@ class Strategy:
     public: bool = True  # a DecodeParams mode: offered by the API, the CLIs and the server
 
 
-_SAMPLING = ("temperature", "seed")
+_COMMON = ("temperature", "seed", "max_tokens")
 STRATEGIES: dict[str, Strategy] = {
-    "refusion": Strategy(refusion.refusion_steps, _SAMPLING + ("gen_length", "slot_size", "serial_num_blocks",
+    "refusion": Strategy(refusion.refusion_steps, _COMMON + ("gen_length", "slot_size", "serial_num_blocks",
                                                               "slot_threshold", "token_threshold"),
                          refusion.kv_capacity, refusion.positions, refusion.profile_needs, refusion.check),
-    "ar": Strategy(ar.ar_steps, _SAMPLING + ("gen_length",), ar.kv_capacity, ar.positions, ar.profile_needs),
+    "ar": Strategy(ar.ar_steps, _COMMON + ("gen_length",), ar.kv_capacity, ar.positions, ar.profile_needs),
     # the benchmark's baseline, with its own params (llada.DiffusionParams)
     "llada": Strategy(llada.llada_steps, ("gen_length", "steps", "block_length", "order", "early_exit"),
                       llada.kv_capacity, llada.positions, None, public=False),

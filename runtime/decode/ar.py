@@ -17,22 +17,23 @@ if TYPE_CHECKING:
 
 def kv_capacity(prompt_length: int, params: DecodeParams) -> int:
     """KV tokens a request needs: the prompt and every generated token."""
-    return prompt_length + params.gen_length
+    return prompt_length + positions(params)
 
 
 def positions(params: DecodeParams) -> int:
-    return params.gen_length
+    """Tokens it generates at most: max_tokens when given, else gen_length (unpadded: AR has no slots)."""
+    return params.max_tokens if params.max_tokens is not None else params.gen_length
 
 
 def profile_needs(params: DecodeParams) -> tuple[int, int, int]:
-    """One token a forward: to the engines' limits, gen_length blocks of one token."""
-    return params.gen_length, 1, params.gen_length
+    """One token a forward: to the engines' limits, that many blocks of one token."""
+    return positions(params), 1, positions(params)
 
 
 def ar_steps(tokens: Tokens, params: DecodeParams, trace: DecodeTrace, logits: bool) -> StepMachine:
     """Greedy (or sampled) autoregressive decoding on the infiller: the baseline."""
     prompt = np.asarray(tokens.prompt, dtype=np.int64)
-    p0, gen_len = len(prompt), params.gen_length
+    p0, gen_len = len(prompt), positions(params)
     cache = KVCache(kv_capacity(p0, params))
     fwd = Forwards(cache, trace, params, logits)
     ids, pos, kind = prompt, np.arange(p0), "prefill"

@@ -3,6 +3,7 @@ exactly, in the order docs/decoding.md describes it."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -16,19 +17,33 @@ if TYPE_CHECKING:
     from refusion.runtime.params import DecodeParams
 
 
+def block_lengths(params: DecodeParams) -> list[int]:
+    """The blocks decoded in turn. Upstream's layout: serial_num_blocks equal blocks of the padded gen_length.
+    With max_tokens, blocks of that same length until they cover max_tokens in whole slots, the last one cut
+    to the slots it needs: the answer is cut at max_tokens, so fewer than slot_size positions are decoded past it."""
+    block = params.block_length
+    if params.max_tokens is None:
+        return [block] * params.serial_num_blocks
+    k = params.slot_size
+    canvas = -(-params.max_tokens // k) * k
+    return [block] * (canvas // block) + ([canvas % block] if canvas % block else [])
+
+
 def kv_capacity(prompt_length: int, params: DecodeParams) -> int:
     """KV tokens a request needs: prompt and generation, plus one block of infill scratch."""
-    return prompt_length + params.padded_gen_length + params.block_length
+    blocks = block_lengths(params)
+    return prompt_length + sum(blocks) + max(blocks)
 
 
 def positions(params: DecodeParams) -> int:
-    """Positions the generation takes after the prompt: gen_length in whole slots, as upstream pads it."""
-    return params.padded_gen_length
+    """Positions the generation takes after the prompt: its blocks, in whole slots, as upstream pads gen_length."""
+    return sum(block_lengths(params))
 
 
 def profile_needs(params: DecodeParams) -> tuple[int, int, int]:
-    """(gen_length, slot size, serial blocks) the engines' limits must hold."""
-    return params.gen_length, params.slot_size, params.serial_num_blocks
+    """(gen_length, slot size, serial blocks) the engines' limits must hold: whole blocks of the longest."""
+    blocks = block_lengths(params)
+    return len(blocks) * max(blocks), params.slot_size, len(blocks)
 
 
 def check(params: DecodeParams) -> None:
@@ -40,19 +55,22 @@ def refusion_steps(tokens: Tokens, params: DecodeParams, trace: DecodeTrace, log
     """upstream `generate_refusion` (default mode), as a step machine."""
     k, thr_slot, thr_tok = params.slot_size, params.slot_threshold, params.token_threshold
     prompt = np.asarray(tokens.prompt, dtype=np.int64)
-    p0, block_len = len(prompt), params.block_length
+    p0, blocks = len(prompt), block_lengths(params)
+    cap = p0 + (params.max_tokens if params.max_tokens is not None else sum(blocks))  # no token at or past it is returned
     cache = KVCache(kv_capacity(p0, params))
     fwd = Forwards(cache, trace, params, logits)
     step = 0
     eos_seen = False
 
-    def commit(ids: np.ndarray, pos: np.ndarray, how: str) -> Commit:
+    def commit(ids: np.ndarray, pos: np.ndarray, how: str) -> Iterator[Commit]:
         nonlocal step
         step += 1
-        return Commit(step, tuple(int(t) for t in ids), tuple(int(p) for p in pos), how)
+        kept = pos < cap
+        if kept.any():
+            yield Commit(step, tuple(int(t) for t in ids[kept]), tuple(int(p) for p in pos[kept]), how)
 
-    for block in range(params.serial_num_blocks):
-        start = p0 + block * block_len
+    for block, block_len in enumerate(blocks):
+        start = p0 + sum(blocks[:block])
         remaining = [start + j * k for j in range(block_len // k)]  # R: slot start positions, in order
         while remaining:
             slot_pos = np.add.outer(np.array(remaining, dtype=np.int64), np.arange(k))
@@ -88,7 +106,7 @@ def refusion_steps(tokens: Tokens, params: DecodeParams, trace: DecodeTrace, log
                 remaining = [s for j, s in enumerate(remaining) if j not in drop]
                 trace.tpf_sum += k * slots / 2
                 trace.iterations += 1
-                yield commit(flat[:count], row_pos.reshape(-1)[:count], "verification")
+                yield from commit(flat[:count], row_pos.reshape(-1)[:count], "verification")
                 continue
             # 3. Parallel infill
             trace.branches["infill_loop"] += 1
@@ -120,6 +138,6 @@ def refusion_steps(tokens: Tokens, params: DecodeParams, trace: DecodeTrace, log
                 eos_seen = True
                 trace.branches["eos_in_infill"] += 1
             remaining = [s for j, s in enumerate(remaining) if j not in drop]
-            yield commit(rows.reshape(-1)[:count], row_pos.reshape(-1)[:count], "infill")
+            yield from commit(rows.reshape(-1)[:count], row_pos.reshape(-1)[:count], "infill")
         if eos_seen:
             break

@@ -81,7 +81,7 @@ def test_generate_reports_truthful_stats(gen):
 def test_ar_mode_checks_its_own_length_without_slot_padding(gen):
     ar = dict(gen_length=30, slot_size=32, serial_num_blocks=3, mode="ar")  # slot layout irrelevant to AR
     assert len(gen.generate(prompt_ids=[5] * 482, **ar).token_ids) == 30  # 482 + 30 = 512 positions
-    with pytest.raises(RefusionError, match="prompt of 483 tokens \\+ gen_length 30 exceeds the model's 512 positions"):
+    with pytest.raises(RefusionError, match="prompt of 483 tokens \\+ 30 positions of generation exceeds the model's 512 positions"):
         gen.generate(prompt_ids=[5] * 483, **ar)
 
 

@@ -28,6 +28,8 @@ TINY = DecodeDefaults(gen_length=64, slot_size=4, serial_num_blocks=4, slot_thre
     (dict(seed="a"), "seed='a' must be None or a non-negative integer (it seeds the sampling noise)."),
     (dict(seed=-1), "seed=-1 must be None or a non-negative integer"),
     (dict(mode=3), "mode=3 is not one of 'refusion', 'ar'."),
+    (dict(max_tokens=0), "max_tokens=0 must be a positive integer (the most new tokens to return), or None."),
+    (dict(max_tokens=2.5), "max_tokens=2.5 must be a positive integer"),
 ])
 def test_wrong_types_and_non_finite_values_are_refused_by_name(kwargs, message):
     with pytest.raises(RefusionError) as err:
@@ -62,4 +64,12 @@ def test_an_unknown_setting_lists_the_valid_ones():
     with pytest.raises(RefusionError) as err:
         DecodeParams.with_defaults(TINY, unknown_setting=1)
     assert str(err.value) == ("unknown decode setting unknown_setting=1; the settings are gen_length, slot_size, "
-                              "serial_num_blocks, slot_threshold, token_threshold, temperature, seed, mode.")
+                              "serial_num_blocks, slot_threshold, token_threshold, temperature, seed, mode, max_tokens.")
+
+
+def test_max_tokens_is_kept_apart_from_the_exports_canvas():
+    p = DecodeParams.with_defaults(TINY, max_tokens=10)
+    assert (p.max_tokens, p.gen_length) == (10, 64)  # gen_length still sets ReFusion's block length
+    assert p.positions == 12  # three slots of 4 cover 10 tokens
+    assert DecodeParams.with_defaults(TINY, max_tokens=10, mode="ar").positions == 10
+    assert DecodeParams.with_defaults(TINY).max_tokens is None

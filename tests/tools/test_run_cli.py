@@ -34,6 +34,15 @@ def test_generate_needs_no_decode_flags(tiny_dir):
     assert data["text"] == out.stdout.strip() and len(data["token_ids"]) <= 64
 
 
+def test_max_tokens_caps_the_answer(tiny_dir):
+    for mode in ("refusion", "ar"):
+        out = run(tiny_dir, PROMPT, "--chat", "--json", "--max-tokens", 3, "--mode", mode, "--backend", "ort-cpu")
+        assert out.exit_code == 0, out.output
+        assert 1 <= len(json.loads(out.stdout)["token_ids"]) <= 3
+    out = run(tiny_dir, PROMPT, "--chat", "--max-tokens", 0)
+    assert out.exit_code == 1 and "error: max_tokens=0 must be a positive integer" in out.output
+
+
 def test_help_says_decode_settings_come_from_the_export():
     text = " ".join(CliRunner().invoke(cli, ["generate", "--help"]).stdout.split())
     for flag in ("--gen-length", "--slot-size", "--serial-blocks", "--slot-threshold", "--token-threshold"):

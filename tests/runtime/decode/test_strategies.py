@@ -8,7 +8,7 @@ import ast
 import pytest
 
 from refusion.runtime import DecodeParams, RefusionError
-from refusion.runtime.decode import MODES, STRATEGIES, strategy
+from refusion.runtime.decode import MODES, STRATEGIES, refusion, strategy
 from refusion.runtime.decode.llada import DiffusionParams
 from tests.helpers import REPO
 
@@ -24,10 +24,22 @@ def test_each_strategy_declares_its_needs():
     assert STRATEGIES["ar"].kv_capacity(10, ar) == 40
     assert STRATEGIES["llada"].kv_capacity(10, llada) == 1  # no KV kept
     assert (refusion.positions, ar.positions, STRATEGIES["llada"].positions(llada)) == (32, 30, 32)
-    assert STRATEGIES["refusion"].profile_needs(refusion) == (30, 4, 2)
+    assert STRATEGIES["refusion"].profile_needs(refusion) == (32, 4, 2)
     assert STRATEGIES["ar"].profile_needs(ar) == (30, 1, 30)  # one token a forward
     assert STRATEGIES["llada"].profile_needs is None
     assert "slot_size" in STRATEGIES["refusion"].settings and "slot_size" not in STRATEGIES["ar"].settings
+
+
+@pytest.mark.parametrize("max_tokens, blocks", [
+    (None, [16, 16]),  # upstream: serial_num_blocks equal blocks of gen_length
+    (1, [4]), (10, [12]), (16, [16]), (17, [16, 4]), (40, [16, 16, 8]), (100, [16] * 6 + [4]),
+])
+def test_max_tokens_lays_out_blocks_of_the_canvas_length_up_to_the_slot_that_holds_it(max_tokens, blocks):
+    params = DecodeParams(gen_length=32, slot_size=4, serial_num_blocks=2, max_tokens=max_tokens)
+    assert refusion.block_lengths(params) == blocks
+    assert params.positions == sum(blocks)
+    assert STRATEGIES["refusion"].kv_capacity(10, params) == 10 + sum(blocks) + max(blocks)
+    assert STRATEGIES["refusion"].profile_needs(params) == (len(blocks) * max(blocks), 4, len(blocks))
 
 
 def test_decode_params_take_the_public_modes_only():

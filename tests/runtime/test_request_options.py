@@ -1,0 +1,60 @@
+"""What a request asks beyond its prompt: max_tokens as a cap (later: stop sequences, logprobs), on real exports."""
+
+from __future__ import annotations
+
+import pytest
+
+from refusion.runtime.core.errors import RefusionError
+from refusion.runtime.generator import Generator
+
+pytest.importorskip("onnxruntime")
+pytest.importorskip("torch")
+
+SETTINGS = dict(gen_length=32, slot_size=4, serial_num_blocks=2, slot_threshold=0.5, token_threshold=0.1)
+
+
+@pytest.fixture(scope="module")
+def gen(tiny_export):
+    with Generator.from_dir(tiny_export, backend="ort-cpu", threads=1) as g:
+        yield g
+
+
+@pytest.fixture(scope="module")
+def prompt(gen) -> list[int]:
+    return gen.prompt_ids("count: 1 2 3 4 5 6 7 8 9", chat=True)
+
+
+@pytest.mark.parametrize("mode", ["refusion", "ar"])
+def test_max_tokens_is_a_cap_for_every_n(gen, prompt, mode):
+    eos = gen.manifest.eos_token_id
+    room = gen.manifest.max_positions - len(prompt)
+    for n in [*range(1, 20), 31, 32, 33, 50, room - room % 4]:
+        res = gen.generate(prompt_ids=prompt, max_tokens=n, mode=mode, **SETTINGS)
+        assert 1 <= len(res.token_ids) <= n, (n, res.token_ids)
+        ended = eos in res.token_ids
+        assert res.finish_reason == ("eos" if ended else "length"), (n, res.finish_reason)
+        assert ended or len(res.token_ids) == n  # stopped by the cap, exactly at it
+
+
+def test_ar_with_max_tokens_is_the_prefix_of_a_longer_answer(gen, prompt):
+    whole = gen.generate(prompt_ids=prompt, mode="ar", gen_length=64, slot_threshold=0.9).token_ids
+    for n in (1, 5, 17):
+        assert gen.generate(prompt_ids=prompt, mode="ar", max_tokens=n).token_ids == whole[:n]
+
+
+def test_max_tokens_of_whole_blocks_is_upstreams_layout(gen, prompt):
+    """max_tokens 32 with blocks of 16 is gen_length 32 in 2 blocks, token for token."""
+    canvas = gen.generate(prompt_ids=prompt, **SETTINGS)
+    capped = gen.generate(prompt_ids=prompt, max_tokens=32, **SETTINGS)
+    assert capped.token_ids == canvas.token_ids and capped.finish_reason == canvas.finish_reason
+    # gen_length alone keeps upstream's padding: 10 -> 12 positions, returned whole
+    padded = gen.generate(prompt_ids=prompt, gen_length=10, slot_size=4, serial_num_blocks=1, slot_threshold=0.0,
+                          token_threshold=1.0)
+    assert len(padded.token_ids) == 12 or gen.manifest.eos_token_id in padded.token_ids
+
+
+def test_max_tokens_past_the_positions_is_refused_naming_the_room(gen, prompt):
+    room = gen.manifest.max_positions - len(prompt)
+    with pytest.raises(RefusionError, match=f"{room + 1} positions of generation exceeds the model's 256 positions.*"
+                                            f"{room} positions remain after this prompt"):
+        gen.generate(prompt_ids=prompt, max_tokens=room + 1, mode="ar")
