@@ -16,7 +16,8 @@ from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.core.export_manifest import ExportManifest
 from refusion.runtime.decode import strategy
 from refusion.runtime.decode.steps import Tokens
-from refusion.runtime.params import DecodeParams
+from refusion.runtime.options import RequestOptions
+from refusion.runtime.params import DECODE_SETTINGS, DecodeParams
 from refusion.runtime.request import GenerationResult, GenerationStats, Request
 from refusion.runtime.runners import make_runner
 from refusion.runtime.runners.base import Runner
@@ -128,21 +129,36 @@ class Generator:
         """Decode settings; those left out (or None) take the values the export recorded for this model."""
         return DecodeParams.with_defaults(self.manifest.defaults, **settings)
 
+    def options(self, **options: Any) -> tuple[DecodeParams, RequestOptions]:
+        """A request's keywords, checked: its decode settings (DecodeParams; those left out take the export's
+        recorded values) and its request options (RequestOptions: stop, stop_token_ids, logprobs, timeout_s)."""
+        asked = {name: options.pop(name) for name in RequestOptions.names() if name in options}
+        unknown = [name for name in options if name not in DECODE_SETTINGS]
+        if unknown:
+            raise RefusionError(f"unknown setting {unknown[0]}={options[unknown[0]]!r}; the decode settings are "
+                                f"{', '.join(DECODE_SETTINGS)} and the request options {', '.join(RequestOptions.names())}.")
+        request = RequestOptions(**asked)
+        bad = [t for t in request.stop_token_ids if t >= self.manifest.vocab_size]
+        if bad:
+            raise RefusionError(f"stop token id {bad[0]} is outside the vocabulary [0, {self.manifest.vocab_size}).")
+        if request.stop and self.tokenizer is None:
+            raise RefusionError(f"stop={list(request.stop)!r} needs the tokenizer to read the answer's text, and "
+                                f"{self.manifest.path} carries none; stop at token ids (stop_token_ids) instead.")
+        return self.params(**options), request
+
     def submit(self, prompt: str | None = None, *, messages=None, prompt_ids=None, chat: bool = False,
-               enable_thinking: bool = True, timeout_s: float | None = None, **settings: Any) -> Request:
+               enable_thinking: bool = True, **options: Any) -> Request:
         """Start a generation and return its handle at once: `.result()`, iteration over settled
-        text, `.cancel()`, `.done`. Bad input raises here, before anything runs; `timeout_s` ends
-        it with finish_reason "timeout" (within one forward of the deadline)."""
-        params = self.params(**settings)
+        text, `.cancel()`, `.done`. `options`: decode settings (gen_length, max_tokens, slot_size, ...; left
+        out, the export's) and request options (stop, stop_token_ids, logprobs, timeout_s: it ends with
+        finish_reason "timeout" within one forward of the deadline). Bad input raises here, before anything runs."""
+        params, request = self.options(**options)
         ids = self.prompt_ids(prompt, messages=messages, prompt_ids=prompt_ids, chat=chat, enable_thinking=enable_thinking)
-        return self.submit_ids(ids, params, timeout_s)
+        return self.submit_ids(ids, params, request)
 
     def submit_ids(self, ids: list[int], params: DecodeParams | DiffusionParams,
-                   timeout_s: float | None = None) -> Request:
+                   options: RequestOptions = RequestOptions()) -> Request:
         """Start a generation of these token ids with these params (any strategy's: decode.STRATEGIES)."""
-        if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))
-                                      or not timeout_s > 0):
-            raise RefusionError(f"timeout_s={timeout_s!r} must be a positive number of seconds (or None).")
         positions = strategy(params.mode).positions(params)
         if len(ids) + positions > self.manifest.max_positions:
             raise RefusionError(
@@ -154,24 +170,25 @@ class Generator:
         m = self.manifest
         detokenize = self.tokenizer.decode if self.tokenizer else None
         request = Request.create(Tokens(ids, m.mask_token_id, m.eos_token_id), params, m.has_logits, detokenize,
-                                 self.runner.name, timeout_s)
+                                 self.runner.name, options)
         return self.scheduler.submit(request)
 
     def generate(self, prompt: str | None = None, *, messages=None, prompt_ids=None, chat: bool = False,
-                 enable_thinking: bool = True, timeout_s: float | None = None, **settings: Any) -> GenerationResult:
-        """Decode settings (gen_length, slot_size, ...) left out take the export's recorded defaults.
-        With `timeout_s`, the result may end early: finish_reason "timeout", what had settled."""
+                 enable_thinking: bool = True, **options: Any) -> GenerationResult:
+        """`submit(...).result()`: the same keywords. With `timeout_s`, the result may end early: finish_reason
+        "timeout", what had settled; with `stop`, at the first stop sequence: finish_reason "stop"."""
         return self.submit(prompt, messages=messages, prompt_ids=prompt_ids, chat=chat, enable_thinking=enable_thinking,
-                           timeout_s=timeout_s, **settings).result()
+                           **options).result()
 
     def stream(self, prompt: str | None = None, *, messages=None, prompt_ids=None, chat: bool = False,
-               enable_thinking: bool = True, timeout_s: float | None = None, **settings: Any) -> Iterator[str]:
+               enable_thinking: bool = True, **options: Any) -> Iterator[str]:
         """Text as the settled prefix grows: slots commit out of order, a reader sees only text
-        whose every earlier position is committed, in order, up to the first EOS (not shown).
-        Closing the iterator early (break, Ctrl-C) cancels the request."""
+        whose every earlier position is committed, in order, up to the first EOS (not shown) or stop sequence
+        (neither shown; text that could still begin one is held back). Closing the iterator early (break,
+        Ctrl-C) cancels the request."""
         self._tokenizer()
         request = self.submit(prompt, messages=messages, prompt_ids=prompt_ids, chat=chat,
-                              enable_thinking=enable_thinking, timeout_s=timeout_s, **settings)
+                              enable_thinking=enable_thinking, **options)
         try:
             yield from request
         finally:

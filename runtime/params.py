@@ -93,6 +93,9 @@ class DecodeParams:
         return gen // blocks
 
 
+DECODE_SETTINGS = tuple(f.name for f in fields(DecodeParams))
+
+
 def _is_int(value: object) -> bool:
     """An integer, numpy's included, but not a bool."""
     return isinstance(value, Integral) and not isinstance(value, bool)

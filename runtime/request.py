@@ -6,7 +6,7 @@ thread may wait for its result, iterate its settled text, or cancel it.
 
     req = gen.submit("sort: 3 1 2", chat=True, timeout_s=5)
     for piece in req: print(piece, end="")      # settled text as it commits
-    req.result().finish_reason                   # "eos" | "length" | "timeout" | "cancelled"
+    req.result().finish_reason                   # "eos" | "length" | "stop" | "timeout" | "cancelled"
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, Any, Literal
 from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.decode import STRATEGIES
 from refusion.runtime.decode.steps import Commit, DecodeTrace, Outputs, Step, StepMachine, Tokens
+from refusion.runtime.options import RequestOptions
+from refusion.runtime.stop import first_stop, held_back
 
 if TYPE_CHECKING:
     from refusion.runtime.decode.llada import DiffusionParams
@@ -28,7 +30,7 @@ if TYPE_CHECKING:
 
     Params = DecodeParams | DiffusionParams
 
-FinishReason = Literal["eos", "length", "timeout", "cancelled"]
+FinishReason = Literal["eos", "length", "stop", "timeout", "cancelled"]
 Detokenize = Callable[[list[int]], str]
 _ids = itertools.count(1)
 
@@ -76,13 +78,16 @@ class GenerationResult:
 class Request:
     def __init__(self, prompt_ids: list[int], params: Params, steps: StepMachine, trace: DecodeTrace,
                  capacity: int, eos_id: int, detokenize: Detokenize | None, backend: str,
-                 timeout_s: float | None = None):
+                 options: RequestOptions = RequestOptions()):
         self.id = next(_ids)
-        self.prompt_ids, self.params, self.trace = prompt_ids, params, trace
+        self.prompt_ids, self.params, self.trace, self.options = prompt_ids, params, trace, options
         self.capacity, self.eos_id, self.backend = capacity, eos_id, backend
+        timeout_s = options.timeout_s
         self.deadline = time.monotonic() + timeout_s if timeout_s is not None else None
         self.commits: list[Commit] = []
         self._steps, self._detokenize = steps, detokenize
+        # where the answer stops, followed on the scheduler thread so the request ends there
+        self._stops = (self._settled_text() if options.stop or options.stop_token_ids else None)
         self._cancelled = threading.Event()
         self._changed = threading.Condition()
         self._result: GenerationResult | None = None
@@ -95,12 +100,17 @@ class Request:
 
     @staticmethod
     def create(tokens: Tokens, params: Params, logits: bool, detokenize: Detokenize | None = None,
-               backend: str = "", timeout_s: float | None = None) -> Request:
+               backend: str = "", options: RequestOptions = RequestOptions()) -> Request:
         """A request of params.mode's strategy over `tokens` (`logits`: the graphs have that output)."""
         strategy, trace = STRATEGIES[params.mode], DecodeTrace()
         steps = strategy.steps(tokens, params, trace, logits)
         return Request(tokens.prompt, params, steps, trace, strategy.kv_capacity(len(tokens.prompt), params),
-                       tokens.eos_id, detokenize, backend, timeout_s)
+                       tokens.eos_id, detokenize, backend, options)
+
+    def _settled_text(self) -> SettledText:
+        """A fresh reader of this request's settled text, ending where its answer stops."""
+        return SettledText(len(self.prompt_ids), self.eos_id, self._detokenize, self.options.stop,
+                           self.options.stop_token_ids)
 
     # -- the caller's side -------------------------------------------------------------------
     def cancel(self) -> None:
@@ -146,7 +156,7 @@ class Request:
         shown); never half a UTF-8 character. Raises the request's error, if it fails."""
         if self._detokenize is None:
             raise RefusionError("this export carries no tokenizer, so there is no text to stream; use result().token_ids.")
-        text = SettledText(len(self.prompt_ids), self.eos_id, self._detokenize)
+        text = self._settled_text()
         for commit in self.events():
             piece = text.add(commit)
             if piece:
@@ -177,6 +187,13 @@ class Request:
         with self._changed:
             self.commits.append(commit)
             self._changed.notify_all()
+        if self._stops is not None:
+            self._stops.add(commit)
+
+    @property
+    def stop_reached(self) -> bool:
+        """Its settled text reached a stop sequence: it ends there, with finish_reason "stop"."""
+        return self._stops is not None and self._stops.stopped
 
     def finish(self, reason: FinishReason | None, error: BaseException | None = None) -> None:
         """Settle the result (reason None: ran to its end, "eos" or "length") and wake every waiter."""
@@ -195,6 +212,8 @@ class Request:
             token_ids = [committed[p] for p in sorted(committed)]
         else:  # stopped early: only what settled, the contiguous run from the prompt's end
             token_ids = [committed[p] for p in itertools.takewhile(committed.__contains__, itertools.count(start))]
+        if reason == "stop" and self._stops is not None and self._stops.stop_tokens is not None:
+            token_ids = token_ids[: self._stops.stop_tokens]  # through the token that completed the stop
         answer = token_ids[: token_ids.index(self.eos_id)] if self.eos_id in token_ids else token_ids
         upto_eos = token_ids[: len(answer) + 1] if self.eos_id in token_ids else token_ids
         if reason is None:
@@ -208,35 +227,66 @@ class Request:
             wall_seconds=wall, engine_seconds=self.runner_seconds, loop_seconds=wall - self.runner_seconds,
             tokens_per_second=len(upto_eos) / wall if wall else 0.0, branches=dict(self.trace.branches),
         )
-        text = self._detokenize(answer) if self._detokenize else ""
+        if reason == "stop" and self._stops is not None:
+            text = self._stops.stop_text  # the stop sequence itself is not returned
+        else:
+            text = self._detokenize(answer) if self._detokenize else ""
         return GenerationResult(text, token_ids, self.prompt_ids, stats, list(self.commits), reason)
 
 
 class SettledText:
     """The text of the settled prefix: slots commit out of order; text is shown only once every
-    earlier position is committed, up to the first EOS, and never ends in half a character."""
+    earlier position is committed, up to the first EOS, and never ends in half a character. With stop
+    sequences it ends at the first one (`stop` strings in the text, or a token of `stop_ids`), which is not
+    shown, and it holds back text that could still turn out to begin one. `detokenize` None: tokens only."""
 
-    def __init__(self, prompt_length: int, eos_id: int, detokenize: Detokenize):
+    def __init__(self, prompt_length: int, eos_id: int, detokenize: Detokenize | None,
+                 stop: tuple[str, ...] = (), stop_ids: tuple[int, ...] = ()):
         self.next, self.eos_id, self.detokenize = prompt_length, eos_id, detokenize
+        self.stop, self.stop_ids = stop, frozenset(stop_ids)
         self.settled: list[int] = []
         self.pending: dict[int, int] = {}
         self.shown = ""
         self.ended = False
+        self.stop_tokens: int | None = None  # stopped: settled tokens through the one that completed the stop
+        self.stop_text = ""  # stopped: the text before the stop sequence
+        self._scanned = 0  # stop strings were looked for in the text before this index
+
+    @property
+    def stopped(self) -> bool:
+        return self.stop_tokens is not None
 
     def add(self, commit: Commit) -> str:
         """The new piece of text this commit settles ("" if none)."""
         if self.ended:
             return ""
         self.pending.update(zip(commit.positions, commit.token_ids))
+        before = len(self.settled)
         while not self.ended and self.next in self.pending:
             token = self.pending.pop(self.next)
             self.next += 1
-            self.ended = token == self.eos_id
+            self.ended = token == self.eos_id or token in self.stop_ids
             if not self.ended:
                 self.settled.append(token)
+            elif token != self.eos_id:
+                self.stop_tokens = len(self.settled) + 1
+        if self.detokenize is None:
+            return ""
         text = self.detokenize(self.settled)
+        if self.stop:  # also when this commit ended it (EOS, a stop token): a stop string before that comes first
+            found = first_stop(text, self.stop, self._scanned)
+            self._scanned = max(0, len(text) - max(map(len, self.stop)) + 1)
+            if found is not None:
+                at, length = found
+                self.ended = True
+                self.stop_tokens = next(n for n in range(before + 1, len(self.settled) + 1)
+                                        if len(self.detokenize(self.settled[:n])) >= at + length)
+                text = text[:at]
+        if self.stopped:
+            self.stop_text = text
         if text.endswith("\ufffd") and not self.ended:  # an incomplete UTF-8 sequence: wait for the rest
             return ""
-        piece = text[len(self.shown):] if len(text) > len(self.shown) else ""
-        self.shown = text if piece else self.shown
+        end = len(text) if self.ended else len(text) - held_back(text, self.stop)
+        piece = text[len(self.shown):end] if end > len(self.shown) else ""
+        self.shown += piece
         return piece

@@ -152,6 +152,9 @@ class Scheduler:
                 request.runner_seconds += time.perf_counter() - t0
             else:
                 request.add_commit(step)
+                if request.stop_reached:  # its answer ends at a stop sequence: nothing more to decode
+                    self._finish(request, "stop")
+                    return None
 
     def _run(self, graph: str, batch: list[tuple[Request, Forward]]) -> None:
         rows = [RowFeed(f.input_ids, f.position_ids, f.attention_mask, f.past, f.write_at, r.kv_region) for r, f in batch]

@@ -22,7 +22,14 @@ import click
 from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.generator import Generator
 from refusion.runtime.params import DecodeParams
-from refusion.tools.cli_common import decode_options, decode_settings, load_options, load_settings
+from refusion.tools.cli_common import (
+    decode_options,
+    decode_settings,
+    load_options,
+    load_settings,
+    request_options,
+    request_settings,
+)
 
 # /settings keys: short names, and every DecodeParams field by its own name
 ALIASES = {"k": "slot_size", "blocks": "serial_num_blocks", "serial_blocks": "serial_num_blocks"}
@@ -57,7 +64,7 @@ class ChatSession:
         self.reset()
 
     def params(self) -> DecodeParams:
-        return self.gen.params(**self.settings)
+        return self.gen.options(**self.settings)[0]
 
     def reset(self) -> None:
         self.history = [{"role": "system", "content": self.system}] if self.system else []
@@ -133,7 +140,7 @@ class ChatSession:
             except ValueError as e:
                 kind, example = ("an integer", "4") if _TYPES[name] is int else ("a number", "0.5")
                 raise RefusionError(f"/settings {item}: {value!r} is not {kind} (e.g. {name}={example}).") from e
-        self.gen.params(**changed)
+        self.gen.options(**changed)
         self.settings = changed
 
     def run(self, lines: Iterable[str]) -> None:
@@ -168,6 +175,7 @@ def _typed(prompt: str) -> Iterator[str]:
 @click.option("--system", default=None, help="A system message that opens the conversation.")
 @click.option("--no-thinking", is_flag=True, help="Render the chat template with enable_thinking=False.")
 @click.option("--no-stats", is_flag=True, help="No stats line on stderr after each answer (/stats switches it).")
+@request_options
 @decode_options
 @load_options
 @click.pass_context
@@ -177,7 +185,7 @@ def chat(ctx: click.Context, model_dir: Path, system: str | None, no_thinking: b
     commands (/settings, /stats, /reset, /quit). With piped stdin each line is one user turn, stdout gets the
     answers alone and stderr a stats line after each (none with --no-stats) and any error; the exit code is 1 if
     a turn failed. Decode settings left out take the values the export recorded for its model."""
-    settings = decode_settings(options)
+    settings = {**decode_settings(options), **request_settings(options)}
     with Generator.from_dir(model_dir, **load_settings(options)) as gen:
         session = ChatSession(gen, settings, system, enable_thinking=not no_thinking, stats=not no_stats)
         if not sys.stdin.isatty():

@@ -105,9 +105,6 @@ def version_option(f: Any) -> Any:
 _RECORDED = "default: the export's recorded value"
 _DECODE_OPTIONS = (
     click.option("--mode", type=click.Choice(MODES), default="refusion", show_default=True),
-    click.option("--max-tokens", type=int,
-                 help="At most this many new tokens (any N >= 1 that fits the positions; default: none, "
-                      "the canvas length bounds the answer). ReFusion lays out blocks to cover N and cuts the answer there."),
     click.option("--gen-length", type=int,
                  help=f"ReFusion's canvas ({_RECORDED}): positions decoded, padded to whole slots and cut into the "
                       "serial blocks; given with a max-tokens cap, the cap wins and this sets only the block length."),
@@ -120,6 +117,17 @@ _DECODE_OPTIONS = (
                  help=f"A drafted token is accepted when its AR probability exceeds it ({_RECORDED})."),
     click.option("--temperature", type=float, default=0.0, show_default=True),
     click.option("--seed", type=int, default=None, help="Seed of the Gumbel noise when --temperature > 0."),
+)
+# What a request asks beyond its decode settings: its length and where it stops.
+_REQUEST_OPTIONS = (
+    click.option("--max-tokens", type=int,
+                 help="At most this many new tokens (any N >= 1 that fits the positions; default: none, "
+                      "the canvas length bounds the answer). ReFusion lays out blocks to cover N and cuts the answer there."),
+    click.option("--stop", multiple=True, metavar="TEXT",
+                 help="End the answer before the first occurrence of TEXT (repeatable: the first of any); "
+                      "finish_reason stop."),
+    click.option("--stop-token-id", "stop_token_ids", type=int, multiple=True, metavar="ID",
+                 help="End the answer at this token id, not shown (repeatable)."),
 )
 _LOAD_OPTIONS = (
     click.option("--backend", type=click.Choice(BACKENDS), default="auto", show_default=True,
@@ -134,9 +142,16 @@ _LOAD_OPTIONS = (
 
 
 def decode_options(f: Any) -> Any:
-    """--mode --max-tokens --gen-length --slot-size --serial-blocks --slot-threshold --token-threshold --temperature
+    """--mode --gen-length --slot-size --serial-blocks --slot-threshold --token-threshold --temperature
     --seed; the command takes them as keyword arguments and hands them to `decode_settings`."""
     for option in reversed(_DECODE_OPTIONS):
+        f = option(f)
+    return f
+
+
+def request_options(f: Any) -> Any:
+    """--max-tokens --stop --stop-token-id; `request_settings` reads them."""
+    for option in reversed(_REQUEST_OPTIONS):
         f = option(f)
     return f
 
@@ -152,9 +167,15 @@ def decode_settings(options: dict[str, Any]) -> dict[str, Any]:
     """The decode options, taken out of a command's `options`, as Generator settings (None: the export's
     recorded value)."""
     names = {"serial_blocks": "serial_num_blocks"}  # option name -> setting name, where they differ
-    taken = ("mode", "max_tokens", "gen_length", "slot_size", "serial_blocks", "slot_threshold", "token_threshold",
+    taken = ("mode", "gen_length", "slot_size", "serial_blocks", "slot_threshold", "token_threshold",
              "temperature", "seed")
     return {names.get(name, name): options.pop(name) for name in taken}
+
+
+def request_settings(options: dict[str, Any]) -> dict[str, Any]:
+    """The request options, taken out of a command's `options`, as Generator.submit's keywords."""
+    return {"max_tokens": options.pop("max_tokens"), "stop": tuple(options.pop("stop")),
+            "stop_token_ids": tuple(options.pop("stop_token_ids"))}
 
 
 def load_settings(options: dict[str, Any]) -> dict[str, Any]:

@@ -1,7 +1,8 @@
 """`refusion-run`: generate with an export (or engines), chat, and benchmark decoding methods.
 
     refusion-run generate out/refusion-onnx "prompt" [--chat] [--stream] [--json] [--prompt-ids 1,2,3]
-                 [--mode refusion|ar] [--max-tokens N] [--gen-length N --slot-size K --serial-blocks B
+                 [--max-tokens N] [--stop TEXT ...] [--stop-token-id ID ...]
+                 [--mode refusion|ar] [--gen-length N --slot-size K --serial-blocks B
                   --slot-threshold X --token-threshold Y --temperature T --seed S]
                  [--backend ...] [--threads N] [--low-memory] [--verify]
     refusion-run chat out/refusion-onnx [the same decode and load options] [--system TEXT] [--no-stats]
@@ -24,6 +25,7 @@ import click
 from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.core.export_manifest import ExportManifest
 from refusion.runtime.generator import GenerationResult, Generator
+from refusion.runtime.options import RequestOptions
 from refusion.runtime.params import DecodeParams
 from refusion.tools.bench.concurrency import bench_concurrency
 from refusion.tools.bench.decoding import bench
@@ -37,6 +39,8 @@ from refusion.tools.cli_common import (
     load_settings,
     progress,
     read_prompt,
+    request_options,
+    request_settings,
     version_option,
 )
 from refusion.tools.serve_command import client, serve
@@ -66,6 +70,7 @@ def _prompt_ids(text: str | None) -> list[int] | None:
 @click.option("--stream", is_flag=True, help="Print text as the settled prefix grows.")
 @click.option("--json", "as_json", is_flag=True,
               help="Print one JSON object: text, token_ids, prompt_ids, finish_reason, stats.")
+@request_options
 @decode_options
 @load_options
 def generate(model_dir: Path, prompt: str | None, chat: bool, no_thinking: bool, prompt_ids: str | None,
@@ -80,19 +85,21 @@ def generate(model_dir: Path, prompt: str | None, chat: bool, no_thinking: bool,
     if chat and prompt_ids is not None:
         raise RefusionError("--chat does not combine with --prompt-ids: token ids are fed exactly as given, "
                             "without the chat template; drop --chat, or give the PROMPT text instead.")
+    asked = request_settings(options)
     params = DecodeParams.with_defaults(ExportManifest.read(model_dir).defaults,  # validated before loading anything
-                                        **decode_settings(options))
+                                        **decode_settings(options), max_tokens=asked.pop("max_tokens"))
+    RequestOptions(**asked)  # the stop options too are checked before loading
     prompt_kwargs = dict(prompt_ids=_prompt_ids(prompt_ids), chat=chat, enable_thinking=not no_thinking)
     prompt = read_prompt(prompt)
     with Generator.from_dir(model_dir, **load_settings(options)) as gen:
         progress(f"{gen.runner.name}: {gen.manifest.path} ({gen.manifest.precision})")
         if stream:
-            for piece in gen.stream(prompt, **prompt_kwargs, **asdict(params)):
+            for piece in gen.stream(prompt, **prompt_kwargs, **asdict(params), **asked):
                 click.echo(piece, nl=False)
                 sys.stdout.flush()
             click.echo()
             return
-        result = gen.generate(prompt, **prompt_kwargs, **asdict(params))
+        result = gen.generate(prompt, **prompt_kwargs, **asdict(params), **asked)
     if as_json:
         click.echo(json.dumps({"text": result.text, "token_ids": result.token_ids, "prompt_ids": result.prompt_ids,
                                "finish_reason": result.finish_reason, "stats": result.stats.to_json()}))

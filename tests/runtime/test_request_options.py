@@ -58,3 +58,38 @@ def test_max_tokens_past_the_positions_is_refused_naming_the_room(gen, prompt):
     with pytest.raises(RefusionError, match=f"{room + 1} positions of generation exceeds the model's 256 positions.*"
                                             f"{room} positions remain after this prompt"):
         gen.generate(prompt_ids=prompt, max_tokens=room + 1, mode="ar")
+
+
+@pytest.mark.parametrize("mode", ["refusion", "ar"])
+def test_a_stop_string_ends_the_answer_before_it(gen, prompt, mode):
+    whole = gen.generate(prompt_ids=prompt, mode=mode, **SETTINGS)
+    assert len(whole.text) >= 6, whole.text
+    for stop in (whole.text[2:4], whole.text[-2:], [whole.text[3:5], whole.text[1:3]], "not in the answer"):
+        res = gen.generate(prompt_ids=prompt, mode=mode, stop=stop, **SETTINGS)
+        stops = [stop] if isinstance(stop, str) else stop
+        found = [whole.text.find(s) for s in stops if s in whole.text]
+        if not found:
+            assert (res.text, res.finish_reason) == (whole.text, whole.finish_reason)
+            continue
+        assert res.finish_reason == "stop" and res.text == whole.text[: min(found)]
+        assert res.token_ids == whole.token_ids[: len(res.token_ids)]  # through the token that completed the stop
+        assert gen.tokenizer.decode(res.token_ids).startswith(res.text + whole.text[min(found)])
+        assert "".join(gen.stream(prompt_ids=prompt, mode=mode, stop=stop, **SETTINGS)) == res.text
+
+
+@pytest.mark.parametrize("mode", ["refusion", "ar"])
+def test_a_stop_token_ends_the_answer_there(gen, prompt, mode):
+    whole = gen.generate(prompt_ids=prompt, mode=mode, **SETTINGS)
+    token = whole.token_ids[3]
+    at = whole.token_ids.index(token)
+    res = gen.generate(prompt_ids=prompt, mode=mode, stop_token_ids=[token], **SETTINGS)
+    assert res.finish_reason == "stop" and res.token_ids == whole.token_ids[: at + 1]
+    assert res.text == gen.tokenizer.decode(whole.token_ids[:at]) and res.stats.tokens == at + 1
+    assert "".join(gen.stream(prompt_ids=prompt, mode=mode, stop_token_ids=[token], **SETTINGS)) == res.text
+
+
+def test_a_stop_frees_the_request_at_once(gen, prompt):
+    """It ends at the commit that reaches the stop: no forward after it, its KV region back."""
+    whole = gen.generate(prompt_ids=prompt, mode="ar", max_tokens=30)
+    res = gen.generate(prompt_ids=prompt, mode="ar", max_tokens=30, stop_token_ids=[whole.token_ids[1]])
+    assert res.stats.forward_count == 2 and gen.scheduler.regions_in_use == 0

@@ -43,6 +43,18 @@ def test_max_tokens_caps_the_answer(tiny_dir):
     assert out.exit_code == 1 and "error: max_tokens=0 must be a positive integer" in out.output
 
 
+def test_stop_flags_end_the_answer(tiny_dir):
+    whole = json.loads(run(tiny_dir, "count: 1 2 3 4 5 6 7 8 9", "--chat", "--json", "--backend", "ort-cpu").stdout)
+    stop = whole["text"][3:5]
+    out = run(tiny_dir, "count: 1 2 3 4 5 6 7 8 9", "--chat", "--json", "--stop", "no such text", "--stop", stop)
+    assert out.exit_code == 0, out.output
+    data = json.loads(out.stdout)
+    assert data["finish_reason"] == "stop" and data["text"] == whole["text"][: whole["text"].find(stop)]
+    token = whole["token_ids"][2]
+    data = json.loads(run(tiny_dir, "count: 1 2 3 4 5 6 7 8 9", "--chat", "--json", "--stop-token-id", token).stdout)
+    assert data["finish_reason"] == "stop" and data["token_ids"][-1] == token
+
+
 def test_help_says_decode_settings_come_from_the_export():
     text = " ".join(CliRunner().invoke(cli, ["generate", "--help"]).stdout.split())
     for flag in ("--gen-length", "--slot-size", "--serial-blocks", "--slot-threshold", "--token-threshold"):
