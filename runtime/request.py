@@ -67,6 +67,7 @@ class GenerationResult:
     stats: GenerationStats
     commits: list[Commit]  # what became final at each loop iteration, in order
     finish_reason: FinishReason = "length"
+    logprobs: list[float] | None = None  # with logprobs=True: each of token_ids' log-probability when drafted
 
     @property
     def steps(self) -> list[int]:
@@ -209,11 +210,12 @@ class Request:
         committed = {p: t for c in self.commits for p, t in zip(c.positions, c.token_ids)}
         start = len(self.prompt_ids)
         if reason is None:
-            token_ids = [committed[p] for p in sorted(committed)]
+            positions = sorted(committed)
         else:  # stopped early: only what settled, the contiguous run from the prompt's end
-            token_ids = [committed[p] for p in itertools.takewhile(committed.__contains__, itertools.count(start))]
+            positions = list(itertools.takewhile(committed.__contains__, itertools.count(start)))
         if reason == "stop" and self._stops is not None and self._stops.stop_tokens is not None:
-            token_ids = token_ids[: self._stops.stop_tokens]  # through the token that completed the stop
+            positions = positions[: self._stops.stop_tokens]  # through the token that completed the stop
+        token_ids = [committed[p] for p in positions]
         answer = token_ids[: token_ids.index(self.eos_id)] if self.eos_id in token_ids else token_ids
         upto_eos = token_ids[: len(answer) + 1] if self.eos_id in token_ids else token_ids
         if reason is None:
@@ -231,7 +233,11 @@ class Request:
             text = self._stops.stop_text  # the stop sequence itself is not returned
         else:
             text = self._detokenize(answer) if self._detokenize else ""
-        return GenerationResult(text, token_ids, self.prompt_ids, stats, list(self.commits), reason)
+        logprobs = None
+        if self.options.logprobs:
+            drafted = {p: lp for c in self.commits for p, lp in zip(c.positions, c.logprobs)}
+            logprobs = [drafted[p] for p in positions]
+        return GenerationResult(text, token_ids, self.prompt_ids, stats, list(self.commits), reason, logprobs)
 
 
 class SettledText:

@@ -1,6 +1,6 @@
 """`refusion-run`: generate with an export (or engines), chat, and benchmark decoding methods.
 
-    refusion-run generate out/refusion-onnx "prompt" [--chat] [--stream] [--json] [--prompt-ids 1,2,3]
+    refusion-run generate out/refusion-onnx "prompt" [--chat] [--stream] [--json [--logprobs]] [--prompt-ids 1,2,3]
                  [--max-tokens N] [--stop TEXT ...] [--stop-token-id ID ...]
                  [--mode refusion|ar] [--gen-length N --slot-size K --serial-blocks B
                   --slot-threshold X --token-threshold Y --temperature T --seed S]
@@ -70,11 +70,12 @@ def _prompt_ids(text: str | None) -> list[int] | None:
 @click.option("--stream", is_flag=True, help="Print text as the settled prefix grows.")
 @click.option("--json", "as_json", is_flag=True,
               help="Print one JSON object: text, token_ids, prompt_ids, finish_reason, stats.")
+@click.option("--logprobs", is_flag=True, help="With --json: each token's log-probability too (logprobs).")
 @request_options
 @decode_options
 @load_options
 def generate(model_dir: Path, prompt: str | None, chat: bool, no_thinking: bool, prompt_ids: str | None,
-             stream: bool, as_json: bool, **options: Any) -> None:
+             stream: bool, as_json: bool, logprobs: bool, **options: Any) -> None:
     """Generate a continuation of PROMPT (or --prompt-ids) with the export or engines in MODEL_DIR.
     Decode settings left out take the values the export recorded for its model. PROMPT - reads the prompt
     from stdin (its trailing newline dropped)."""
@@ -82,10 +83,12 @@ def generate(model_dir: Path, prompt: str | None, chat: bool, no_thinking: bool,
         raise RefusionError("give a PROMPT (or - to read it from stdin) or --prompt-ids 1,2,3, not both.")
     if stream and as_json:
         raise RefusionError("--stream and --json do not combine; choose one.")
+    if logprobs and not as_json:
+        raise RefusionError("--logprobs is reported in the JSON output; add --json.")
     if chat and prompt_ids is not None:
         raise RefusionError("--chat does not combine with --prompt-ids: token ids are fed exactly as given, "
                             "without the chat template; drop --chat, or give the PROMPT text instead.")
-    asked = request_settings(options)
+    asked = {**request_settings(options), "logprobs": logprobs}
     params = DecodeParams.with_defaults(ExportManifest.read(model_dir).defaults,  # validated before loading anything
                                         **decode_settings(options), max_tokens=asked.pop("max_tokens"))
     RequestOptions(**asked)  # the stop options too are checked before loading
@@ -101,8 +104,9 @@ def generate(model_dir: Path, prompt: str | None, chat: bool, no_thinking: bool,
             return
         result = gen.generate(prompt, **prompt_kwargs, **asdict(params), **asked)
     if as_json:
+        extra = {"logprobs": result.logprobs} if logprobs else {}
         click.echo(json.dumps({"text": result.text, "token_ids": result.token_ids, "prompt_ids": result.prompt_ids,
-                               "finish_reason": result.finish_reason, "stats": result.stats.to_json()}))
+                               "finish_reason": result.finish_reason, **extra, "stats": result.stats.to_json()}))
         return
     click.echo(result.text)
     progress(_summary(result))

@@ -41,10 +41,11 @@ def ar_steps(tokens: Tokens, params: DecodeParams, trace: DecodeTrace, logits: b
         c = cache.length
         out = yield from fwd.run(kind, "infiller", ids, pos, masks.causal_after(c, len(ids)), c, c)
         cache.commit(len(ids))
-        token, _ = fwd.draft({k: v[:, -1:] for k, v in out.items()}, sample=True)
+        token, prob = fwd.draft({k: v[:, -1:] for k, v in out.items()}, sample=True)
         ids, pos, kind = token.astype(np.int64), np.array([p0 + step - 1]), "decode"
         trace.tpf_sum += 1.0
         trace.iterations += 1
-        yield Commit(step, (int(token[0]),), (p0 + step - 1,), "ar")
+        with np.errstate(divide="ignore"):  # a probability of 0 in fp32 is a log-probability of -inf
+            yield Commit(step, (int(token[0]),), (p0 + step - 1,), "ar", (float(np.log(prob[0])),))
         if int(token[0]) == tokens.eos_id:
             break

@@ -68,18 +68,25 @@ class Forwards:
         out = yield from self.run("verify", "infiller", ids, pos, masks.causal_after(c, len(ids)), c, c)
         return out["input_probs"][0]
 
-    def infill_pass(self, kind: str, rows: np.ndarray, pos: np.ndarray, a: int, scratch_rows: int) -> Calls[np.ndarray]:
-        """One pass over every row's window [a, k): draft (planner) or verify (infiller)."""
-        k = self.params.slot_size
-        n, window = rows.shape[0], k - a
-        mask = masks.rows_over_prefix(self.cache.length, scratch_rows, k, a, n, window)
-        past = mask.shape[2] - n * window
-        if kind == "infill_draft":
-            out = yield from self.run(kind, "planner", rows.reshape(-1), pos.reshape(-1), mask, past)
-            return out["argmax_ids"][0].reshape(n, window)
+    def infill_draft(self, rows: np.ndarray, pos: np.ndarray, a: int, scratch_rows: int) -> Calls[Drafts]:
+        """Every row's window [a, k) drafted (planner): ids and their probabilities, [n, k - a] each."""
+        n, window = rows.shape[0], self.params.slot_size - a
+        mask, past = self._rows_mask(a, scratch_rows, n, window)
+        out = yield from self.run("infill_draft", "planner", rows.reshape(-1), pos.reshape(-1), mask, past)
+        return out["argmax_ids"][0].reshape(n, window), out["argmax_probs"][0].reshape(n, window)
+
+    def infill_verify(self, rows: np.ndarray, pos: np.ndarray, a: int, scratch_rows: int) -> Calls[np.ndarray]:
+        """Every row's window [a, k) verified (infiller): each token's AR probability, [n, k - a]."""
+        n, window = rows.shape[0], self.params.slot_size - a
+        mask, past = self._rows_mask(a, scratch_rows, n, window)
         # First pass: the windows are whole rows, written in place; later: staged, then moved.
-        write_at = self.cache.length if a == 0 else self.cache.staging(scratch_rows, k)
-        out = yield from self.run(kind, "infiller", rows.reshape(-1), pos.reshape(-1), mask, past, write_at)
+        write_at = self.cache.length if a == 0 else self.cache.staging(scratch_rows, self.params.slot_size)
+        out = yield from self.run("infill_verify", "infiller", rows.reshape(-1), pos.reshape(-1), mask, past, write_at)
         if a:
-            yield from self.cache.place_windows(scratch_rows, n, k, a, window)
+            yield from self.cache.place_windows(scratch_rows, n, self.params.slot_size, a, window)
         return out["input_probs"][0].reshape(n, window)
+
+    def _rows_mask(self, a: int, scratch_rows: int, n: int, window: int) -> tuple[np.ndarray, int]:
+        """The parallel infill mask of n rows' windows over the prefix (and the rows' scratch), and its past."""
+        mask = masks.rows_over_prefix(self.cache.length, scratch_rows, self.params.slot_size, a, n, window)
+        return mask, mask.shape[2] - n * window

@@ -125,7 +125,10 @@ def llada_steps(tokens: Tokens, params: DiffusionParams, trace: DecodeTrace, log
                 trace.tpf_sum += len(best)
                 trace.iterations += 1
                 step += 1
-                yield Commit(step, tuple(int(t) for t in draft[best]), tuple(int(p0 + b) for b in best), "diffusion")
+                with np.errstate(divide="ignore"):
+                    logprobs = tuple(float(x) for x in np.log(conf[best]))
+                yield Commit(step, tuple(int(t) for t in draft[best]), tuple(int(p0 + b) for b in best), "diffusion",
+                             logprobs)
             done = params.early_exit and _settled_through_eos(span, is_masked, eos_id)
 
 

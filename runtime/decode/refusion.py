@@ -62,12 +62,14 @@ def refusion_steps(tokens: Tokens, params: DecodeParams, trace: DecodeTrace, log
     step = 0
     eos_seen = False
 
-    def commit(ids: np.ndarray, pos: np.ndarray, how: str) -> Iterator[Commit]:
+    def commit(ids: np.ndarray, pos: np.ndarray, probs: np.ndarray, how: str) -> Iterator[Commit]:
         nonlocal step
         step += 1
         kept = pos < cap
         if kept.any():
-            yield Commit(step, tuple(int(t) for t in ids[kept]), tuple(int(p) for p in pos[kept]), how)
+            with np.errstate(divide="ignore"):  # a probability of 0 in fp32 is a log-probability of -inf
+                logprobs = tuple(float(x) for x in np.log(probs[kept]))
+            yield Commit(step, tuple(int(t) for t in ids[kept]), tuple(int(p) for p in pos[kept]), how, logprobs)
 
     for block, block_len in enumerate(blocks):
         start = p0 + sum(blocks[:block])
@@ -84,7 +86,7 @@ def refusion_steps(tokens: Tokens, params: DecodeParams, trace: DecodeTrace, log
             chosen, fell_back = policy.choose_slots(probs[:, 0], thr_slot)
             if fell_back:
                 trace.branches["fallback_single_slot"] += 1
-            rows, row_pos = draft[chosen].copy(), slot_pos[chosen]
+            rows, row_pos, row_probs = draft[chosen].copy(), slot_pos[chosen], probs[chosen].copy()
             n = len(chosen)
             # 2. Global verification
             ar_probs = (yield from fwd.verify(rows.reshape(-1), row_pos.reshape(-1))).reshape(n, k)
@@ -106,7 +108,8 @@ def refusion_steps(tokens: Tokens, params: DecodeParams, trace: DecodeTrace, log
                 remaining = [s for j, s in enumerate(remaining) if j not in drop]
                 trace.tpf_sum += k * slots / 2
                 trace.iterations += 1
-                yield from commit(flat[:count], row_pos.reshape(-1)[:count], "verification")
+                yield from commit(flat[:count], row_pos.reshape(-1)[:count], row_probs.reshape(-1)[:count],
+                                  "verification")
                 continue
             # 3. Parallel infill
             trace.branches["infill_loop"] += 1
@@ -116,14 +119,16 @@ def refusion_steps(tokens: Tokens, params: DecodeParams, trace: DecodeTrace, log
                 if tags.all():
                     break
                 window = np.where(tags[:, a:] == 1, rows[:, a:], tokens.mask_id)
-                proposed = yield from fwd.infill_pass("infill_draft", window, row_pos[:, a:], a, n)
+                proposed, proposed_probs = yield from fwd.infill_draft(window, row_pos[:, a:], a, n)
                 rows[:, a:] = np.where(tags[:, a:] == 1, rows[:, a:], proposed)
-                probs = yield from fwd.infill_pass("infill_verify", rows[:, a:], row_pos[:, a:], a, n)
-                tags[:, a:] = policy.infill_tags(tags[:, a:], probs, thr_tok)
+                row_probs[:, a:] = np.where(tags[:, a:] == 1, row_probs[:, a:], proposed_probs)
+                ar_probs = yield from fwd.infill_verify(rows[:, a:], row_pos[:, a:], a, n)
+                tags[:, a:] = policy.infill_tags(tags[:, a:], ar_probs, thr_tok)
                 eos_rows = np.flatnonzero(((rows[:, a:] == tokens.eos_id) & (tags[:, a:] == 1)).any(axis=1))
                 if eos_rows.size:
                     eos_row = int(eos_rows[0])
                     rows, tags, row_pos = rows[: eos_row + 1], tags[: eos_row + 1], row_pos[: eos_row + 1]
+                    row_probs = row_probs[: eos_row + 1]
                     tags[eos_row] = 1
                 a = policy.advance_window(a, tags)
             trace.tpf_sum += k * n / (loop_iter * 2 + 2)
@@ -138,6 +143,7 @@ def refusion_steps(tokens: Tokens, params: DecodeParams, trace: DecodeTrace, log
                 eos_seen = True
                 trace.branches["eos_in_infill"] += 1
             remaining = [s for j, s in enumerate(remaining) if j not in drop]
-            yield from commit(rows.reshape(-1)[:count], row_pos.reshape(-1)[:count], "infill")
+            yield from commit(rows.reshape(-1)[:count], row_pos.reshape(-1)[:count], row_probs.reshape(-1)[:count],
+                              "infill")
         if eos_seen:
             break

@@ -49,6 +49,7 @@ class Commit:
     token_ids: tuple[int, ...]
     positions: tuple[int, ...]
     how: str  # "verification" (whole slots from the verify pass), "infill", or "ar"
+    logprobs: tuple[float, ...] = ()  # each token's log-probability when it was drafted (its draft's reading)
 
 
 Step = Forward | KVMove | Commit

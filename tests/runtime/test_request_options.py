@@ -1,11 +1,14 @@
-"""What a request asks beyond its prompt: max_tokens as a cap (later: stop sequences, logprobs), on real exports."""
+"""What a request asks beyond its prompt: max_tokens as a cap, stop sequences, logprobs; on the embedded model."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from refusion.runtime.core.errors import RefusionError
+from refusion.runtime.decode import masks
 from refusion.runtime.generator import Generator
+from refusion.runtime.runners.onnxruntime import OrtRunner
 
 pytest.importorskip("onnxruntime")
 pytest.importorskip("torch")
@@ -93,3 +96,18 @@ def test_a_stop_frees_the_request_at_once(gen, prompt):
     whole = gen.generate(prompt_ids=prompt, mode="ar", max_tokens=30)
     res = gen.generate(prompt_ids=prompt, mode="ar", max_tokens=30, stop_token_ids=[whole.token_ids[1]])
     assert res.stats.forward_count == 2 and gen.scheduler.regions_in_use == 0
+
+
+@pytest.mark.parametrize("mode", ["refusion", "ar"])
+def test_logprobs_are_each_tokens_drafted_probability(gen, prompt, mode):
+    res = gen.generate(prompt_ids=prompt, mode=mode, logprobs=True, **SETTINGS)
+    assert gen.generate(prompt_ids=prompt, mode=mode, **SETTINGS).logprobs is None  # only when asked
+    assert len(res.logprobs) == len(res.token_ids) and all(lp <= 0 for lp in res.logprobs)
+    if mode == "ar":  # a causal prefill over prompt + answer reads the same probabilities, token by token
+        ids = prompt + res.token_ids[:-1]
+        with OrtRunner(gen.manifest, threads=1) as runner:
+            runner.allocate_kv(len(ids))
+            out = runner.run("infiller", np.array([ids]), np.arange(len(ids))[None], masks.causal_after(0, len(ids)),
+                             0, 0)
+        assert out["argmax_ids"][0, len(prompt) - 1:].tolist() == res.token_ids
+        np.testing.assert_allclose(res.logprobs, np.log(out["argmax_probs"][0, len(prompt) - 1:]), atol=1e-4)

@@ -50,6 +50,8 @@ def test_stop_flags_end_the_answer(tiny_dir):
     assert out.exit_code == 0, out.output
     data = json.loads(out.stdout)
     assert data["finish_reason"] == "stop" and data["text"] == whole["text"][: whole["text"].find(stop)]
+    with_logprobs = json.loads(run(tiny_dir, "count: 1 2 3", "--chat", "--json", "--logprobs").stdout)
+    assert len(with_logprobs["logprobs"]) == len(with_logprobs["token_ids"]) and "logprobs" not in whole
     token = whole["token_ids"][2]
     data = json.loads(run(tiny_dir, "count: 1 2 3 4 5 6 7 8 9", "--chat", "--json", "--stop-token-id", token).stdout)
     assert data["finish_reason"] == "stop" and data["token_ids"][-1] == token
