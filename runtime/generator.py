@@ -18,6 +18,7 @@ from refusion.runtime.decode import strategy
 from refusion.runtime.decode.steps import Tokens
 from refusion.runtime.options import RequestOptions
 from refusion.runtime.params import DECODE_SETTINGS, DecodeParams
+from refusion.runtime.prefix_cache import DEFAULT_MB, PrefixCache, check_prefix_cache_mb
 from refusion.runtime.request import GenerationResult, GenerationStats, Request
 from refusion.runtime.runners import make_runner
 from refusion.runtime.runners.base import Runner
@@ -34,26 +35,32 @@ class Generator:
     """Thread-safe: any number of threads may share one Generator. Requests run on its scheduler
     thread (runtime/scheduler.py), concurrently up to the runner's KV regions, their forwards batched."""
 
-    def __init__(self, manifest: ExportManifest, runner: Runner, tokenizer: Tokenizer | None):
+    def __init__(self, manifest: ExportManifest, runner: Runner, tokenizer: Tokenizer | None,
+                 prefix_cache_mb: float = DEFAULT_MB):
+        check_prefix_cache_mb(prefix_cache_mb)
         self.manifest = manifest
         self.runner = runner
         self.tokenizer = tokenizer
-        self.scheduler = Scheduler(runner)
+        self.prefix_cache = PrefixCache(runner, int(prefix_cache_mb * 2**20)) if prefix_cache_mb else None
+        self.scheduler = Scheduler(runner, self.prefix_cache)
 
     @staticmethod
     def from_dir(path: str | Path, backend: str = "auto", threads: int | None = None, verify: bool = False,
-                 low_memory: bool = False, max_requests: int | None = None, max_batch: int | None = None) -> Generator:
+                 low_memory: bool = False, max_requests: int | None = None, max_batch: int | None = None,
+                 prefix_cache_mb: float = DEFAULT_MB) -> Generator:
         """Load an export or engines directory; `verify` also checks every file's sha256 (a full read);
         `low_memory` (onnxruntime only): no memory arena, activations are freed after each forward (the
         weights are resident once either way). `max_requests` run at once (more wait), their forwards packed
         `max_batch` to a call (default 16 and 16 on onnxruntime CPU, the engine's --max-batch on TensorRT,
-        1 and 1 on onnxruntime CUDA)."""
+        1 and 1 on onnxruntime CUDA). `prefix_cache_mb`: the budget of the prefix cache, the KV of prompt
+        prefixes that later requests reuse (0: off)."""
+        check_prefix_cache_mb(prefix_cache_mb)
         manifest = ExportManifest.read(Path(path))
         manifest.check_files(verify, manifest.tokenizer_files)
         runner = make_runner(manifest, backend, threads, verify, low_memory, max_requests, max_batch)
         tokenizer = Tokenizer.from_dir(manifest.path) if manifest.tokenizer_files else None
         runner.activate()
-        return Generator(manifest, runner, tokenizer)
+        return Generator(manifest, runner, tokenizer, prefix_cache_mb)
 
     def close(self) -> None:
         """Cancel what is in flight, stop the scheduler thread, release the backend."""

@@ -15,7 +15,7 @@ import itertools
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
 
 from refusion.runtime.core.errors import RefusionError
@@ -50,6 +50,7 @@ class GenerationStats:
     loop_seconds: float  # everything else: policy, masks, bookkeeping, other requests' turns
     tokens_per_second: float
     branches: dict[str, int] = field(default_factory=dict)
+    cached_prompt_tokens: int = 0  # prompt tokens whose KV the prefix cache gave (the rest were prefilled)
 
     @property
     def loop_share(self) -> float:
@@ -77,16 +78,21 @@ class GenerationResult:
 
 
 class Request:
-    def __init__(self, prompt_ids: list[int], params: Params, steps: StepMachine, trace: DecodeTrace,
-                 capacity: int, eos_id: int, detokenize: Detokenize | None, backend: str,
-                 options: RequestOptions = RequestOptions()):
+    def __init__(self, tokens: Tokens, params: Params, logits: bool, detokenize: Detokenize | None = None,
+                 backend: str = "", options: RequestOptions = RequestOptions()):
+        """A request of params.mode's strategy over `tokens` (`logits`: the graphs have that output); its
+        step machine is made when the scheduler starts it (`start`)."""
         self.id = next(_ids)
-        self.prompt_ids, self.params, self.trace, self.options = prompt_ids, params, trace, options
-        self.capacity, self.eos_id, self.backend = capacity, eos_id, backend
+        self.tokens, self.prompt_ids, self.params, self.options = tokens, tokens.prompt, params, options
+        self.trace = DecodeTrace()
+        self._strategy, self._logits = STRATEGIES[params.mode], logits
+        self.capacity = self._strategy.kv_capacity(len(tokens.prompt), params)
+        self.eos_id, self.backend = tokens.eos_id, backend
         timeout_s = options.timeout_s
         self.deadline = time.monotonic() + timeout_s if timeout_s is not None else None
         self.commits: list[Commit] = []
-        self._steps, self._detokenize = steps, detokenize
+        self._steps: StepMachine | None = None
+        self._detokenize = detokenize
         # where the answer stops, followed on the scheduler thread so the request ends there
         self._stops = (self._settled_text() if options.stop or options.stop_token_ids else None)
         self._cancelled = threading.Event()
@@ -98,15 +104,12 @@ class Request:
         self.inbox: Outputs | None = None  # its last forward's outputs, for the next step
         self.started = 0.0
         self.runner_seconds = 0.0
+        self.cached_tokens = 0  # prompt tokens whose KV came from the prefix cache
 
     @staticmethod
     def create(tokens: Tokens, params: Params, logits: bool, detokenize: Detokenize | None = None,
                backend: str = "", options: RequestOptions = RequestOptions()) -> Request:
-        """A request of params.mode's strategy over `tokens` (`logits`: the graphs have that output)."""
-        strategy, trace = STRATEGIES[params.mode], DecodeTrace()
-        steps = strategy.steps(tokens, params, trace, logits)
-        return Request(tokens.prompt, params, steps, trace, strategy.kv_capacity(len(tokens.prompt), params),
-                       tokens.eos_id, detokenize, backend, options)
+        return Request(tokens, params, logits, detokenize, backend, options)
 
     def _settled_text(self) -> SettledText:
         """A fresh reader of this request's settled text, ending where its answer stops."""
@@ -177,8 +180,19 @@ class Request:
             raise RefusionError(f"request {self.id} holds no KV region (it is not running).")
         return self.region
 
+    @property
+    def reuses_prefix(self) -> bool:
+        """Its strategy can start from a cached prompt prefix's KV."""
+        return self._strategy.prefix_reuse
+
+    def start(self, cached: int = 0) -> None:
+        """Make its step machine, over a KV region whose first `cached` tokens already hold the prompt's KV."""
+        self.cached_tokens = cached
+        self._steps = self._strategy.steps(replace(self.tokens, cached=cached), self.params, self.trace, self._logits)
+
     def send(self, outputs: Outputs | None) -> Step | None:
         """Advance the step machine to its next step (None when it is over)."""
+        assert self._steps is not None, "the scheduler starts a request before advancing it"
         try:
             return self._steps.send(outputs)
         except StopIteration:
@@ -198,7 +212,8 @@ class Request:
 
     def finish(self, reason: FinishReason | None, error: BaseException | None = None) -> None:
         """Settle the result (reason None: ran to its end, "eos" or "length") and wake every waiter."""
-        self._steps.close()
+        if self._steps is not None:
+            self._steps.close()
         with self._changed:
             if error is not None:
                 self._error = error
@@ -228,6 +243,7 @@ class Request:
             tokens_per_forward=len(upto_eos) / forwards if forwards else 0.0, tpf=self.trace.tpf,
             wall_seconds=wall, engine_seconds=self.runner_seconds, loop_seconds=wall - self.runner_seconds,
             tokens_per_second=len(upto_eos) / wall if wall else 0.0, branches=dict(self.trace.branches),
+            cached_prompt_tokens=self.cached_tokens,
         )
         if reason == "stop" and self._stops is not None:
             text = self._stops.stop_text  # the stop sequence itself is not returned

@@ -1,7 +1,8 @@
 """The scheduler: one thread that owns the Runner and drives every request's step machine (the only driver).
 
 Any thread may `submit` a Request; the scheduler thread alone touches the runner, so a Generator can be
-shared by any number of threads. Each round it admits waiting requests into free KV regions, advances every
+shared by any number of threads. Each round it admits waiting requests into free KV regions (copying in the
+longest cached prefix of each prompt from the prefix cache, when there is one), advances every
 active request to its next forward (doing its KV moves and recording its commits on the way), then runs the
 pending forwards graph by graph, up to the runner's `max_batch` to a call. A cancelled or expired request
 ends before its next forward and frees its region at once; a request that fails fails alone.
@@ -17,7 +18,8 @@ from collections import deque
 from dataclasses import dataclass
 
 from refusion.runtime.core.errors import RefusionError
-from refusion.runtime.decode.steps import Forward, KVMove
+from refusion.runtime.decode.steps import Forward, KVMove, PrefixKV
+from refusion.runtime.prefix_cache import PrefixCache
 from refusion.runtime.request import FinishReason, Request
 from refusion.runtime.runners.base import RowFeed, Runner
 
@@ -29,8 +31,9 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, runner: Runner):
-        self.runner = runner
+    def __init__(self, runner: Runner, prefix_cache: PrefixCache | None = None):
+        """`prefix_cache`: where requests' prompt prefixes are looked up at admission and kept (None: off)."""
+        self.runner, self.prefix_cache = runner, prefix_cache
         self.stats = SchedulerStats()
         # Rounds run under it while set (cProfile sees only the thread that enables it: this one).
         self.profiler: cProfile.Profile | None = None
@@ -113,8 +116,18 @@ class Scheduler:
             self._active.append(request)
             try:
                 self.runner.allocate_kv(request.capacity, request.region)
+                request.start(self._cached_prefix(request))
             except Exception as e:  # noqa: BLE001 - the request fails alone, with its own error
                 self._finish(request, None, e)
+
+    def _cached_prefix(self, request: Request) -> int:
+        """Copy the longest cached prefix of its prompt into its KV region; the tokens it covers."""
+        if self.prefix_cache is None or not request.reuses_prefix:
+            return 0
+        t0 = time.perf_counter()
+        cached = self.prefix_cache.load(request.prompt_ids, request.kv_region)
+        request.runner_seconds += time.perf_counter() - t0
+        return cached
 
     def _round(self) -> None:
         # Forwards of one graph and similar length go together: rows are padded to the longest,
@@ -150,6 +163,11 @@ class Scheduler:
                 t0 = time.perf_counter()
                 self.runner.move_kv(step.src, step.dst, step.length, request.kv_region)
                 request.runner_seconds += time.perf_counter() - t0
+            elif isinstance(step, PrefixKV):
+                if self.prefix_cache is not None:
+                    t0 = time.perf_counter()
+                    self.prefix_cache.store(step.token_ids, request.kv_region)
+                    request.runner_seconds += time.perf_counter() - t0
             else:
                 request.add_commit(step)
                 if request.stop_reached:  # its answer ends at a stop sequence: nothing more to decode

@@ -100,7 +100,8 @@ class ChatSession:
         if self.stats:
             s = result.stats
             click.echo(f"[{s.tokens} tokens, {s.tokens_per_second:.1f} tokens/s, {s.tokens_per_forward:.2f} "
-                       f"tokens/forward, {s.mode}]", err=True)
+                       f"tokens/forward, {s.mode}; prompt {s.prompt_tokens} tokens, {s.cached_prompt_tokens} "
+                       "from the prefix cache]", err=True)
 
     def command(self, text: str) -> bool:
         """Run a /command; False when it ends the session."""

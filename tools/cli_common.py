@@ -13,6 +13,7 @@ from tqdm import tqdm
 from refusion.export.progress import ProgressEvent
 from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.decode import MODES
+from refusion.runtime.prefix_cache import DEFAULT_MB
 from refusion.runtime.runners import BACKENDS
 
 _QUIET = "refusion.quiet"  # ctx.meta key, shared by a command and its group
@@ -138,6 +139,9 @@ _LOAD_OPTIONS = (
                       "resident once either way)."),
     click.option("--verify", is_flag=True,
                  help="Check every file's sha256 before loading (a full read of the export)."),
+    click.option("--prefix-cache-mb", type=float, default=DEFAULT_MB, show_default=True,
+                 help="Budget of the prefix cache: the KV of prompt prefixes (a system prompt, a conversation's "
+                      "earlier turns) that later requests copy instead of prefilling; 0 turns it off."),
 )
 
 
@@ -157,7 +161,8 @@ def request_options(f: Any) -> Any:
 
 
 def load_options(f: Any) -> Any:
-    """--backend --threads --low-memory --verify (Generator.from_dir's options; `load_settings` reads them)."""
+    """--backend --threads --low-memory --verify --prefix-cache-mb (Generator.from_dir's options; `load_settings`
+    reads them)."""
     for option in reversed(_LOAD_OPTIONS):
         f = option(f)
     return f
@@ -180,7 +185,7 @@ def request_settings(options: dict[str, Any]) -> dict[str, Any]:
 
 def load_settings(options: dict[str, Any]) -> dict[str, Any]:
     """The load options, taken out of a command's `options`, as Generator.from_dir's keywords."""
-    return {name: options.pop(name) for name in ("backend", "threads", "low_memory", "verify")}
+    return {name: options.pop(name) for name in ("backend", "threads", "low_memory", "verify", "prefix_cache_mb")}
 
 
 STDIN_PROMPT = "-"

@@ -26,6 +26,7 @@ class Strategy:
     profile_needs: Callable[[Any], tuple[int, int, int]] | None
     check: Callable[[Any], None] = lambda params: None  # mode-specific rules on DecodeParams
     public: bool = True  # a DecodeParams mode: offered by the API, the CLIs and the server
+    prefix_reuse: bool = True  # its steps start from Tokens.cached (a cached prompt prefix's KV in the region)
 
 
 _COMMON = ("temperature", "seed", "max_tokens")
@@ -36,7 +37,7 @@ STRATEGIES: dict[str, Strategy] = {
     "ar": Strategy(ar.ar_steps, _COMMON + ("gen_length",), ar.kv_capacity, ar.positions, ar.profile_needs),
     # the benchmark's baseline, with its own params (llada.DiffusionParams)
     "llada": Strategy(llada.llada_steps, ("gen_length", "steps", "block_length", "order", "early_exit"),
-                      llada.kv_capacity, llada.positions, None, public=False),
+                      llada.kv_capacity, llada.positions, None, public=False, prefix_reuse=False),
 }
 MODES = tuple(name for name, s in STRATEGIES.items() if s.public)  # DecodeParams' modes
 

@@ -9,7 +9,7 @@ import numpy as np
 from refusion.runtime.decode import masks
 from refusion.runtime.decode.forwards import Forwards
 from refusion.runtime.decode.kv_cache import KVCache
-from refusion.runtime.decode.steps import Commit, DecodeTrace, StepMachine, Tokens
+from refusion.runtime.decode.steps import Commit, DecodeTrace, PrefixKV, StepMachine, Tokens
 
 if TYPE_CHECKING:
     from refusion.runtime.params import DecodeParams
@@ -34,18 +34,25 @@ def ar_steps(tokens: Tokens, params: DecodeParams, trace: DecodeTrace, logits: b
     """Greedy (or sampled) autoregressive decoding on the infiller: the baseline."""
     prompt = np.asarray(tokens.prompt, dtype=np.int64)
     p0, gen_len = len(prompt), positions(params)
-    cache = KVCache(kv_capacity(p0, params))
+    cache = KVCache(kv_capacity(p0, params), tokens.cached)
     fwd = Forwards(cache, trace, params, logits)
-    ids, pos, kind = prompt, np.arange(p0), "prefill"
+    ids, pos, kind = prompt[tokens.cached:], np.arange(tokens.cached, p0), "prefill"
+    answer: list[int] = []
     for step in range(1, gen_len + 1):
         c = cache.length
         out = yield from fwd.run(kind, "infiller", ids, pos, masks.causal_after(c, len(ids)), c, c)
         cache.commit(len(ids))
+        if step == 1:
+            yield PrefixKV(tuple(tokens.prompt))
         token, prob = fwd.draft({k: v[:, -1:] for k, v in out.items()}, sample=True)
         ids, pos, kind = token.astype(np.int64), np.array([p0 + step - 1]), "decode"
+        answer.append(int(token[0]))
         trace.tpf_sum += 1.0
         trace.iterations += 1
         with np.errstate(divide="ignore"):  # a probability of 0 in fp32 is a log-probability of -inf
             yield Commit(step, (int(token[0]),), (p0 + step - 1,), "ar", (float(np.log(prob[0])),))
         if int(token[0]) == tokens.eos_id:
             break
+    # Fed one at a time, each over all before it: the answer's KV is causal too, so a conversation's next turn
+    # (this prompt and answer, then more) reuses it.
+    yield PrefixKV((*tokens.prompt, *answer[:-1]))  # the last token is never fed

@@ -50,12 +50,14 @@ class Forwards:
         return out["argmax_ids"][0], out["argmax_probs"][0]
 
     def prefill_plan(self, prompt: np.ndarray, masks_ids: np.ndarray, mask_pos: np.ndarray) -> Calls[Drafts]:
-        """The first plan: prompt and masks in one infiller pass; the prompt's KV is kept."""
-        ids = np.concatenate([prompt, masks_ids])
-        pos = np.concatenate([np.arange(len(prompt)), mask_pos])
-        out = yield from self.run("prefill_plan", "infiller", ids, pos, masks.causal_after(0, len(ids)), 0, 0)
-        self.cache.commit(len(prompt))
-        return self.draft({k: v[:, len(prompt):] for k, v in out.items()}, sample=True)
+        """The first plan: the prompt (past its cached prefix) and the masks in one infiller pass; the prompt's
+        KV is kept."""
+        c = self.cache.length
+        ids = np.concatenate([prompt[c:], masks_ids])
+        pos = np.concatenate([np.arange(c, len(prompt)), mask_pos])
+        out = yield from self.run("prefill_plan", "infiller", ids, pos, masks.causal_after(c, len(ids)), c, c)
+        self.cache.commit(len(prompt) - c)
+        return self.draft({k: v[:, len(prompt) - c:] for k, v in out.items()}, sample=True)
 
     def plan(self, masks_ids: np.ndarray, mask_pos: np.ndarray) -> Calls[Drafts]:
         c = self.cache.length

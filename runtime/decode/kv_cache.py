@@ -18,9 +18,9 @@ from refusion.runtime.decode.steps import KVMove
 
 
 class KVCache:
-    def __init__(self, capacity: int):
+    def __init__(self, capacity: int, committed: int = 0):
         self.capacity = capacity
-        self.length = 0  # committed tokens, [0, length)
+        self.length = committed  # committed tokens, [0, length): a cached prompt prefix to begin with
 
     def commit(self, count: int) -> None:
         """The `count` tokens already written right after the prefix become committed."""

@@ -11,7 +11,7 @@ import numpy as np
 from refusion.runtime.decode import policy
 from refusion.runtime.decode.forwards import Forwards
 from refusion.runtime.decode.kv_cache import KVCache
-from refusion.runtime.decode.steps import Commit, DecodeTrace, StepMachine, Tokens
+from refusion.runtime.decode.steps import Commit, DecodeTrace, PrefixKV, StepMachine, Tokens
 
 if TYPE_CHECKING:
     from refusion.runtime.params import DecodeParams
@@ -57,10 +57,10 @@ def refusion_steps(tokens: Tokens, params: DecodeParams, trace: DecodeTrace, log
     prompt = np.asarray(tokens.prompt, dtype=np.int64)
     p0, blocks = len(prompt), block_lengths(params)
     cap = p0 + (params.max_tokens if params.max_tokens is not None else sum(blocks))  # no token at or past it is returned
-    cache = KVCache(kv_capacity(p0, params))
+    cache = KVCache(kv_capacity(p0, params), tokens.cached)
     fwd = Forwards(cache, trace, params, logits)
     step = 0
-    eos_seen = False
+    eos_seen, planned = False, False
 
     def commit(ids: np.ndarray, pos: np.ndarray, probs: np.ndarray, how: str) -> Iterator[Commit]:
         nonlocal step
@@ -78,8 +78,10 @@ def refusion_steps(tokens: Tokens, params: DecodeParams, trace: DecodeTrace, log
             slot_pos = np.add.outer(np.array(remaining, dtype=np.int64), np.arange(k))
             mask_ids = np.full(slot_pos.size, tokens.mask_id, dtype=np.int64)
             # 1. Plan
-            if cache.length == 0:
+            if not planned:
                 draft, probs = yield from fwd.prefill_plan(prompt, mask_ids, slot_pos.reshape(-1))
+                planned = True
+                yield PrefixKV(tuple(tokens.prompt))  # the prompt's KV is causal; the answer's (commit order) is not
             else:
                 draft, probs = yield from fwd.plan(mask_ids, slot_pos.reshape(-1))
             draft, probs = draft.reshape(-1, k), probs.reshape(-1, k)

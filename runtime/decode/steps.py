@@ -1,8 +1,8 @@
 """What a decode strategy hands out, one step at a time: forwards to run, KV to move, commits.
 
 The strategies (runtime/decode/) are step machines: generators that yield a `Forward` and
-receive its outputs back through `send`, yield a `KVMove` for the runner to do, or yield a
-`Commit` when tokens become final. All coordinates are request-local (KV token 0 is the
+receive its outputs back through `send`, yield a `KVMove` for the runner to do, yield a
+`Commit` when tokens become final, or a `PrefixKV` when KV they hold may be reused by others. All coordinates are request-local (KV token 0 is the
 request's first prompt token), so whoever drives them decides where the request's KV lives
 and may gather forwards from many requests into one call (runtime/scheduler.py).
 """
@@ -52,7 +52,15 @@ class Commit:
     logprobs: tuple[float, ...] = ()  # each token's log-probability when it was drafted (its draft's reading)
 
 
-Step = Forward | KVMove | Commit
+@dataclass(frozen=True)
+class PrefixKV:
+    """KV [0, len(token_ids)) of the request now holds exactly what a causal prefill of `token_ids` at positions
+    0, 1, ... computes: the prefix cache may keep it for later requests that start with these tokens."""
+
+    token_ids: tuple[int, ...]
+
+
+Step = Forward | KVMove | Commit | PrefixKV
 Outputs = dict[str, np.ndarray]
 StepMachine = Generator[Step, Outputs | None, None]
 
@@ -77,3 +85,4 @@ class Tokens:
     prompt: list[int]
     mask_id: int
     eos_id: int
+    cached: int = 0  # KV of prompt[:cached] is already in the request's region (the prefix cache's copy)

@@ -5,8 +5,9 @@ in flight, each a preallocated `[1, capacity, kv_heads, head_dim]` tensor per la
 and values. A decode strategy only ever says *where* in its request's region a forward reads
 its past and writes its present; it never sees device memory, nor which backend it runs on.
 `run_batch` packs forwards of several requests (each over its own region) into one call, on
-backends that can (`max_batch` > 1); the others run them one by one. Every runner counts its own
-forwards and KV moves in `stats` (runners/stats.py).
+backends that can (`max_batch` > 1); the others run them one by one. Regions beyond the requests' can be
+added (`add_region`: the prefix cache's) and KV copied between regions (`copy_kv`). Every runner counts its
+own forwards, KV moves and copies in `stats` (runners/stats.py).
 """
 
 from __future__ import annotations
@@ -85,8 +86,33 @@ class Runner(ABC):
 
     @property
     def kv_bytes(self) -> int:
-        """Bytes the KV regions hold now: capacity x per-token size, nothing per infill row."""
+        """Bytes the KV regions hold now (the requests' and any added ones): capacity x per-token size, nothing
+        per infill row."""
         return sum(self.kv_capacities) * self.kv_bytes_per_token
+
+    def add_region(self) -> int:
+        """One more KV region, beyond the requests' `max_requests` (the prefix cache keeps its KV in such
+        regions); it holds nothing until `allocate_kv`. Returns its index. Regions added go at deactivate."""
+        self._require_active()
+        self._add_region()
+        self.kv_capacities.append(0)
+        return len(self.kv_capacities) - 1
+
+    def copy_kv(self, src_region: int, src: int, dst_region: int, dst: int, length: int) -> None:
+        """Copy KV of tokens [src, src+length) of `src_region` to [dst, dst+length) of another region."""
+        if length <= 0:
+            return
+        if src_region == dst_region:
+            raise RefusionError(f"copy_kv within region {src_region}: use move_kv, which allows overlapping ranges.")
+        self._check_region(src_region)
+        self._check_region(dst_region)
+        self._check_range("copy source", src, length, src_region)
+        self._check_range("copy destination", dst, length, dst_region)
+        t0 = time.perf_counter()
+        self._copy_kv(src_region, src, dst_region, dst, length)
+        self.stats.copies += 1
+        self.stats.copied_tokens += length
+        self.stats.copy_seconds += time.perf_counter() - t0
 
     def move_kv(self, src: int, dst: int, length: int, region: int = 0) -> None:
         """Copy KV of tokens [src, src+length) to [dst, dst+length) in `region`; overlapping ranges are fine."""
@@ -184,8 +210,9 @@ class Runner(ABC):
             )
 
     def _check_region(self, region: int) -> None:
-        if not 0 <= region < self.max_requests:
-            raise RefusionError(f"KV region {region} does not exist; this {self.name} runner holds {self.max_requests}.")
+        if not 0 <= region < len(self.kv_capacities):
+            raise RefusionError(f"KV region {region} does not exist; this {self.name} runner holds "
+                                f"{len(self.kv_capacities)} ({self.max_requests} for requests).")
 
     def _require_active(self) -> None:
         if not self.is_active:
@@ -203,6 +230,12 @@ class Runner(ABC):
 
     @abstractmethod
     def _move_kv(self, src: int, dst: int, length: int, region: int) -> None: ...
+
+    @abstractmethod
+    def _add_region(self) -> None: ...
+
+    @abstractmethod
+    def _copy_kv(self, src_region: int, src: int, dst_region: int, dst: int, length: int) -> None: ...
 
     @abstractmethod
     def _run(

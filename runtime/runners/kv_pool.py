@@ -31,6 +31,7 @@ class DeviceKVPool:
         self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
         self.dtype, self.stream = np.dtype(dtype), stream
         self.token_bytes = kv_heads * head_dim * self.dtype.itemsize  # one token's K (or V) in one layer
+        self.regions = regions  # the requests'; `add_region` adds more until `free`
         self._keys: list[list[DeviceBuffer]] = [[] for _ in range(regions)]  # [region][layer]
         self._values: list[list[DeviceBuffer]] = [[] for _ in range(regions)]
 
@@ -58,6 +59,18 @@ class DeviceKVPool:
         size = capacity * self.token_bytes
         self._keys[region] = [DeviceBuffer(size, self.stream) for _ in range(self.num_layers)]
         self._values[region] = [DeviceBuffer(size, self.stream) for _ in range(self.num_layers)]
+
+    def add_region(self) -> None:
+        """One more region (empty until `allocate`), at the next index."""
+        self._keys.append([])
+        self._values.append([])
+
+    def copy(self, src_region: int, src: int, dst_region: int, dst: int, length: int) -> None:
+        """KV of tokens [src, src + length) of one region to [dst, dst + length) of another, in every layer (on
+        the pool's stream when it has one: ordered before the next forward, as a move is)."""
+        t = self.token_bytes
+        for source, target in zip(self.caches(src_region), self.caches(dst_region)):
+            source.copy_to(target, length * t, src * t, dst * t)
 
     def move(self, region: int, src: int, dst: int, length: int) -> None:
         """KV of tokens [src, src + length) to [dst, dst + length) in every layer; the ranges may overlap."""
@@ -113,10 +126,11 @@ class DeviceKVPool:
             cache.copy_from_host(past[name], start * self.token_bytes)
 
     def free(self) -> None:
+        """Every region's buffers; the regions added since go too."""
         for buf in self.caches():
             buf.free()
-        self._keys = [[] for _ in self._keys]
-        self._values = [[] for _ in self._values]
+        self._keys = [[] for _ in range(self.regions)]
+        self._values = [[] for _ in range(self.regions)]
 
 
 class ScratchBuffers:

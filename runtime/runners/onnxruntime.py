@@ -91,6 +91,15 @@ class OrtRunner(Runner):
         for buf in self.keys[region] + self.values[region]:
             buf[:, dst : dst + length] = buf[:, src : src + length]  # numpy handles overlap
 
+    def _add_region(self) -> None:
+        self.keys.append([])
+        self.values.append([])
+
+    def _copy_kv(self, src_region: int, src: int, dst_region: int, dst: int, length: int) -> None:
+        sources = self.keys[src_region] + self.values[src_region]
+        for source, target in zip(sources, self.keys[dst_region] + self.values[dst_region]):
+            target[:, dst : dst + length] = source[:, src : src + length]
+
     def _run(self, graph, input_ids, position_ids, attention_mask, past_length, write_at, region):
         feed = {"input_ids": input_ids, "position_ids": position_ids, "attention_mask": attention_mask}
         keys, values = self.keys[region], self.values[region]
@@ -179,6 +188,12 @@ class OrtCudaRunner(OrtRunner):
 
     def _move_kv(self, src: int, dst: int, length: int, region: int) -> None:
         self._kv.move(region, src, dst, length)
+
+    def _add_region(self) -> None:
+        self._kv.add_region()
+
+    def _copy_kv(self, src_region: int, src: int, dst_region: int, dst: int, length: int) -> None:
+        self._kv.copy(src_region, src, dst_region, dst, length)
 
     def _run(self, graph, input_ids, position_ids, attention_mask, past_length, write_at, region):
         m, t, seq = self.manifest, self._kv.token_bytes, input_ids.shape[1]

@@ -38,6 +38,9 @@ class RunnerStats:
     moves: int = 0  # move_kv calls that moved anything (every layer's K and V)
     moved_tokens: int = 0
     move_seconds: float = 0.0
+    copies: int = 0  # copy_kv calls between regions (the prefix cache's loads and stores)
+    copied_tokens: int = 0
+    copy_seconds: float = 0.0
 
     def graph(self, name: str) -> ForwardStats:
         return self.graphs.setdefault(name, ForwardStats())
@@ -53,16 +56,17 @@ class RunnerStats:
 
     @property
     def busy_seconds(self) -> float:
-        """Inside the runner: forwards and KV moves."""
-        return self.total.seconds + self.move_seconds
+        """Inside the runner: forwards, KV moves and copies."""
+        return self.total.seconds + self.move_seconds + self.copy_seconds
 
     def copy(self) -> RunnerStats:
         return copy.deepcopy(self)
 
     def since(self, earlier: RunnerStats) -> RunnerStats:
         """What was counted after `earlier` (a copy taken before)."""
-        out = RunnerStats(moves=self.moves - earlier.moves, moved_tokens=self.moved_tokens - earlier.moved_tokens,
-                          move_seconds=self.move_seconds - earlier.move_seconds)
+        out = RunnerStats(**{name: getattr(self, name) - getattr(earlier, name)
+                             for name in ("moves", "moved_tokens", "move_seconds", "copies", "copied_tokens",
+                                          "copy_seconds")})
         for name, stats in self.graphs.items():
             before = earlier.graphs.get(name, ForwardStats())
             out.graphs[name] = ForwardStats(**{f.name: getattr(stats, f.name) - getattr(before, f.name)

@@ -9,7 +9,8 @@ the small heads come back. A planner forward's present goes to scratch apart fro
 
 Several requests' forwards run in one execution on a profile whose batch range holds them: their pasts
 gathered into one [rows, past, H, D] buffer, their presents scattered back (rows no batched profile holds,
-prefills, run one at a time). TensorRT wants 256-byte aligned addresses: present at an unaligned offset
+prefills, run one at a time). A prefill over a cached prefix's KV, which no profile holds whole, runs as
+chunks the decode profile holds, each over the KV the ones before it wrote. TensorRT wants 256-byte aligned addresses: present at an unaligned offset
 goes through aligned staging (tiny test models only; real models' tokens are aligned). Once per (profile,
 input shapes) the output shapes TensorRT infers are checked against the buffers bound for them. Needs
 TensorRT >= 10.1 (`set_device_memory(ptr, size)`, `device_memory_size_v2`); docs/tensorrt.md has the details.
@@ -31,6 +32,7 @@ from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.core.export_manifest import ExportManifest
 from refusion.runtime.core.profiles import check_request, select_profile
 from refusion.runtime.decode import strategy
+from refusion.runtime.decode.masks import causal_after
 from refusion.runtime.params import DecodeParams
 from refusion.runtime.runners.base import PackedRows, RowFeed, Runner, pack_rows
 from refusion.runtime.runners.cuda import DeviceBuffer, Stream, device_info
@@ -195,6 +197,12 @@ class TensorRTRunner(Runner):
     def _move_kv(self, src: int, dst: int, length: int, region: int) -> None:
         self._kv.move(region, src, dst, length)
 
+    def _add_region(self) -> None:
+        self._kv.add_region()
+
+    def _copy_kv(self, src_region: int, src: int, dst_region: int, dst: int, length: int) -> None:
+        self._kv.copy(src_region, src, dst_region, dst, length)
+
     def kv_to_host(self, start: int, length: int, region: int = 0) -> dict[str, np.ndarray]:
         """KV of tokens [start, start + length) per layer of `region`, on the host (for checks, not the
         loop). bfloat16 comes back as its raw uint16 bits."""
@@ -223,6 +231,10 @@ class TensorRTRunner(Runner):
              attention_mask: np.ndarray, past_length: int, write_at: int | None, region: int) -> dict[str, np.ndarray]:
         """One request's forward: past bound in place in its region, present written straight into it."""
         seq = input_ids.shape[1]
+        if select_profile(list(self.engines.engine.profiles), graph, seq, past_length) is None:
+            chunk = self._chunk(graph, input_ids, attention_mask, past_length, write_at)
+            if chunk:
+                return self._run_chunked(chunk, input_ids, position_ids, past_length, region)
         index = self._profile(graph, seq, past_length)  # before any device work
         context = self._contexts[index]
         self._bind_feed(context, input_ids, position_ids, attention_mask)
@@ -241,13 +253,45 @@ class TensorRTRunner(Runner):
                     buf.copy_to(cache, seq * t, src_offset=j * stride, dst_offset=write_at * t)
             return self._fetch(graph, heads)
 
+    def _chunk(self, graph: GraphName, ids: np.ndarray, mask: np.ndarray, past: int, write_at: int | None) -> int:
+        """A prefill over a past (the part of a prompt the prefix cache did not hold) is longer than a decode
+        profile takes and has a past the prefill profile does not: as it is causal after its past and writes
+        right after it, it runs as chunks, each over the KV the chunks before it wrote, which computes the same.
+        The chunk length (the longest an infiller profile takes over that past), or 0 when not such a forward."""
+        seq = ids.shape[1]
+        if graph != "infiller" or write_at != past or not np.array_equal(mask, causal_after(past, seq)):
+            return 0
+        fits = [p.seq[2] for p in self.engines.engine.profiles
+                if p.graph == graph and p.past[0] <= past and past + seq <= p.past[2] and p.seq[0] == 1]
+        return max(fits, default=0)
+
+    def _run_chunked(self, chunk: int, ids: np.ndarray, pos: np.ndarray, past: int,
+                     region: int) -> dict[str, np.ndarray]:
+        parts = []
+        for start in range(0, ids.shape[1], chunk):
+            n = min(chunk, ids.shape[1] - start)
+            parts.append(self._run("infiller", ids[:, start:start + n], pos[:, start:start + n],
+                                   causal_after(past + start, n), past + start, past + start, region))
+        return {name: np.concatenate([part[name] for part in parts], axis=1) for name in parts[0]}
+
     def _run_batch(self, graph: GraphName, rows: list[RowFeed]) -> list[dict[str, np.ndarray]]:
         """Rows grouped by the profile each needs alone, packed up to that profile's batch range: the
-        packed (seq, past) are one row's each, so the group's profile holds them."""
+        packed (seq, past) are one row's each, so the group's profile holds them. A row no profile holds that
+        runs in chunks (`_chunk`) runs alone."""
         groups: dict[int, list[int]] = {}
+        alone: list[int] = []
+        profiles = list(self.engines.engine.profiles)
         for i, row in enumerate(rows):  # every row checked before any device work
-            groups.setdefault(self._profile(graph, row.input_ids.shape[1], row.past), []).append(i)
+            seq = row.input_ids.shape[1]
+            if (select_profile(profiles, graph, seq, row.past) is None
+                    and self._chunk(graph, row.input_ids, row.attention_mask, row.past, row.write_at)):
+                alone.append(i)
+            else:
+                groups.setdefault(self._profile(graph, seq, row.past), []).append(i)
         out: dict[int, dict[str, np.ndarray]] = {}
+        for i in alone:
+            r = rows[i]
+            out[i] = self._run(graph, r.input_ids, r.position_ids, r.attention_mask, r.past, r.write_at, r.region)
         for index, members in groups.items():
             width = self.engines.engine.profiles[index].batch[2]
             for start in range(0, len(members), width):

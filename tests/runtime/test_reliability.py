@@ -1,11 +1,12 @@
 """One shared Generator under a long mixed load: requests from 8 threads, some cancelled at a random
 commit, some with a short deadline, some that fail (bad settings and over-long prompts at submit,
-sampling without a logits export at result()), on the embedded model, onnxruntime CPU, one thread.
+sampling without a logits export at result()), half of them after a shared system prompt, through a prefix
+cache too small for all their prefixes, on the embedded model, onnxruntime CPU, one thread.
 
 Every request that completes has the tokens it gets alone; one that is cancelled or times out has a
 prefix of them; one that fails raises its own RefusionError (naming its own value) and nothing else
-changes. At the end nothing is in flight, every KV region is free, and RSS is where it was after the
-warm-up.
+changes. At the end nothing is in flight, every KV region is free, every byte of KV is a request
+region's or the cache's (within its budget), and RSS is where it was after the warm-up.
 
     REFUSION_RELIABILITY_REQUESTS=1000 python -m pytest -q tests/runtime/test_reliability.py   # the issue's count
     REFUSION_RELIABILITY_SEED=7 ...                                                            # another mix
@@ -62,6 +63,8 @@ KINDS = {"complete": 50, "cancel": 15, "timeout": 15, "bad_setting": 5, "too_lon
 # makes ~4 forwards, a KV region is up to 0.8 MiB. A leaked Request (~5 KiB) is too small for RSS; the test
 # looks for live Request objects instead.
 RSS_TOLERANCE = 4 << 20
+SYSTEM = "You answer every puzzle in one short line: sort, reverse, count or copy what you are given."
+CACHE_BYTES = 24 * 16 * 3072  # prefix cache: 24 blocks of the embedded model's KV, fewer than the mix's prefixes
 
 
 @dataclass(frozen=True)
@@ -96,8 +99,11 @@ def export(tiny_export) -> Path:
 
 @pytest.fixture(scope="module")
 def jobs(export) -> list[tuple[list[int], dict]]:
-    """Held-out chat prompts, each with one of SETTINGS."""
-    return chat_jobs(export, 16, SETTINGS)
+    """Held-out chat prompts, each with one of SETTINGS; every other one after a system prompt they share."""
+    plain = chat_jobs(export, 16, SETTINGS)
+    with Generator.from_dir(export, backend="ort-cpu", threads=1) as gen:
+        system = gen.prompt_ids(messages=[{"role": "system", "content": SYSTEM}])
+    return [(system + ids if i % 2 else ids, settings) for i, (ids, settings) in enumerate(plain)]
 
 
 @pytest.fixture(scope="module")
@@ -161,7 +167,7 @@ def run_mix(gen: Generator, plans: list[Plan], jobs: list[tuple[list[int], dict]
 def test_mixed_load_from_eight_threads(export, jobs, alone):
     manifest = ExportManifest.load(export)
     plans = make_plans(REQUESTS, len(jobs), SEED, manifest.max_positions)
-    with Generator.from_dir(export, backend="ort-cpu", threads=1) as gen:
+    with Generator.from_dir(export, backend="ort-cpu", threads=1, prefix_cache_mb=CACHE_BYTES / 2**20) as gen:
         slots = gen.runner.max_requests
         # Warm-up: every slot at the largest capacity of the mix, then a short mix of its own.
         longest = max(range(len(jobs)), key=lambda j: _kv_capacity(*jobs[j]))
@@ -172,9 +178,15 @@ def test_mixed_load_from_eight_threads(export, jobs, alone):
         gc.collect()
         rss_before = rss_bytes()
 
+        evicted = gen.prefix_cache.stats.evicted_blocks
         outcomes = run_mix(gen, plans, jobs)
         assert gen.scheduler.in_flight == 0
         assert sorted(gen.scheduler._free_regions) == list(range(slots))
+        # Every byte of KV is a request region's or the prefix cache's, and the cache's are within its budget.
+        cache, runner = gen.prefix_cache, gen.runner
+        cache.check()
+        assert runner.kv_bytes == sum(runner.kv_capacities[:slots]) * runner.kv_bytes_per_token + cache.reserved_bytes
+        assert cache.reserved_bytes <= CACHE_BYTES and cache.stats.evicted_blocks > evicted  # it evicted under load
         gc.collect()
         rss_after = rss_bytes()
         assert not [o for o in gc.get_objects() if type(o) is Request], "finished requests are still referenced"

@@ -58,7 +58,8 @@ def test_piped_turns_print_only_the_answers(tiny_dir, gen):
     assert out.exit_code == 0, out.output
     assert out.stdout == f"{answer(gen, SORT)}\n{answer(gen, SORT, REVERSE)}\n"  # the whole conversation each time
     stats = out.stderr.splitlines()
-    assert len(stats) == 2 and all("tokens/s" in s and "tokens/forward, refusion]" in s for s in stats)
+    assert len(stats) == 2 and all("tokens/s" in s and "tokens/forward, refusion; prompt" in s for s in stats)
+    assert stats[0].endswith(", 0 from the prefix cache]") and not stats[1].endswith(", 0 from the prefix cache]")
 
 
 def test_settings_and_stats_commands(tiny_dir, gen):
@@ -206,7 +207,7 @@ def test_a_typed_session(tiny_dir, gen):
         term.expect("> ")
         term.type(f"{SORT}\r")
         term.expect(f"{answer(gen, SORT)}\n")
-        term.expect("tokens/forward, refusion]")
+        term.expect("from the prefix cache]")
         term.expect("> ")
         term.type("/settings mode=ar\r")
         assert "mode=ar" in term.expect("> ")

@@ -114,7 +114,7 @@ def run_concurrency_bench(cfg: ConcurrencyConfig, progress: Progress = echo_prog
     with tempfile.TemporaryDirectory(prefix="refusion-concurrency-") as tmp:
         export_dir, _ = resolve_model(Path(cfg.model), Path(tmp), progress)
         with Generator.from_dir(export_dir, backend="ort-cpu", threads=cfg.threads, max_requests=cfg.max_requests,
-                                max_batch=cfg.max_batch) as gen:
+                                max_batch=cfg.max_batch, prefix_cache_mb=0) as gen:  # decoding, every prompt prefilled
             if gen.tokenizer is None:
                 raise RefusionError(f"{export_dir} carries no tokenizer: the bench needs one for its chat prompts "
                                     "and settled text; export the checkpoint with its tokenizer files.")

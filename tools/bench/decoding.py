@@ -291,7 +291,8 @@ def run_bench(cfg: BenchConfig, progress: Progress = echo_progress) -> dict[str,
                 raise RefusionError(f"{cfg.model} is an export whose source checkpoint is not here; pass the checkpoint "
                                     "directory for the PyTorch reference, or --no-reference.")
             reference = TorchReference(ckpt, cfg.threads)
-        with Generator.from_dir(export_dir, backend="ort-cpu", threads=cfg.threads) as gen:
+        # Decoding speed: every prompt prefilled, as each method's first request (warm-up and method share prompts).
+        with Generator.from_dir(export_dir, backend="ort-cpu", threads=cfg.threads, prefix_cache_mb=0) as gen:
             methods = build_methods(gen, settings, diffusion, cfg.gen_length, reference, cfg.reference_settings)
             line(progress, f"{len(methods)} methods x {cfg.n} prompts, {cfg.threads} thread(s), gen_length "
                            f"{cfg.gen_length}; warm-up on {len(warm)} other prompt(s)")

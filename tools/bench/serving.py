@@ -222,7 +222,7 @@ def run_serve_bench(cfg: ServeBenchConfig, progress: Progress = echo_progress) -
         export_dir, _ = resolve_model(Path(cfg.model), Path(tmp), progress)
         load = [os.getloadavg()[0]]
         with Generator.from_dir(export_dir, backend="ort-cpu", threads=cfg.threads, max_requests=cfg.max_requests,
-                                max_batch=cfg.max_batch) as gen, \
+                                max_batch=cfg.max_batch, prefix_cache_mb=0) as gen, \
                 serving(export_dir, cfg, Path(tmp) / "triton.log", progress) as (port, pid):
             if gen.tokenizer is None:
                 raise RefusionError(f"{export_dir} carries no tokenizer: the bench sends chat text; export the "
