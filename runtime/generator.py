@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Iterator, Mapping
 from numbers import Integral
 from pathlib import Path
@@ -110,6 +111,37 @@ class Generator:
         if not ids:
             raise RefusionError("the prompt is empty; give at least one token of prompt.")
         return ids
+
+    def fit_messages(self, messages: list[dict[str, Any]], *, enable_thinking: bool = True,
+                     **options: Any) -> tuple[list[dict[str, Any]], int]:
+        """A conversation cut to fit the model's positions with room for its answer (`options`: the request's
+        decode settings). When it does not fit, its oldest turns (a user message and the answers after it)
+        go, the leading system messages stay, until the prompt takes at most half of the room for prompts:
+        the turns after it then reuse this prefix from the prefix cache for a while, where dropping one turn
+        at a time would change the prefix every turn and prefill it whole. Returns the messages kept and how
+        many were dropped; raises when even the last turn alone does not fit."""
+        params, _ = self.options(**options)
+        room = self.manifest.max_positions - strategy(params.mode).positions(params)
+
+        def length(kept: list[dict[str, Any]]) -> int:
+            return len(self.prompt_ids(messages=kept, enable_thinking=enable_thinking))
+
+        if length(messages) <= room:
+            return messages, 0
+        system = list(itertools.takewhile(lambda m: m.get("role") == "system", messages))
+        turns: list[list[dict[str, Any]]] = []
+        for message in messages[len(system):]:
+            if message.get("role") == "user" or not turns:
+                turns.append([])
+            turns[-1].append(message)
+        while len(turns) > 1 and length(system + [m for t in turns for m in t]) > room // 2:
+            turns.pop(0)
+        kept = system + [m for t in turns for m in t]
+        if length(kept) > room:
+            raise RefusionError(f"the conversation's last turn takes {length(kept)} prompt tokens with the system "
+                                f"messages, more than the {room} the model's {self.manifest.max_positions} positions "
+                                "leave beside the answer; shorten it, or ask for fewer tokens.")
+        return kept, len(messages) - len(kept)
 
     def _token_ids(self, prompt_ids: Iterable[int]) -> list[int]:
         if isinstance(prompt_ids, (str, bytes)) or not isinstance(prompt_ids, Iterable):

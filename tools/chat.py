@@ -3,7 +3,9 @@
     refusion-run chat out/refusion-onnx [--slot-size 4 --mode ar ...] [--system TEXT] [--no-stats]
 
 Each answer is decoded over the chat template of the whole conversation and printed as its text
-settles; a stats line (tokens/s, tokens/forward) follows on stderr. On a terminal it reads what
+settles; a stats line (tokens/s, tokens/forward, prompt tokens from the prefix cache) follows on stderr.
+The conversation's earlier turns come from the prefix cache, not a prefill; when the next turn would not fit
+the model's positions, the oldest turns are dropped (the system prompt kept), said once on stderr. On a terminal it reads what
 you type (Ctrl-C cancels an answer and keeps the conversation; Ctrl-D or /quit leaves); with
 piped stdin every line is one user turn and stdout gets only the answers.
 """
@@ -58,8 +60,9 @@ class ChatSession:
         self.system = system
         self.enable_thinking = enable_thinking
         self.stats = stats
-        self.history: list[dict[str, str]] = []
+        self.history: list[dict[str, Any]] = []
         self.failed = False  # a turn ended in an error
+        self.trimmed = False  # the oldest turns were dropped once (said on stderr that once)
         self.params()  # refuse bad settings before the first turn
         self.reset()
 
@@ -75,6 +78,7 @@ class ChatSession:
         request = None
         shown = []  # the settled text, which the conversation keeps (result.text may run past a gap)
         try:
+            self.fit()
             request = self.gen.submit(messages=self.history, chat=True, enable_thinking=self.enable_thinking,
                                       **self.settings)
             for piece in request:
@@ -102,6 +106,17 @@ class ChatSession:
             click.echo(f"[{s.tokens} tokens, {s.tokens_per_second:.1f} tokens/s, {s.tokens_per_forward:.2f} "
                        f"tokens/forward, {s.mode}; prompt {s.prompt_tokens} tokens, {s.cached_prompt_tokens} "
                        "from the prefix cache]", err=True)
+
+    def fit(self) -> None:
+        """Drop the oldest turns when the conversation would not fit the model's positions (keeping the
+        system prompt; Generator.fit_messages), and say so the first time."""
+        kept, dropped = self.gen.fit_messages(self.history, enable_thinking=self.enable_thinking, **self.settings)
+        if dropped:
+            self.history = kept
+            if not self.trimmed:
+                click.echo(f"(the conversation outgrew the model's {self.gen.manifest.max_positions} positions: its "
+                           "oldest turns are dropped from now on, the system prompt kept)", err=True)
+            self.trimmed = True
 
     def command(self, text: str) -> bool:
         """Run a /command; False when it ends the session."""
