@@ -3,12 +3,13 @@
     gen = Generator.from_dir("out/refusion-onnx", backend="auto")
     res = gen.generate("Write a function that ...", gen_length=512)  # settings left out: the export's defaults
     for piece in gen.stream(messages=[{"role": "user", "content": "..."}]): print(piece, end="")
+    res = await gen.agenerate("...")                      # asyncio: agenerate, astream
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
 from numbers import Integral
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -230,6 +231,31 @@ class Generator:
                               enable_thinking=enable_thinking, **options)
         try:
             yield from request
+        finally:
+            request.cancel()
+
+
+    async def agenerate(self, prompt: str | None = None, *, messages=None, prompt_ids=None, chat: bool = False,
+                        enable_thinking: bool = True, **options: Any) -> GenerationResult:
+        """`generate` for asyncio: the same keywords; awaits the result without blocking the event loop, and
+        cancelling the awaiting task cancels the request (it ends within one forward)."""
+        request = self.submit(prompt, messages=messages, prompt_ids=prompt_ids, chat=chat,
+                              enable_thinking=enable_thinking, **options)
+        try:
+            return await request.aresult()
+        finally:
+            request.cancel()  # a no-op once it has ended
+
+    async def astream(self, prompt: str | None = None, *, messages=None, prompt_ids=None, chat: bool = False,
+                      enable_thinking: bool = True, **options: Any) -> AsyncIterator[str]:
+        """`stream` for asyncio (`async for piece in gen.astream(...)`); closing it early or cancelling the task
+        that iterates it cancels the request."""
+        self._tokenizer()
+        request = self.submit(prompt, messages=messages, prompt_ids=prompt_ids, chat=chat,
+                              enable_thinking=enable_thinking, **options)
+        try:
+            async for piece in request:
+                yield piece
         finally:
             request.cancel()
 

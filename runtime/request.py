@@ -11,10 +11,12 @@ thread may wait for its result, iterate its settled text, or cancel it.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import itertools
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -97,6 +99,7 @@ class Request:
         self._stops = (self._settled_text() if options.stop or options.stop_token_ids else None)
         self._cancelled = threading.Event()
         self._changed = threading.Condition()
+        self._listeners: list[Callable[[], None]] = []  # called on the scheduler thread at each change (asyncio)
         self._result: GenerationResult | None = None
         self._error: BaseException | None = None
         # the scheduler's: only its thread touches these
@@ -155,16 +158,66 @@ class Request:
             if finished and seen == len(self.commits):
                 return
 
+    async def aevents(self) -> AsyncIterator[Commit]:
+        """`events()` for asyncio: each commit as it happens, awaited without blocking the event loop."""
+        loop, wake = asyncio.get_running_loop(), asyncio.Event()
+
+        def listener() -> None:
+            with contextlib.suppress(RuntimeError):  # the loop has closed: no one is waiting any more
+                loop.call_soon_threadsafe(wake.set)
+
+        with self._changed:
+            self._listeners.append(listener)
+        try:
+            seen = 0
+            while True:
+                with self._changed:
+                    fresh, finished = self.commits[seen:], self.done
+                seen += len(fresh)
+                for commit in fresh:
+                    yield commit
+                if finished:
+                    return
+                if not fresh:
+                    await wake.wait()
+                    wake.clear()
+        finally:
+            with self._changed:
+                self._listeners.remove(listener)
+
+    async def aresult(self) -> GenerationResult:
+        """`result()` for asyncio: awaits the end without blocking the event loop."""
+        async for _ in self.aevents():
+            pass
+        return self.result()
+
     def __iter__(self) -> Iterator[str]:
         """Settled text as it grows: every earlier position committed, up to the first EOS (not
         shown); never half a UTF-8 character. Raises the request's error, if it fails."""
-        if self._detokenize is None:
-            raise RefusionError("this export carries no tokenizer, so there is no text to stream; use result().token_ids.")
-        text = self._settled_text()
+        text = self._text_reader()
         for commit in self.events():
             piece = text.add(commit)
             if piece:
                 yield piece
+        yield from self._rest(text)
+
+    async def __aiter__(self) -> AsyncIterator[str]:
+        """Iteration over settled text for asyncio (`async for piece in request`), as `__iter__` gives it."""
+        text = self._text_reader()
+        async for commit in self.aevents():
+            piece = text.add(commit)
+            if piece:
+                yield piece
+        for piece in self._rest(text):
+            yield piece
+
+    def _text_reader(self) -> SettledText:
+        if self._detokenize is None:
+            raise RefusionError("this export carries no tokenizer, so there is no text to stream; use result().token_ids.")
+        return self._settled_text()
+
+    def _rest(self, text: SettledText) -> Iterator[str]:
+        """Once it has ended: its error, or the text its result has beyond what `text` showed."""
         if self._error is not None:
             raise self._error
         # Slots dropped after an EOS may leave a gap in positions that the settled text never
@@ -202,6 +255,9 @@ class Request:
         with self._changed:
             self.commits.append(commit)
             self._changed.notify_all()
+            listeners = list(self._listeners)
+        for listener in listeners:
+            listener()
         if self._stops is not None:
             self._stops.add(commit)
 
@@ -220,6 +276,9 @@ class Request:
             else:
                 self._result = self._build_result(reason)
             self._changed.notify_all()
+            listeners = list(self._listeners)
+        for listener in listeners:
+            listener()
 
     def _build_result(self, reason: FinishReason | None) -> GenerationResult:
         committed = {p: t for c in self.commits for p, t in zip(c.positions, c.token_ids)}
