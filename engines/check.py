@@ -9,8 +9,8 @@ run on the one engine's planner profile, against the planner graph. It runs the 
 it can: batch 1 (up to --max-batch rows on batched engines, each row a request of its own),
 inside the engine's profiles; the report lists the rest. Differences are
 max |diff| per output against abs + rel x the output's largest magnitude, NaN and inf shown
-as such; argmax ids count mismatches (a near tie may legitimately flip between kernels, so a
-few are allowed, and none where an export with logits shows the top two apart). The shared
+as such; argmax and top-K ids count mismatches (a near tie may legitimately flip between kernels, so a
+few are allowed, and none where an export with logits shows the tokens apart). The shared
 report replaces Polygraphy's comparator here: one tolerance rule and one NaN rule for every
 check, and no dependence on Polygraphy's version (SimpleCompareFunc needs >= 0.53).
 """

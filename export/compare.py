@@ -28,6 +28,7 @@ Feed = dict[str, np.ndarray]
 Outputs = dict[str, np.ndarray]
 Row = tuple[str, str, float, float]  # graph, output, difference, limit: one per forward
 TIE_MARGIN = 1e-3  # top-2 logits closer than this may break either way between kernels
+ID_OUTPUTS = ("argmax_ids", "top_ids")  # compared by mismatches the reference decides, not by value
 
 
 @dataclass(frozen=True)
@@ -150,7 +151,7 @@ class ComparisonReport:
                  f"tolerance {self.tolerance}):"]
         for key, diff in worst.items():
             graph, output = key
-            value = f"mismatches {diff:.0f}" if output == "argmax_ids" else f"max|diff| {diff:.2e}"
+            value = f"mismatches {diff:.0f}" if output in ID_OUTPUTS else f"max|diff| {diff:.2e}"
             flag = "ok" if key not in failed else "FAIL" + (f" ({self.notes[key]})" if key in self.notes else "")
             lines.append(f"  {graph:8s} {output:22s} {value:20s} {flag}")
         lines += [f"  left out: {line}" for line in self.left_out]
@@ -194,14 +195,11 @@ def _difference(name: str, got: np.ndarray, want: Outputs, tol: Tolerance) -> tu
     expect = want[name]
     if got.shape != expect.shape:
         return math.inf, 0.0, f"shape {list(got.shape)}, reference {list(expect.shape)}"
-    if name == "argmax_ids":
-        decided = np.ones(got.shape, dtype=bool)
+    if name in ID_OUTPUTS:
         logits = want.get("logits")
-        if logits is not None:
-            if not np.isfinite(logits).all():
-                return math.nan, 0.0, "non-finite reference logits"
-            top2 = np.sort(logits, axis=-1)[..., -2:]
-            decided = (top2[..., 1] - top2[..., 0]) > TIE_MARGIN
+        if logits is not None and not np.isfinite(logits).all():
+            return math.nan, 0.0, "non-finite reference logits"
+        decided = _argmax_decided(got, logits) if name == "argmax_ids" else _top_decided(want["top_logprobs"], logits)
         return float(np.sum((got != expect) & decided)), float(math.floor(tol.argmax * got.size)), ""
     if not got.size:
         return 0.0, tol.abs, ""
@@ -209,6 +207,27 @@ def _difference(name: str, got: np.ndarray, want: Outputs, tol: Tolerance) -> tu
     with np.errstate(invalid="ignore"):  # inf - inf: NaN, as it should be
         diff = float(np.max(np.abs(g - w)))  # NaN and inf propagate: never hidden as 0
     return diff, tol.abs + tol.rel * float(np.max(np.abs(w))), "" if math.isfinite(diff) else "non-finite output"
+
+
+def _argmax_decided(got: np.ndarray, logits: np.ndarray | None) -> np.ndarray:
+    """Positions whose argmax the reference's logits decide (top two apart); all of them without logits."""
+    if logits is None:
+        return np.ones(got.shape, dtype=bool)
+    top2 = np.sort(logits, axis=-1)[..., -2:]
+    return (top2[..., 1] - top2[..., 0]) > TIE_MARGIN
+
+
+def _top_decided(top_logprobs: np.ndarray, logits: np.ndarray | None) -> np.ndarray:
+    """Which of the reference's top-K ranks are decided: apart from the ranks beside them (the K+1-th from the
+    logits when there are some; without, the last rank counts as undecided), so kernels cannot swap them."""
+    k = top_logprobs.shape[-1]
+    if logits is not None:
+        ranked = -np.sort(-logits.astype(np.float64), axis=-1)[..., : k + 1]  # log-softmax only shifts them
+    else:
+        ranked = np.concatenate([top_logprobs, top_logprobs[..., -1:]], axis=-1)
+    gaps = ranked[..., :-1] - ranked[..., 1:]  # rank j to j + 1
+    before = np.concatenate([np.full(gaps.shape[:-1] + (1,), np.inf), gaps[..., : k - 1]], axis=-1)
+    return (before > TIE_MARGIN) & (gaps[..., :k] > TIE_MARGIN)
 
 
 def _line(output: str) -> str:

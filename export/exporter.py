@@ -22,7 +22,7 @@ from refusion.export.progress import Progress, line, silent, tick
 from refusion.export.publish import clean_leftovers, cleanup_on_signals, make_staging, publish
 from refusion.export.quantize import QuantizeOptions, QuantPlan, float_tensors, plan_quantization, write_weight
 from refusion.export.weights_file import WeightsWriter
-from refusion.runtime.core.contract import GRAPH_NAMES, graph_specs
+from refusion.runtime.core.contract import DEFAULT_CANDIDATES, GRAPH_NAMES, candidates_for, graph_specs
 from refusion.runtime.core.dims import expected_weights
 from refusion.runtime.core.dtypes import dtype as dtype_row
 from refusion.runtime.core.dtypes import from_flag
@@ -42,12 +42,16 @@ def export_onnx(
     force: bool = False,
     validate: bool = True,
     quantize: QuantizeOptions | None = None,
+    candidates: int = DEFAULT_CANDIDATES,
     progress: Progress = silent,
 ) -> Path:
     """Export `checkpoint` (a local Hugging Face directory) to `output`. `progress` receives
     ProgressEvents (export/progress.py): the weights by bytes, the graphs, validation by forwards.
-    `quantize` makes the decoder layers' linear weights int4 (export/quantize.py)."""
+    `quantize` makes the decoder layers' linear weights int4 (export/quantize.py). `candidates`: K, the most
+    likely tokens the graphs emit at each position for sampling (top_k may not exceed it; at most the vocabulary)."""
     output = Path(output)
+    if isinstance(candidates, bool) or not isinstance(candidates, int) or candidates <= 0:
+        raise RefusionError(f"candidates={candidates!r} (--candidates) must be a positive number of tokens.")
     export_dtype = from_flag(dtype).name
     if output.exists() and not force:
         raise RefusionError(f"output {output} already exists; pass --force to replace it.")
@@ -72,7 +76,8 @@ def export_onnx(
             why = "a file is in the way" if isinstance(e, (FileExistsError, NotADirectoryError)) else e.strerror
             raise RefusionError(f"cannot write to {output.parent} ({why}); choose a writable --output.") from e
         try:
-            _write_export(ckpt, staging, export_dtype, logits, eos_id, quant_plan, progress)
+            _write_export(ckpt, staging, export_dtype, logits, candidates_for(d.vocab_size, candidates), eos_id,
+                          quant_plan, progress)
             if validate:
                 from refusion.export.validate import validate_export
 
@@ -110,7 +115,7 @@ def _replaceable(output: Path) -> bool:
         (output / MANIFEST_NAME).is_file() or not any(output.iterdir()))
 
 
-def _write_export(ckpt: Checkpoint, out: Path, dtype: str, logits: bool, eos_id: int,
+def _write_export(ckpt: Checkpoint, out: Path, dtype: str, logits: bool, candidates: int, eos_id: int,
                   quant_plan: QuantPlan | None, progress: Progress) -> None:
     dims = ckpt.dims
     t0 = time.perf_counter()
@@ -138,7 +143,7 @@ def _write_export(ckpt: Checkpoint, out: Path, dtype: str, logits: bool, eos_id:
             tick(progress, "weights", done, total, "B")
     writer.close()
 
-    specs = graph_specs(dims.num_layers, dims.kv_heads, dims.head_dim, dims.vocab_size, dtype, logits)
+    specs = graph_specs(dims.num_layers, dims.kv_heads, dims.head_dim, dims.vocab_size, dtype, logits, candidates)
     for name in GRAPH_NAMES:
         model = build_graph(specs[name], dims, dtype, writer.initializers)
         onnx.save_model(model, out / ExportManifest.graph_files[name])
@@ -151,7 +156,8 @@ def _write_export(ckpt: Checkpoint, out: Path, dtype: str, logits: bool, eos_id:
     defaults = ckpt.decode_defaults().clamped(dims.max_position_embeddings)
     manifest = ExportManifest(
         path=out, dims=dims, dtype=dtype, mask_token_id=ckpt.mask_token_id, eos_token_id=eos_id,
-        defaults=defaults, graphs=specs, opset=graph_opset(writer.initializers), has_logits=logits, weights=index,
+        defaults=defaults, graphs=specs, opset=graph_opset(writer.initializers), has_logits=logits,
+        candidates=candidates, weights=index,
         tokenizer_files=tokenizer_files, files={}, quantization=quantization,
         source={"checkpoint": str(ckpt.path.resolve()), "dtype": ckpt.source_dtype,
                 "export_seconds": round(time.perf_counter() - t0, 2)},

@@ -15,6 +15,7 @@ from torch import nn
 
 from refusion.export.checkpoint import Checkpoint
 from refusion.export.quantize import dequantize
+from refusion.runtime.core.contract import candidates_for
 from refusion.runtime.core.dims import ModelDims, is_linear_weight
 from refusion.runtime.core.quantization import SCALE_SUFFIX, scale_name
 
@@ -46,9 +47,11 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class Attention(nn.Module):
-    def __init__(self, dims: ModelDims):
+    def __init__(self, dims: ModelDims, candidates: int | None = None):
+        """`candidates`: K of the top-K outputs (default: an export's default for this vocabulary)."""
         super().__init__()
         self.dims = dims
+        self.candidates = candidates or candidates_for(dims.vocab_size)
         self.q_proj = nn.Linear(dims.hidden_size, dims.q_size, bias=False)
         self.k_proj = nn.Linear(dims.hidden_size, dims.kv_size, bias=False)
         self.v_proj = nn.Linear(dims.hidden_size, dims.kv_size, bias=False)
@@ -99,9 +102,11 @@ class DecoderLayer(nn.Module):
 class Qwen3(nn.Module):
     """Qwen3ForCausalLM with the refusion graph contract as its forward signature."""
 
-    def __init__(self, dims: ModelDims):
+    def __init__(self, dims: ModelDims, candidates: int | None = None):
+        """`candidates`: K of the top-K outputs (default: an export's default for this vocabulary)."""
         super().__init__()
         self.dims = dims
+        self.candidates = candidates or candidates_for(dims.vocab_size)
         self.embed_tokens = nn.Embedding(dims.vocab_size, dims.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(dims) for _ in range(dims.num_layers))
         self.norm = RMSNorm(dims.hidden_size, dims.rms_norm_eps)
@@ -114,7 +119,7 @@ class Qwen3(nn.Module):
         return Qwen3.from_tensors(ckpt.dims, ((n, t.to(dtype)) for n, t in ckpt.tensors()))
 
     @staticmethod
-    def from_export(dims: ModelDims, weights: dict[str, np.ndarray], dtype: str) -> Qwen3:
+    def from_export(dims: ModelDims, weights: dict[str, np.ndarray], dtype: str, candidates: int | None = None) -> Qwen3:
         """Built on an export's memory-mapped weight file: the same bytes the graphs run on. An int4
         weight (packed bytes beside its `_scale`) is dequantized as the graphs' DequantizeLinear does,
         so torch runs the same math on the same values."""
@@ -128,12 +133,13 @@ class Qwen3(nn.Module):
                 t = t.view(torch.bfloat16) if dtype == "bfloat16" else t
             return t.T if is_linear_weight(name) else t  # stored [in, out]
         return Qwen3.from_tensors(dims, ((n, tensor(n, a)) for n, a in weights.items()
-                                         if not n.endswith(SCALE_SUFFIX)))
+                                         if not n.endswith(SCALE_SUFFIX)), candidates)
 
     @staticmethod
-    def from_tensors(dims: ModelDims, tensors: Iterable[tuple[str, torch.Tensor]]) -> Qwen3:
+    def from_tensors(dims: ModelDims, tensors: Iterable[tuple[str, torch.Tensor]],
+                     candidates: int | None = None) -> Qwen3:
         with torch.device("meta"):
-            model = Qwen3(dims)
+            model = Qwen3(dims, candidates)
         state = {_module_name(name): t for name, t in tensors}
         if dims.tie_word_embeddings:  # the tied head is the embedding; checkpoints and exports store it once
             state["lm_head.weight"] = state["embed_tokens.weight"]
@@ -164,6 +170,7 @@ class Qwen3(nn.Module):
         out["argmax_probs"] = probs.gather(-1, out["argmax_ids"][..., None])[..., 0]
         prev = torch.cat([probs[:, :1], probs[:, :-1]], dim=1)  # upstream's shifted reading
         out["input_probs"] = prev.gather(-1, input_ids[..., None])[..., 0]
+        out["top_logprobs"], out["top_ids"] = torch.log_softmax(logits, dim=-1).topk(self.candidates, dim=-1)
         return out
 
 

@@ -49,6 +49,13 @@ class _Builder:
         self.nodes.append(helper.make_node(op_type, list(inputs), [name], name=f"n{self._count}_{op_type}", **attrs))
         return name
 
+    def ops(self, op_type: str, *inputs: str, outs: tuple[str | None, ...], **attrs: object) -> list[str]:
+        """A node of several outputs, each named as given or fresh (None)."""
+        self._count += 1
+        names = [out or f"{op_type.lower()}_{self._count}_{i}" for i, out in enumerate(outs)]
+        self.nodes.append(helper.make_node(op_type, list(inputs), names, name=f"n{self._count}_{op_type}", **attrs))
+        return names
+
     def const(self, value: np.ndarray, name: str | None = None) -> str:
         self._count += 1
         tensor = numpy_helper.from_array(value, name or f"const_{self._count}")
@@ -128,7 +135,7 @@ def build_graph(
     logits = _to_f32(g, g.linear(h, head), onnx_dtype)  # [b, s, vocab] fp32
     if "logits" in wants:
         logits = g.op("Identity", logits, out="logits")
-    _heads(g, logits, "input_probs" in wants)
+    _heads(g, logits, "input_probs" in wants, spec.output("top_ids").axes[-1])
 
     graph = helper.make_graph(
         g.nodes,
@@ -142,12 +149,16 @@ def build_graph(
     return model
 
 
-def _heads(g: _Builder, logits: str, verify: bool) -> None:
-    """argmax id and its probability; with `verify`, the probability of each given token."""
+def _heads(g: _Builder, logits: str, verify: bool, candidates: int | str) -> None:
+    """argmax id and its probability; the `candidates` most likely ids and their log-probabilities (sampling);
+    with `verify`, the probability of each given token."""
     g.op("ArgMax", logits, axis=-1, keepdims=0, out="argmax_ids")
     top = g.reduce("ReduceMax", logits, -1)  # [b, s, 1]
     denom = g.op("ReduceSum", g.op("Exp", g.op("Sub", logits, top)), g.ints(-1), keepdims=1)
     g.op("Squeeze", g.op("Reciprocal", denom), g.ints(-1), out="argmax_probs")
+    # TopK, largest first; log softmax of the picked logits: logit - max - log(sum exp(logits - max))
+    values, _ = g.ops("TopK", logits, g.ints(int(candidates)), outs=(None, "top_ids"), axis=-1, largest=1, sorted=1)
+    g.op("Sub", g.op("Sub", values, top), g.op("Log", denom), out="top_logprobs")
     if not verify:
         return
     # p(token j | before j) = softmax(logits[j-1])[ids[j]]; position 0 reads its own logits.

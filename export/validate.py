@@ -116,7 +116,7 @@ class TorchRunner(CaseRunner):
 
         m = self.manifest
         if self._model is None:
-            self._model = Qwen3.from_export(m.dims, map_weights(m), m.dtype)
+            self._model = Qwen3.from_export(m.dims, map_weights(m), m.dtype, m.candidates)
         t = torch.from_numpy
         past = [(t(feed[past_key_name(i)]), t(feed[past_value_name(i)])) for i in range(m.num_layers)]
         out = self._model(t(feed["input_ids"]), t(feed["position_ids"]), t(feed["attention_mask"]), past)

@@ -181,10 +181,15 @@ class Generator:
         bad = [t for t in request.stop_token_ids if t >= self.manifest.vocab_size]
         if bad:
             raise RefusionError(f"stop token id {bad[0]} is outside the vocabulary [0, {self.manifest.vocab_size}).")
+        params = self.params(**options)
+        if params.top_k > self.manifest.candidates:
+            raise RefusionError(f"top_k={params.top_k} exceeds the {self.manifest.candidates} candidates this export's "
+                                f"graphs emit; lower top_k, or re-export with `refusion-export onnx ... --candidates "
+                                f"{params.top_k}`.")
         if request.stop and self.tokenizer is None:
             raise RefusionError(f"stop={list(request.stop)!r} needs the tokenizer to read the answer's text, and "
                                 f"{self.manifest.path} carries none; stop at token ids (stop_token_ids) instead.")
-        return self.params(**options), request
+        return params, request
 
     def submit(self, prompt: str | None = None, *, messages=None, prompt_ids=None, chat: bool = False,
                enable_thinking: bool = True, **options: Any) -> Request:
@@ -209,8 +214,7 @@ class Generator:
         self.runner.check_request(len(ids), params)
         m = self.manifest
         detokenize = self.tokenizer.decode if self.tokenizer else None
-        request = Request.create(Tokens(ids, m.mask_token_id, m.eos_token_id), params, m.has_logits, detokenize,
-                                 self.runner.name, options)
+        request = Request(Tokens(ids, m.mask_token_id, m.eos_token_id), params, detokenize, self.runner.name, options)
         return self.scheduler.submit(request)
 
     def generate(self, prompt: str | None = None, *, messages=None, prompt_ids=None, chat: bool = False,

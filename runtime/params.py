@@ -25,6 +25,9 @@ class DecodeParams:
     seed: int | None = None
     mode: Mode = "refusion"
     max_tokens: int | None = None  # at most this many new tokens; None: the canvas (gen_length, padded) bounds them
+    top_k: int = 0  # temperature > 0: draw among the k most likely candidates (0: all the export's K)
+    top_p: float = 1.0  # ... the smallest set of them whose tempered probability reaches top_p (1: no cut)
+    min_p: float = 0.0  # ... those at least min_p x the most likely one's tempered probability (0: no cut)
 
     def __post_init__(self) -> None:
         for name in ("gen_length", "slot_size", "serial_num_blocks"):
@@ -52,6 +55,15 @@ class DecodeParams:
         if self.seed is not None and (not _is_int(self.seed) or self.seed < 0):
             raise RefusionError(
                 f"seed={self.seed!r} must be None or a non-negative integer (it seeds the sampling noise).")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise RefusionError(f"top_k={self.top_k!r} must be an integer >= 0 (0: every candidate the export emits).")
+        object.__setattr__(self, "top_k", int(self.top_k))
+        if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise RefusionError(f"top_p={self.top_p!r} must be a number in (0, 1] (1: no nucleus cut).")
+        if not _is_number(self.min_p) or not 0.0 <= self.min_p < 1.0:
+            raise RefusionError(f"min_p={self.min_p!r} must be a number in [0, 1) (0: no cut).")
+        object.__setattr__(self, "top_p", float(self.top_p))
+        object.__setattr__(self, "min_p", float(self.min_p))
         if self.mode not in MODES:
             raise RefusionError(f"mode={self.mode!r} is not one of {', '.join(map(repr, MODES))}.")
         STRATEGIES[self.mode].check(self)
@@ -59,7 +71,7 @@ class DecodeParams:
     @staticmethod
     def with_defaults(defaults: DecodeDefaults, **settings: Any) -> DecodeParams:
         """`settings` over an export's recorded `defaults`: a decode setting left out, or None, takes the
-        export's value; temperature, seed, mode and max_tokens keep the bare defaults."""
+        export's value; the others (temperature and sampling, seed, mode, max_tokens) keep the bare defaults."""
         names = [f.name for f in fields(DecodeParams)]
         unknown = [name for name in settings if name not in names]
         if unknown:

@@ -80,14 +80,14 @@ class GenerationResult:
 
 
 class Request:
-    def __init__(self, tokens: Tokens, params: Params, logits: bool, detokenize: Detokenize | None = None,
-                 backend: str = "", options: RequestOptions = RequestOptions()):
-        """A request of params.mode's strategy over `tokens` (`logits`: the graphs have that output); its
-        step machine is made when the scheduler starts it (`start`)."""
+    def __init__(self, tokens: Tokens, params: Params, detokenize: Detokenize | None = None, backend: str = "",
+                 options: RequestOptions = RequestOptions()):
+        """A request of params.mode's strategy over `tokens`; its step machine is made when the scheduler
+        starts it (`start`)."""
         self.id = next(_ids)
         self.tokens, self.prompt_ids, self.params, self.options = tokens, tokens.prompt, params, options
         self.trace = DecodeTrace()
-        self._strategy, self._logits = STRATEGIES[params.mode], logits
+        self._strategy = STRATEGIES[params.mode]
         self.capacity = self._strategy.kv_capacity(len(tokens.prompt), params)
         self.eos_id, self.backend = tokens.eos_id, backend
         timeout_s = options.timeout_s
@@ -109,10 +109,6 @@ class Request:
         self.runner_seconds = 0.0
         self.cached_tokens = 0  # prompt tokens whose KV came from the prefix cache
 
-    @staticmethod
-    def create(tokens: Tokens, params: Params, logits: bool, detokenize: Detokenize | None = None,
-               backend: str = "", options: RequestOptions = RequestOptions()) -> Request:
-        return Request(tokens, params, logits, detokenize, backend, options)
 
     def _settled_text(self) -> SettledText:
         """A fresh reader of this request's settled text, ending where its answer stops."""
@@ -241,7 +237,7 @@ class Request:
     def start(self, cached: int = 0) -> None:
         """Make its step machine, over a KV region whose first `cached` tokens already hold the prompt's KV."""
         self.cached_tokens = cached
-        self._steps = self._strategy.steps(replace(self.tokens, cached=cached), self.params, self.trace, self._logits)
+        self._steps = self._strategy.steps(replace(self.tokens, cached=cached), self.params, self.trace)
 
     def send(self, outputs: Outputs | None) -> Step | None:
         """Advance the step machine to its next step (None when it is over)."""

@@ -57,14 +57,32 @@ MIXED_SETTINGS = [
 ]
 
 
-def decode_on(runner, tokens: Tokens, params, logits: bool = False) -> GenerationResult:
+def decode_on(runner, tokens: Tokens, params) -> GenerationResult:
     """One request by itself through a scheduler over `runner` (the only driver of step machines), with
     `tokens`' own mask and EOS ids: its tokens, commits and stats."""
     scheduler = Scheduler(runner)
     try:
-        return scheduler.submit(Request.create(tokens, params, logits)).result()
+        return scheduler.submit(Request(tokens, params)).result()
     finally:
         scheduler.close()
+
+
+def broken_request(gen, ids: list[int], error: BaseException, **settings) -> Request:
+    """A request of `gen` whose step machine raises `error` at its second step (after its first forward), as a
+    bug in a strategy would: it must fail alone, with that error."""
+    m = gen.manifest
+    request = Request(Tokens(ids, m.mask_token_id, m.eos_token_id), gen.params(**settings))
+    steps = [0]
+    real = request.send
+
+    def send(outputs):
+        steps[0] += 1
+        if steps[0] == 2:
+            raise error
+        return real(outputs)
+
+    request.send = send  # before the scheduler sees it
+    return gen.scheduler.submit(request)
 
 
 def decode_alone(export: Path, jobs: list[tuple[list[int], dict]]) -> list[list[int]]:

@@ -36,11 +36,13 @@ from refusion.tools.cli_common import (
 # /settings keys: short names, and every DecodeParams field by its own name
 ALIASES = {"k": "slot_size", "blocks": "serial_num_blocks", "serial_blocks": "serial_num_blocks"}
 _TYPES = {"max_tokens": int, "gen_length": int, "slot_size": int, "serial_num_blocks": int, "slot_threshold": float,
-          "token_threshold": float, "temperature": float, "seed": int, "mode": str}
+          "token_threshold": float, "temperature": float, "top_k": int, "top_p": float, "min_p": float, "seed": int,
+          "mode": str}
 HELP = """commands:
   /settings             show the decode settings
   /settings k=v ...     change them: k (slot_size), blocks (serial_num_blocks), max_tokens, gen_length,
-                        slot_threshold, token_threshold, temperature, seed, mode (refusion | ar);
+                        slot_threshold, token_threshold, temperature, top_k, top_p, min_p, seed,
+                        mode (refusion | ar);
                         e.g. /settings slot_size=4 mode=ar max_tokens=32 (seed=none, max_tokens=none: unset)
   /stats                switch the stats line after each answer on or off
   /reset                start a new conversation

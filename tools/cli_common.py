@@ -116,7 +116,14 @@ _DECODE_OPTIONS = (
                  help=f"A slot is chosen when its first token's draft probability exceeds it ({_RECORDED})."),
     click.option("--token-threshold", type=float,
                  help=f"A drafted token is accepted when its AR probability exceeds it ({_RECORDED})."),
-    click.option("--temperature", type=float, default=0.0, show_default=True),
+    click.option("--temperature", type=float, default=0.0, show_default=True,
+                 help="0 is greedy; > 0 samples (Gumbel-max) from the export's top-K candidates."),
+    click.option("--top-k", type=int, default=None,
+                 help="With --temperature: draw among the K most likely candidates [default: all the export's]."),
+    click.option("--top-p", type=float, default=None,
+                 help="With --temperature: among the fewest candidates whose probability reaches P [default: 1]."),
+    click.option("--min-p", type=float, default=None,
+                 help="With --temperature: among those at least P x the most likely's probability [default: 0]."),
     click.option("--seed", type=int, default=None, help="Seed of the Gumbel noise when --temperature > 0."),
 )
 # What a request asks beyond its decode settings: its length and where it stops.
@@ -146,8 +153,8 @@ _LOAD_OPTIONS = (
 
 
 def decode_options(f: Any) -> Any:
-    """--mode --gen-length --slot-size --serial-blocks --slot-threshold --token-threshold --temperature
-    --seed; the command takes them as keyword arguments and hands them to `decode_settings`."""
+    """--mode --gen-length --slot-size --serial-blocks --slot-threshold --token-threshold --temperature --top-k
+    --top-p --min-p --seed; the command takes them as keyword arguments and hands them to `decode_settings`."""
     for option in reversed(_DECODE_OPTIONS):
         f = option(f)
     return f
@@ -174,7 +181,9 @@ def decode_settings(options: dict[str, Any]) -> dict[str, Any]:
     names = {"serial_blocks": "serial_num_blocks"}  # option name -> setting name, where they differ
     taken = ("mode", "gen_length", "slot_size", "serial_blocks", "slot_threshold", "token_threshold",
              "temperature", "seed")
-    return {names.get(name, name): options.pop(name) for name in taken}
+    settings = {names.get(name, name): options.pop(name) for name in taken}
+    cuts = {name: options.pop(name) for name in ("top_k", "top_p", "min_p")}
+    return settings | {name: value for name, value in cuts.items() if value is not None}  # left out: no cut
 
 
 def request_settings(options: dict[str, Any]) -> dict[str, Any]:

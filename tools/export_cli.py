@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import click
 
+from refusion.runtime.core.contract import DEFAULT_CANDIDATES
 from refusion.runtime.core.engines_manifest import ENGINES_MANIFEST
 from refusion.runtime.core.errors import RefusionError
 from refusion.tools.build_command import build_command, check_engines
@@ -48,7 +49,10 @@ def _need_export_extra() -> None:
 @click.option("--dtype", type=click.Choice(["fp32", "fp16", "bf16"]), default="fp32", show_default=True,
               help="Weight and KV dtype of the graphs.")
 @click.option("--force", is_flag=True, help="Replace OUTPUT if it exists.")
-@click.option("--logits", is_flag=True, help="Also output full [batch, seq, vocab] fp32 logits (debug/sampling).")
+@click.option("--logits", is_flag=True, help="Also output full [batch, seq, vocab] fp32 logits (for debugging).")
+@click.option("--candidates", type=int, default=DEFAULT_CANDIDATES, show_default=True,
+              help="Top-K candidates (ids and log-probabilities) the graphs emit at each position for sampling: "
+                   "requests' top_k may not exceed it (at most the vocabulary).")
 @click.option("--mask-token-id", type=int, default=None, help="Mask token id, when config.json lacks mask_token_id.")
 @click.option("--validate/--no-validate", default=True, show_default=True,
               help="Check the graphs against the torch definition on onnxruntime CPU before publishing.")
@@ -63,7 +67,7 @@ def _need_export_extra() -> None:
               help="With int4-awq: use the first N calibration prompts [default: 64].")
 @quiet_option
 def onnx_command(checkpoint: str, revision: str | None, output: Path, dtype: str, force: bool, logits: bool,
-                 mask_token_id: int | None, validate: bool, quantize: str | None, block_size: int | None,
+                 candidates: int, mask_token_id: int | None, validate: bool, quantize: str | None, block_size: int | None,
                  calibration: Path | None, calibration_samples: int | None) -> None:
     """Export CHECKPOINT to planner/infiller ONNX graphs. CHECKPOINT is a Qwen3/ReFusion directory in the
     Hugging Face layout, or a model id ORG/NAME fetched from the hub into its cache (HF_HOME; offline with
@@ -82,7 +86,7 @@ def onnx_command(checkpoint: str, revision: str | None, output: Path, dtype: str
     what = f"{dtype}{f', {quantize}{block}' if options else ''}{', with logits' if logits else ''}"
     progress(f"exporting {path} -> {output} ({what})")
     out = export_onnx(path, output, dtype=dtype, logits=logits, mask_token_id=mask_token_id,
-                      force=force, validate=validate, quantize=options, progress=progress)
+                      force=force, validate=validate, quantize=options, candidates=candidates, progress=progress)
     size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
     progress(f"done in {time.perf_counter() - t0:.1f} s: {out} ({_size(size)})")
     click.echo(str(out))

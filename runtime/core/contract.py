@@ -90,10 +90,19 @@ def kv_names(num_layers: int, past: bool) -> list[str]:
     return [key(i) for i in range(num_layers)] + [value(i) for i in range(num_layers)]
 
 
+DEFAULT_CANDIDATES = 64  # top-K candidates the graphs emit for sampling (refusion-export onnx --candidates)
+
+
+def candidates_for(vocab_size: int, asked: int = DEFAULT_CANDIDATES) -> int:
+    """The K an export of this vocabulary emits: as asked, at most the vocabulary."""
+    return min(asked, vocab_size)
+
+
 def graph_specs(
-    num_layers: int, kv_heads: int, head_dim: int, vocab_size: int, kv_dtype: str, logits: bool
+    num_layers: int, kv_heads: int, head_dim: int, vocab_size: int, kv_dtype: str, logits: bool,
+    candidates: int = DEFAULT_CANDIDATES,
 ) -> dict[GraphName, GraphSpec]:
-    """The planner and infiller contracts for a model of these dimensions."""
+    """The planner and infiller contracts for a model of these dimensions; `candidates`: K of the top-K outputs."""
     inputs: list[TensorSpec] = [
         TensorSpec("input_ids", "int64", (BATCH, SEQ)),
         TensorSpec("position_ids", "int64", (BATCH, SEQ)),
@@ -110,6 +119,10 @@ def graph_specs(
         # mask token this is the planner's draft, at a real token the greedy next token.
         TensorSpec("argmax_ids", "int64", (BATCH, SEQ)),
         TensorSpec("argmax_probs", "float32", (BATCH, SEQ)),
+        # what sampling needs, without the vocabulary: the K most likely tokens at each position, most likely
+        # first, and their log-probabilities under the whole vocabulary's softmax (untempered)
+        TensorSpec("top_ids", "int64", (BATCH, SEQ, candidates)),
+        TensorSpec("top_logprobs", "float32", (BATCH, SEQ, candidates)),
     ]
     # Verification: probability of input token j under the logits of position j-1;
     # position 0 uses its own logits (upstream's convention; the loop never reads it).

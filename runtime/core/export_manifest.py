@@ -31,7 +31,7 @@ from refusion.runtime.core.quantization import INT4_OPSET, Quantization, weight_
 MANIFEST_NAME = "refusion.json"
 PENDING_NAME = "refusion.pending.json"
 FORMAT = "refusion-onnx"
-FORMAT_VERSION = 3  # 3: the quantization section
+FORMAT_VERSION = 4  # 3: the quantization section; 4: the top-K sampling outputs (graphs.*.candidates)
 REEXPORT = "re-export with `refusion-export onnx CHECKPOINT --output DIR --force`"
 WEIGHTS_LAYOUT = "linear weights [in, out]"
 _SECTIONS = ("model", "dtype", "quantization", "tokens", "defaults", "graphs", "weights", "tokenizer", "files")
@@ -43,7 +43,7 @@ def check_format(fields: Fields, fmt: str, version: int, redo: str) -> None:
     if raw.get("format") != fmt or raw.get("format_version") != version:
         raise RefusionError(
             f"{fields.file}: format {raw.get('format')!r} v{raw.get('format_version')!r} is not {fmt!r} "
-            f"v{version}; {redo} with this version of refusion-trt."
+            f"v{version}, the one this version of refusion-trt reads (CHANGELOG.md says what changed); {redo}."
         )
 
 
@@ -71,6 +71,7 @@ class ExportManifest:
     graphs: dict[GraphName, GraphSpec]
     opset: int
     has_logits: bool
+    candidates: int  # K: the graphs' top_ids / top_logprobs hold the K most likely tokens at each position
     weights: dict[str, WeightEntry]
     tokenizer_files: tuple[str, ...]
     files: dict[str, FileRecord]  # every file above by name: graphs, weights.bin, tokenizer files
@@ -136,7 +137,7 @@ class ExportManifest:
             "tokens": {"mask_token_id": self.mask_token_id, "eos_token_id": self.eos_token_id},
             "defaults": self.defaults.to_json(),
             "graphs": {name: {"file": self.graph_files[name], "opset": self.opset, "logits": self.has_logits,
-                              **self.graphs[name].to_json()} for name in GRAPH_NAMES},
+                              "candidates": self.candidates, **self.graphs[name].to_json()} for name in GRAPH_NAMES},
             "weights": {"file": self.weights_file, "layout": WEIGHTS_LAYOUT,
                         "tensors": {n: e.to_json() for n, e in self.weights.items()}},
             "tokenizer": {"files": list(self.tokenizer_files)},
@@ -182,7 +183,9 @@ class ExportManifest:
         except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as e:
             raise RefusionError(f"{file} is not valid JSON ({e}); {REEXPORT}.") from e
         fields = Fields(file, raw, REEXPORT)
-        check_format(fields, FORMAT, FORMAT_VERSION, "re-export")
+        engines = (path / "engines.json").is_file()  # an engines directory (engines_manifest imports this module)
+        check_format(fields, FORMAT, FORMAT_VERSION,
+                     REEXPORT + (", then rebuild the engines from it with `refusion-export build`" if engines else ""))
         return _parse(path, fields)
 
 
@@ -211,18 +214,22 @@ def _parse(path: Path, f: Fields) -> ExportManifest:
     quantization = Quantization.read(f, "quantization", dims, export_dtype)
     vocab = dims.vocab_size
     logits = f.bool("graphs.planner.logits")
+    candidates = f.int("graphs.planner.candidates", 1, vocab + 1)
     opset = f.positive_int("graphs.planner.opset")
     if quantization and opset != INT4_OPSET:
         raise f.fail("graphs.planner.opset", opset,
                      f"{INT4_OPSET} for an int4 export (INT4 and blocked DequantizeLinear)")
     graphs: dict[GraphName, GraphSpec] = {}
-    expected = graph_specs(dims.num_layers, dims.kv_heads, dims.head_dim, vocab, export_dtype, logits)
+    expected = graph_specs(dims.num_layers, dims.kv_heads, dims.head_dim, vocab, export_dtype, logits, candidates)
     for name in GRAPH_NAMES:
         f.str(f"graphs.{name}.file", (ExportManifest.graph_files[name],))
         if f.positive_int(f"graphs.{name}.opset") != opset:
             raise f.fail(f"graphs.{name}.opset", f.get(f"graphs.{name}.opset"), f"{opset}, as for the planner")
         if f.bool(f"graphs.{name}.logits") != logits:
             raise f.fail(f"graphs.{name}.logits", not logits, f"{logits}, as for the planner")
+        if f.int(f"graphs.{name}.candidates", 1, vocab + 1) != candidates:
+            raise f.fail(f"graphs.{name}.candidates", f.get(f"graphs.{name}.candidates"),
+                         f"{candidates}, as for the planner")
         graphs[name] = _read_spec(f, name, expected[name])
     f.str("weights.file", (ExportManifest.weights_file,))
     f.str("weights.layout", (WEIGHTS_LAYOUT,))
@@ -243,6 +250,7 @@ def _parse(path: Path, f: Fields) -> ExportManifest:
         graphs=graphs,
         opset=opset,
         has_logits=logits,
+        candidates=candidates,
         weights=weights,
         tokenizer_files=tokenizer_files,
         files=files,

@@ -12,7 +12,7 @@ from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.decode import ar, llada, refusion
 from refusion.runtime.decode.steps import DecodeTrace, StepMachine, Tokens
 
-Steps = Callable[[Tokens, Any, DecodeTrace, bool], StepMachine]  # (tokens, params, trace, logits output?)
+Steps = Callable[[Tokens, Any, DecodeTrace], StepMachine]  # (tokens, params, trace)
 
 
 @dataclass(frozen=True)
@@ -29,7 +29,7 @@ class Strategy:
     prefix_reuse: bool = True  # its steps start from Tokens.cached (a cached prompt prefix's KV in the region)
 
 
-_COMMON = ("temperature", "seed", "max_tokens")
+_COMMON = ("temperature", "top_k", "top_p", "min_p", "seed", "max_tokens")
 STRATEGIES: dict[str, Strategy] = {
     "refusion": Strategy(refusion.refusion_steps, _COMMON + ("gen_length", "slot_size", "serial_num_blocks",
                                                               "slot_threshold", "token_threshold"),

@@ -30,12 +30,12 @@ def profile_needs(params: DecodeParams) -> tuple[int, int, int]:
     return positions(params), 1, positions(params)
 
 
-def ar_steps(tokens: Tokens, params: DecodeParams, trace: DecodeTrace, logits: bool) -> StepMachine:
+def ar_steps(tokens: Tokens, params: DecodeParams, trace: DecodeTrace) -> StepMachine:
     """Greedy (or sampled) autoregressive decoding on the infiller: the baseline."""
     prompt = np.asarray(tokens.prompt, dtype=np.int64)
     p0, gen_len = len(prompt), positions(params)
     cache = KVCache(kv_capacity(p0, params), tokens.cached)
-    fwd = Forwards(cache, trace, params, logits)
+    fwd = Forwards(cache, trace, params)
     ids, pos, kind = prompt[tokens.cached:], np.arange(tokens.cached, p0), "prefill"
     answer: list[int] = []
     for step in range(1, gen_len + 1):

@@ -8,7 +8,6 @@ from typing import TYPE_CHECKING, TypeVar
 import numpy as np
 
 from refusion.runtime.core.contract import GraphName
-from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.decode import masks, policy
 from refusion.runtime.decode.kv_cache import KVCache
 from refusion.runtime.decode.steps import DecodeTrace, Forward, KVMove, Outputs
@@ -25,15 +24,9 @@ class Forwards:
     """The graph calls of the loop, named by what they are for, counted in the trace; each is a
     generator that hands out its Forward and returns what the loop needs from the outputs."""
 
-    def __init__(self, cache: KVCache, trace: DecodeTrace, params: DecodeParams, logits: bool):
+    def __init__(self, cache: KVCache, trace: DecodeTrace, params: DecodeParams):
         self.cache, self.trace, self.params = cache, trace, params
-        self.sampling = params.temperature > 0
-        self.rng = np.random.default_rng(params.seed) if self.sampling else None
-        if self.sampling and not logits:
-            raise RefusionError(
-                f"temperature={params.temperature} needs the graphs' logits output; re-export with "
-                "`refusion-export onnx ... --logits`, or use temperature 0."
-            )
+        self.rng = np.random.default_rng(params.seed) if params.temperature > 0 else None
 
     def run(self, kind: str, graph: GraphName, ids: np.ndarray, pos: np.ndarray, mask: np.ndarray, past: int,
             write_at: int | None = None) -> Calls[Outputs]:
@@ -43,10 +36,12 @@ class Forwards:
         return out
 
     def draft(self, out: Outputs, sample: bool) -> Drafts:
-        """(token ids, softmax probability of each) from a forward's heads."""
+        """(token ids, softmax probability of each) from a forward's heads: the argmax, or with temperature > 0
+        a draw from the top-K candidates the graph emits (policy.sample_candidates)."""
         if sample and self.rng is not None:
-            ids = policy.gumbel_argmax(out["logits"][0], self.params.temperature, self.rng)
-            return ids, policy.softmax_prob_of(out["logits"][0], ids)
+            p = self.params
+            return policy.sample_candidates(out["top_ids"][0], out["top_logprobs"][0], p.temperature, p.top_k,
+                                            p.top_p, p.min_p, self.rng)
         return out["argmax_ids"][0], out["argmax_probs"][0]
 
     def prefill_plan(self, prompt: np.ndarray, masks_ids: np.ndarray, mask_pos: np.ndarray) -> Calls[Drafts]:

@@ -87,7 +87,7 @@ def positions(params: DiffusionParams) -> int:
     return params.gen_length
 
 
-def llada_steps(tokens: Tokens, params: DiffusionParams, trace: DecodeTrace, logits: bool) -> StepMachine:
+def llada_steps(tokens: Tokens, params: DiffusionParams, trace: DecodeTrace) -> StepMachine:
     """LLaDA-style decoding of one prompt as a step machine (see the module docstring): each step
     hands out one planner Forward over prompt + span and commits the tokens it fills."""
     p0, gen, eos_id = len(tokens.prompt), params.gen_length, tokens.eos_id

@@ -54,15 +54,33 @@ def keep_through_first_eos(tokens: np.ndarray, eos_id: int) -> np.ndarray:
     return (np.cumsum(is_eos) - is_eos) == 0
 
 
-def gumbel_argmax(logits: np.ndarray, temperature: float, rng: np.random.Generator) -> np.ndarray:
-    """Gumbel-max sampling from softmax(logits / temperature), in float64 as upstream does;
-    written in log space (argmax of logits + T * Gumbel noise) so large logits cannot overflow."""
-    u = rng.random(logits.shape)
-    return np.argmax(logits.astype(np.float64) - temperature * np.log(-np.log(u)), axis=-1)
+def gumbel_argmax(scores: np.ndarray, temperature: float, rng: np.random.Generator) -> np.ndarray:
+    """Gumbel-max sampling from softmax(scores / temperature) along the last axis, in float64 as upstream does
+    (upstream's `add_gumbel_noise`: argmax of exp(logits) / (-log u)^T), written in log space (argmax of
+    scores - T * log(-log u)) so large scores cannot overflow. -inf scores are never drawn."""
+    u = rng.random(scores.shape)
+    return np.argmax(scores.astype(np.float64) - temperature * np.log(-np.log(u)), axis=-1)
 
 
-def softmax_prob_of(logits: np.ndarray, ids: np.ndarray) -> np.ndarray:
-    """softmax(logits)[ids] along the last axis, in fp32."""
-    z = logits.astype(np.float32) - logits.max(axis=-1, keepdims=True)
-    picked = np.take_along_axis(z, ids[..., None], axis=-1)[..., 0]
-    return np.exp(picked) / np.exp(z).sum(axis=-1)
+def sample_candidates(ids: np.ndarray, logprobs: np.ndarray, temperature: float, top_k: int, top_p: float,
+                      min_p: float, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """One token per row from its K candidates (ids [s, K] and log-probabilities [s, K] under the whole
+    vocabulary, most likely first: the graphs' top_ids / top_logprobs). The tempered distribution over the
+    candidates is cut as Hugging Face's samplers cut it, in this order: the `top_k` most likely (0: all K), the
+    smallest set whose probability reaches `top_p`, those at least `min_p` x the most likely's probability; one
+    is drawn by Gumbel-max. Returns the ids and each one's untempered probability (the draft's confidence)."""
+    lp = logprobs.astype(np.float64)
+    keep = np.ones(lp.shape, dtype=bool)
+    if top_k:
+        keep[:, top_k:] = False
+    tempered = np.where(keep, lp / temperature, -np.inf)
+    probs = np.exp(tempered - tempered.max(axis=-1, keepdims=True))
+    probs /= probs.sum(axis=-1, keepdims=True)
+    if top_p < 1.0:
+        before = np.cumsum(probs, axis=-1) - probs  # probability of the more likely candidates
+        keep &= before < top_p  # the first always stays
+    if min_p > 0.0:
+        keep &= probs >= min_p * probs[:, :1]
+    chosen = gumbel_argmax(np.where(keep, lp, -np.inf), temperature, rng)
+    rows = np.arange(len(ids))
+    return ids[rows, chosen], np.exp(lp[rows, chosen]).astype(np.float32)

@@ -51,14 +51,14 @@ def check(params: DecodeParams) -> None:
     _ = params.block_length  # raises, naming the block counts that fit
 
 
-def refusion_steps(tokens: Tokens, params: DecodeParams, trace: DecodeTrace, logits: bool) -> StepMachine:
+def refusion_steps(tokens: Tokens, params: DecodeParams, trace: DecodeTrace) -> StepMachine:
     """upstream `generate_refusion` (default mode), as a step machine."""
     k, thr_slot, thr_tok = params.slot_size, params.slot_threshold, params.token_threshold
     prompt = np.asarray(tokens.prompt, dtype=np.int64)
     p0, blocks = len(prompt), block_lengths(params)
     cap = p0 + (params.max_tokens if params.max_tokens is not None else sum(blocks))  # no token at or past it is returned
     cache = KVCache(kv_capacity(p0, params), tokens.cached)
-    fwd = Forwards(cache, trace, params, logits)
+    fwd = Forwards(cache, trace, params)
     step = 0
     eos_seen, planned = False, False
 

@@ -79,6 +79,21 @@ def test_argmax_counts_only_mismatches_the_reference_logits_decide():
     assert "mismatches nan" in line and "FAIL (non-finite reference logits" in line
 
 
+def test_top_ids_count_only_swaps_of_ranks_the_reference_decides():
+    logits = np.array([[[0.0, 3.0, 5.0, 5.0000001, 9.0]]], np.float32)  # ranks: 4, then 3 and 2 tied, then 1
+    lp = np.sort(logits, axis=-1)[..., ::-1][..., :3] - 10.0
+    want = {"top_ids": np.array([[[4, 3, 2]]]), "top_logprobs": lp, "logits": logits}
+    assert _report(("c", {"top_ids": np.array([[[4, 2, 3]]])}, want)).ok  # the tied pair swapped
+    report = _report(("c", {"top_ids": np.array([[[3, 4, 2]]])}, want))  # rank 0 is decided, rank 1 tied
+    assert not report.ok and "mismatches 1 " in _line(report, "top_ids")
+    # The last rank's neighbour outside the K is unknown without logits, so it counts as undecided; with them,
+    # a K+1-th apart from it decides it.
+    apart = np.array([[[0.0, 1.0, 3.0, 5.0, 9.0]]], np.float32)
+    edge = {"top_ids": np.array([[[4, 3, 2]]]), "top_logprobs": np.array([[[9.0, 5.0, 3.0]]], np.float32) - 10.0}
+    assert _report(("c", {"top_ids": np.array([[[4, 3, 1]]])}, edge)).ok
+    assert not _report(("c", {"top_ids": np.array([[[4, 3, 1]]])}, {**edge, "logits": apart})).ok
+
+
 def test_an_empty_report_does_not_pass_and_a_skipped_one_says_why():
     assert not ComparisonReport("float32").ok
     skipped = ComparisonReport("bfloat16", skipped="no bf16 MatMul")

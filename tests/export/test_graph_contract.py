@@ -64,7 +64,7 @@ def test_kv_axes_are_symbolic_and_sequence_major(export):
 def test_planner_has_no_present_outputs(export):
     names = [o.name for o in _load(export.path, "planner").graph.output]
     assert not [n for n in names if n.startswith("present")]
-    assert set(names) == {"argmax_ids", "argmax_probs"} | ({"logits"} if export.logits else set())
+    assert set(names) == {"argmax_ids", "argmax_probs", "top_ids", "top_logprobs"} | ({"logits"} if export.logits else set())
 
 
 def test_standard_onnx_ops_only(export):

@@ -64,7 +64,7 @@ def test_an_unknown_setting_lists_the_valid_ones():
     with pytest.raises(RefusionError) as err:
         DecodeParams.with_defaults(TINY, unknown_setting=1)
     assert str(err.value) == ("unknown decode setting unknown_setting=1; the settings are gen_length, slot_size, "
-                              "serial_num_blocks, slot_threshold, token_threshold, temperature, seed, mode, max_tokens.")
+                              "serial_num_blocks, slot_threshold, token_threshold, temperature, seed, mode, max_tokens, top_k, top_p, min_p.")
 
 
 def test_max_tokens_is_kept_apart_from_the_exports_canvas():

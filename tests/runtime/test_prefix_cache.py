@@ -235,7 +235,7 @@ def test_the_gpu_runners_copy_prefixes_on_the_device(tiny_export, jobs, alone, f
         for j in chosen * 2:
             ids, settings = jobs[j]
             request = Request(Tokens(ids, m.mask_token_id, m.eos_token_id),
-                              DecodeParams.with_defaults(m.defaults, **settings), m.has_logits)
+                              DecodeParams.with_defaults(m.defaults, **settings))
             assert scheduler.submit(request).result(timeout=120).token_ids == alone[j], j
         cache.check()
     finally:

@@ -1,6 +1,6 @@
 """One shared Generator under a long mixed load: requests from 8 threads, some cancelled at a random
-commit, some with a short deadline, some that fail (bad settings and over-long prompts at submit,
-sampling without a logits export at result()), half of them after a shared system prompt, through a prefix
+commit, some with a short deadline, some sampled (seeded), some that fail (bad settings and over-long prompts
+at submit, a step machine that raises at result()), half of them after a shared system prompt, through a prefix
 cache too small for all their prefixes, on the embedded model, onnxruntime CPU, one thread.
 
 Every request that completes has the tokens it gets alone; one that is cancelled or times out has a
@@ -35,7 +35,7 @@ from refusion.runtime.decode import strategy
 from refusion.runtime.generator import Generator
 from refusion.runtime.params import DecodeParams
 from refusion.runtime.request import Request
-from tests.helpers import chat_jobs, decode_alone
+from tests.helpers import broken_request, chat_jobs, decode_alone
 
 pytest.importorskip("onnxruntime")
 pytest.importorskip("torch")
@@ -54,7 +54,7 @@ SETTINGS = [  # short generations, both modes, early EOS and none
     dict(gen_length=8, slot_size=4, serial_num_blocks=2, slot_threshold=0.0, token_threshold=1.0),
 ]
 # What happens to a request, with its weight in the mix.
-KINDS = {"complete": 50, "cancel": 15, "timeout": 15, "bad_setting": 5, "too_long": 5, "sampling": 10}
+KINDS = {"complete": 45, "cancel": 15, "timeout": 15, "bad_setting": 5, "too_long": 5, "sampling": 10, "broken": 5}
 # RSS may grow this much from the warm-up to the end. The warm-up fills every KV region at the largest
 # capacity of the mix and runs a mix of its own, so the cache, onnxruntime's arena and the threads' malloc
 # arenas have their size. Measured after it: +0.2-0.4 MiB over 300 requests, +1.2-1.3 MiB over 1000,
@@ -74,7 +74,7 @@ class Plan:
     kind: str  # a key of KINDS
     cancel_after: int = 0  # cancel: after this many commits (0: at once, maybe before it runs)
     timeout_s: float = 0.0  # timeout: its deadline
-    value: float = 0.0  # bad_setting: slot_threshold; sampling: temperature
+    value: float = 0.0  # bad_setting: slot_threshold; sampling: temperature (seeded by the plan's index)
     length: int = 0  # too_long: prompt tokens
 
 
@@ -87,6 +87,7 @@ def make_plans(n: int, jobs: int, seed: int, max_positions: int) -> list[Plan]:
         "bad_setting": lambda: {"value": rng.choice([2.0, 1.5, -0.25])},
         "too_long": lambda: {"length": rng.randint(max_positions - 7, max_positions + 20)},
         "sampling": lambda: {"value": round(rng.uniform(0.1, 1.5), 2)},
+        "broken": lambda: {},
     }
     kinds = rng.choices(list(KINDS), weights=list(KINDS.values()), k=n)
     return [Plan(i, rng.randrange(jobs), kind, **details[kind]()) for i, kind in enumerate(kinds)]
@@ -124,9 +125,12 @@ def run_plan(gen: Generator, plan: Plan, jobs: list[tuple[list[int], dict]]) -> 
     elif plan.kind == "too_long":
         ids = (ids * (plan.length // len(ids) + 1))[: plan.length]
     elif plan.kind == "sampling":
-        settings = {**settings, "temperature": plan.value}
+        settings = sampled(plan, settings)
     try:
-        request = gen.submit(prompt_ids=ids, timeout_s=plan.timeout_s or None, **settings)
+        if plan.kind == "broken":
+            request = broken_request(gen, ids, RefusionError(f"request {plan.index} broke"), **settings)
+        else:
+            request = gen.submit(prompt_ids=ids, timeout_s=plan.timeout_s or None, **settings)
     except RefusionError as e:
         return ("error", "submit", str(e))
     if plan.kind == "cancel":
@@ -140,6 +144,10 @@ def run_plan(gen: Generator, plan: Plan, jobs: list[tuple[list[int], dict]]) -> 
     except RefusionError as e:
         return ("error", "result", str(e))
     return ("result", result.finish_reason, result.token_ids)
+
+
+def sampled(plan: Plan, settings: dict) -> dict:
+    return {**settings, "temperature": plan.value, "seed": plan.index}
 
 
 def run_mix(gen: Generator, plans: list[Plan], jobs: list[tuple[list[int], dict]]) -> dict[int, tuple]:
@@ -191,8 +199,12 @@ def test_mixed_load_from_eight_threads(export, jobs, alone):
         rss_after = rss_bytes()
         assert not [o for o in gc.get_objects() if type(o) is Request], "finished requests are still referenced"
 
+    sampling = [plan for plan in plans if plan.kind == "sampling"]  # seeded: their tokens alone, sampled alone too
+    drawn = dict(zip((p.index for p in sampling),
+                     decode_alone(export, [(jobs[p.job][0], sampled(p, jobs[p.job][1])) for p in sampling])))
     wrong = [f"{plan} -> {outcome}" for plan in plans
-             if not _as_expected(plan, outcome := outcomes[plan.index], alone[plan.job], manifest.eos_token_id)]
+             if not _as_expected(plan, outcome := outcomes[plan.index], drawn.get(plan.index, alone[plan.job]),
+                                 manifest.eos_token_id)]
     assert not wrong, f"seed {SEED}, {len(wrong)} of {REQUESTS} not as expected:\n" + "\n".join(wrong[:20])
     reasons = Counter(o[1] for o in outcomes.values())
     # The mix is mixed. Not "timeout": whether a 1-30 ms deadline falls before a request's end depends on the
@@ -213,8 +225,8 @@ def _as_expected(plan: Plan, outcome: tuple, alone: list[int], eos: int) -> bool
         return outcome[:2] == ("error", "submit") and f"slot_threshold={plan.value!r} is outside [0, 1]" in outcome[2]
     if plan.kind == "too_long":
         return outcome[:2] == ("error", "submit") and f"prompt of {plan.length} tokens" in outcome[2]
-    if plan.kind == "sampling":
-        return outcome[:2] == ("error", "result") and f"temperature={plan.value} needs" in outcome[2]
+    if plan.kind == "broken":
+        return outcome == ("error", "result", f"request {plan.index} broke")
     kind, reason, tokens = outcome
     if kind != "result":
         return False

@@ -72,7 +72,7 @@ def test_settings_and_stats_commands(tiny_dir, gen):
     err = out.stderr.splitlines()
     settings = [e for e in err if e.startswith("gen_length=")]
     assert settings[0] == ("gen_length=64 slot_size=2 serial_num_blocks=4 slot_threshold=0.5 token_threshold=0.1 "
-                           "temperature=0.0 seed=None mode=ar max_tokens=None")
+                           "temperature=0.0 seed=None mode=ar max_tokens=None top_k=0 top_p=1.0 min_p=0.0")
     assert settings[1] == settings[2] == settings[3] == settings[0]  # refused changes change nothing
     assert "slot_size=8 serial_num_blocks=2" in settings[4] and "mode=ar" in settings[4]
     assert "error: /settings k=abc: 'abc' is not an integer (e.g. slot_size=4)." in err

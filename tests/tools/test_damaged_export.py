@@ -199,6 +199,19 @@ def test_messages_name_the_file_the_field_and_the_fix(export, tmp_path):
     assert "weights.bin has sha256" in CliRunner().invoke(cli, ["check", str(d)]).stdout
 
 
+def test_an_older_format_is_refused_with_how_to_re_export(export, tmp_path):
+    """v3 exports have no top-K sampling outputs; an engines directory's copy says to rebuild after."""
+    d = Path(shutil.copytree(export, tmp_path / "v3"))
+    edit(("format_version",), 3)(d)
+    with pytest.raises(RefusionError, match=r"refusion.json: format 'refusion-onnx' v3 is not 'refusion-onnx' v4, "
+                                             r"the one this version of refusion-trt reads \(CHANGELOG.md says what "
+                                             r"changed\); re-export with `refusion-export onnx CHECKPOINT"):
+        Generator.from_dir(d, backend="ort-cpu")
+    (d / "engines.json").write_text("{}")
+    with pytest.raises(RefusionError, match="--force`, then rebuild the engines from it with `refusion-export build`"):
+        ExportManifest.read(d)
+
+
 def test_a_clean_export_passes_all_four(export):
     _generate(export, verify=True)
     assert CliRunner().invoke(cli, ["inspect", str(export)]).exit_code == 0

@@ -57,6 +57,14 @@ def test_stop_flags_end_the_answer(tiny_dir):
     assert data["finish_reason"] == "stop" and data["token_ids"][-1] == token
 
 
+def test_sampling_flags_reach_the_request(tiny_dir):
+    greedy = json.loads(run(tiny_dir, PROMPT, "--chat", "--json").stdout)["token_ids"]
+    one = run(tiny_dir, PROMPT, "--chat", "--json", "--temperature", "1.5", "--top-k", "1", "--seed", "3")
+    assert json.loads(one.stdout)["token_ids"] == greedy
+    out = run(tiny_dir, PROMPT, "--chat", "--temperature", "1.5", "--top-p", "1.5")
+    assert out.exit_code == 1 and "error: top_p=1.5 must be a number in (0, 1]" in out.output
+
+
 def test_help_says_decode_settings_come_from_the_export():
     text = " ".join(CliRunner().invoke(cli, ["generate", "--help"]).stdout.split())
     for flag in ("--gen-length", "--slot-size", "--serial-blocks", "--slot-threshold", "--token-threshold"):

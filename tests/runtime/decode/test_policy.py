@@ -67,10 +67,39 @@ def test_gumbel_argmax_is_seeded_and_follows_the_distribution():
     assert np.bincount(a, minlength=3) / len(a) == pytest.approx([0.7, 0.2, 0.1], abs=0.03)
 
 
-def test_softmax_prob_of():
-    logits = np.array([[1.0, 2.0, 3.0]])
-    expect = np.exp(logits) / np.exp(logits).sum()
-    assert policy.softmax_prob_of(logits, np.array([2]))[0] == pytest.approx(expect[0, 2])
+# Candidates as the graphs emit them: most likely first, log-probabilities under the whole vocabulary.
+PROBS = np.array([0.4, 0.3, 0.15, 0.1, 0.05])
+IDS = np.array([[7, 3, 9, 1, 4]] * 20000)
+LOGPROBS = np.log(np.tile(PROBS * 0.9, (20000, 1)))  # 10% of the mass lies outside the 5 candidates
+
+
+def _frequencies(**kwargs) -> np.ndarray:
+    settings = dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0) | kwargs
+    ids, probs = policy.sample_candidates(IDS, LOGPROBS, rng=np.random.default_rng(0), **settings)
+    untempered = dict(zip(IDS[0].tolist(), PROBS * 0.9))  # the confidence: each draw's own probability
+    assert np.allclose(probs, [untempered[i] for i in ids.tolist()])
+    return np.array([np.mean(ids == t) for t in IDS[0]])
+
+
+def test_sampling_draws_the_candidates_tempered_distribution():
+    assert _frequencies() == pytest.approx(PROBS, abs=0.01)  # renormalized over the candidates
+    hot = PROBS ** (1 / 2.0) / (PROBS ** (1 / 2.0)).sum()
+    assert _frequencies(temperature=2.0) == pytest.approx(hot, abs=0.01)
+
+
+@pytest.mark.parametrize("cut, kept", [(dict(top_k=2), [0.4, 0.3]), (dict(top_p=0.7), [0.4, 0.3]),
+                                       (dict(top_p=0.71), [0.4, 0.3, 0.15]), (dict(min_p=0.3), [0.4, 0.3, 0.15]),
+                                       (dict(top_k=1), [1.0]), (dict(top_p=0.01), [1.0])])
+def test_top_k_top_p_and_min_p_cut_the_candidates(cut, kept):
+    expect = np.zeros(5)
+    expect[: len(kept)] = np.array(kept) / sum(kept)
+    assert _frequencies(**cut) == pytest.approx(expect, abs=0.012)
+
+
+def test_sampling_is_seeded():
+    draw = lambda seed: policy.sample_candidates(IDS[:50], LOGPROBS[:50], 1.0, 0, 1.0, 0.0,  # noqa: E731
+                                                 np.random.default_rng(seed))[0]
+    assert (draw(3) == draw(3)).all() and not (draw(3) == draw(4)).all()
 
 
 def test_causal_after_prefix():

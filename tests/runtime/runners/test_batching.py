@@ -198,7 +198,8 @@ def test_packed_rows_equal_each_row_alone(tiny_export, fakes, tmp_path):
         planner_rows = [RowFeed(r.input_ids, r.position_ids, r.attention_mask, r.past, None, r.region) for r in rows]
         plan = trt._contexts[2]
         out = trt.run_batch("planner", planner_rows)
-        assert plan.runs == 1 and [set(o) for o in out] == [{"argmax_ids", "argmax_probs"}] * 3
+        heads = {"argmax_ids", "argmax_probs", "top_ids", "top_logprobs"}
+        assert plan.runs == 1 and [set(o) for o in out] == [heads] * 3
         for s in range(3):
             for name, array in trt.kv_to_host(0, 48, s).items():
                 np.testing.assert_array_equal(array, kv_packed[s][name])
@@ -272,8 +273,8 @@ def test_ort_cuda_packed_rows_write_each_region(tiny_export, fakes):
         packed = runner.run_batch("infiller", rows)  # the same presents, written at the same places
         assert cudart.syncs - syncs == 2
         for a, b in zip(alone, packed):
-            for name in a:
-                np.testing.assert_allclose(a[name], b[name], rtol=0, atol=1e-5)
+            for name in a:  # log-probabilities of ~-17 differ in their last float32 bits between batch orders
+                np.testing.assert_allclose(a[name], b[name], rtol=1e-6, atol=1e-5)
         for s in range(2):
             for buf, want in zip(runner._kv.caches(s), kv_alone[s]):
                 got = buf.copy_to_host((32 * t // 4,), np.float32)

@@ -126,7 +126,7 @@ def test_planner_forward_runs_on_the_one_engine_and_leaves_the_cache(peaky_expor
         cache = trt.kv_to_host(0, 10)
         plan = (np.full((1, 4), MASK_ID), np.arange(6, 10)[None], np.ones((1, 4, 10), bool), 6)
         got, want = trt.run("planner", *plan), ort.run("planner", *plan)
-        assert got.keys() == want.keys() == {"argmax_ids", "argmax_probs"}
+        assert got.keys() == want.keys() == {"argmax_ids", "argmax_probs", "top_ids", "top_logprobs"}
         np.testing.assert_array_equal(got["argmax_ids"], want["argmax_ids"])
         np.testing.assert_allclose(got["argmax_probs"], want["argmax_probs"], rtol=1e-6)
         assert [c.runs for c in trt._contexts] == [1, 0, 1]  # prefill, then the plan profile
