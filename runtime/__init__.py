@@ -2,6 +2,7 @@
 
 from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.generator import GenerationResult, GenerationStats, Generator
+from refusion.runtime.options import RequestOptions
 from refusion.runtime.params import DecodeParams
 
-__all__ = ["DecodeParams", "GenerationResult", "GenerationStats", "Generator", "RefusionError"]
+__all__ = ["DecodeParams", "GenerationResult", "GenerationStats", "Generator", "RefusionError", "RequestOptions"]
