@@ -85,7 +85,7 @@ class Frontend(Generic[Handle]):
                     piece(text)
             outcome = Final(request.result())
         except RefusionError as e:  # it failed alone (e.g. over a runner's limit), with its own error
-            outcome = Final(error=wire_message(str(e)))
+            outcome = Final(error=str(e))
         except Exception as e:  # noqa: BLE001 - a bug: the client still gets a final response
             outcome = Final(error=f"internal error: {type(e).__name__}: {e}", internal=True)
         with self._lock:
@@ -117,8 +117,3 @@ class Frontend(Generic[Handle]):
             for request in self._live:
                 request.cancel()
             self._lock.wait_for(lambda: not self._live, timeout=timeout_s)
-
-
-def wire_message(message: str) -> str:
-    """A runtime message in the served API's names: the runtime's gen_length is max_tokens on the wire."""
-    return message.replace("gen_length", "max_tokens")

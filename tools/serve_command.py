@@ -2,7 +2,8 @@
 `refusion-run client`: one request to such a server over HTTP.
 
     refusion-run serve out/refusion-onnx [--model-name refusion] [--http-port 8000] [--grpc-port 8001]
-                 [--metrics-port 8002] [--max-requests N] [--max-batch N] [--max-queue N] [--backend ...]
+                 [--metrics-port 8002] [--max-requests N] [--max-batch N] [--max-queue N] [--prefix-cache-mb MB]
+                 [--backend ...]
     refusion-run client "prompt" [--url http://127.0.0.1:8000] [--chat] [--stream] [--json] [decode options]
 
 docs/serving.md has the requests (curl, tritonclient), the tensors and what was measured.
@@ -25,7 +26,15 @@ from refusion.runtime.runners import BACKENDS
 from refusion.serve.triton.client import generate, request_body, stream_events
 from refusion.serve.triton.launcher import Ports, TritonServer, check_export
 from refusion.serve.triton.settings import ServeSettings
-from refusion.tools.cli_common import decode_options, decode_settings, progress, quiet_option, read_prompt
+from refusion.tools.cli_common import (
+    decode_options,
+    decode_settings,
+    progress,
+    quiet_option,
+    read_prompt,
+    request_options,
+    request_settings,
+)
 
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
@@ -45,17 +54,21 @@ _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 @click.option("--max-batch", type=int, default=None, help="Their forwards packed per call (default: the backend's).")
 @click.option("--max-queue", type=int, default=ServeSettings.max_queue, show_default=True,
               help="Requests waiting beyond those decoding; more are rejected at once (UNAVAILABLE).")
+@click.option("--prefix-cache-mb", type=float, default=ServeSettings.prefix_cache_mb, show_default=True,
+              help="Budget of the prefix cache: the KV of prompt prefixes later requests copy instead of "
+                   "prefilling (a shared system prompt); 0 turns it off.")
 @click.option("--drain-timeout", type=int, default=30, show_default=True,
               help="On SIGTERM or Ctrl-C: seconds for requests in flight to finish before they are cancelled.")
 @click.option("--verbose", is_flag=True, help="Triton's info log too.")
 @quiet_option
 def serve(model_dir: Path, model_name: str, http_port: int, grpc_port: int, metrics_port: int, address: str,
           backend: str, threads: int | None, max_requests: int | None, max_batch: int | None, max_queue: int,
-          drain_timeout: int, verbose: bool) -> None:
+          prefix_cache_mb: float, drain_timeout: int, verbose: bool) -> None:
     """Serve the export or engines in MODEL_DIR with NVIDIA Triton: HTTP generate and generate_stream,
     gRPC streaming, health and metrics. Requests run concurrently, their forwards batched step by step.
     SIGTERM or Ctrl-C drains and stops."""
-    settings = ServeSettings(str(model_dir.resolve()), backend, threads, max_requests, max_batch, max_queue)
+    settings = ServeSettings(str(model_dir.resolve()), backend, threads, max_requests, max_batch, max_queue,
+                             prefix_cache_mb)
     server = TritonServer(model_dir, Ports(http_port, grpc_port, metrics_port, address), settings, model_name,
                           drain_timeout, verbose=verbose)
     check_export(model_dir, settings)
@@ -94,16 +107,22 @@ def serve(model_dir: Path, model_name: str, http_port: int, grpc_port: int, metr
 @click.option("--json", "as_json", is_flag=True,
               help="Print the final response as JSON: text, token_ids, finish_reason.")
 @click.option("--timeout", "timeout_s", type=float, default=None, help="The request's deadline on the server, seconds.")
+@click.option("--logprobs", is_flag=True, help="With --json: each token's log-probability (return_log_probs).")
+@request_options
 @decode_options
 def client(prompt: str, url: str, model_name: str, chat: bool, stream: bool, as_json: bool, timeout_s: float | None,
-           **options: Any) -> None:
+           logprobs: bool, **options: Any) -> None:
     """Send PROMPT to a server started with `refusion-run serve` and print the answer. Decode settings
-    left out take the values the served export recorded (--gen-length is the request's max_tokens).
-    PROMPT - reads the prompt from stdin (its trailing newline dropped)."""
+    left out take the values the served export recorded. PROMPT - reads the prompt from stdin (its trailing
+    newline dropped)."""
     prompt = read_prompt(prompt)
     if stream and as_json:
         raise RefusionError("--stream and --json do not combine; choose one.")
-    settings = decode_settings(options)
+    if logprobs and not as_json:
+        raise RefusionError("--logprobs is reported in the JSON output; add --json.")
+    asked = request_settings(options)
+    settings = {**decode_settings(options), **{k: v for k, v in asked.items() if v not in (None, ())},
+                **({"logprobs": True} if logprobs else {})}
     body = request_body(prompt, settings, chat=chat, stream=stream, timeout_s=timeout_s)
     t0 = time.perf_counter()
     if stream:
@@ -115,8 +134,10 @@ def client(prompt: str, url: str, model_name: str, chat: bool, stream: bool, as_
     else:
         final = generate(url, model_name, body)
         if as_json:
+            extra = {"logprobs": final["output_log_probs"]} if logprobs else {}
             click.echo(json.dumps({"text": final["text_output"], "token_ids": final["token_ids"],
-                                   "finish_reason": final["finish_reason"]}))
+                                   "finish_reason": final["finish_reason"],
+                                   "cached_prompt_tokens": final["cached_prompt_tokens"], **extra}))
         else:
             click.echo(final["text_output"])
     progress(f"{len(final['token_ids'])} tokens, finish_reason {final['finish_reason']}, "

@@ -17,7 +17,7 @@ from urllib.parse import urlsplit
 from refusion.runtime.core.errors import RefusionError
 from refusion.serve.triton.tensors import INPUTS
 
-# The runtime's decode settings by their tensor names on the wire (gen_length is max_tokens).
+# Generator.submit's keywords by their tensor names on the wire.
 TENSOR_OF_SETTING = {spec.setting: spec.name for spec in INPUTS if spec.setting}
 
 

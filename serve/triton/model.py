@@ -20,7 +20,7 @@ import triton_python_backend_utils as pb_utils
 from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.generator import Generator
 from refusion.runtime.request import GenerationResult, Request
-from refusion.serve.frontend import Final, Frontend, wire_message
+from refusion.serve.frontend import Final, Frontend
 from refusion.serve.triton.settings import ServeSettings
 from refusion.serve.triton.tensors import INPUT_NAMES, read_request
 
@@ -35,7 +35,7 @@ class TritonPythonModel:
             {k: v["string_value"] for k, v in config.get("parameters", {}).items()})
         s = self.settings
         gen = Generator.from_dir(s.model_dir, backend=s.backend, threads=s.threads, max_requests=s.max_requests,
-                                 max_batch=s.max_batch)
+                                 max_batch=s.max_batch, prefix_cache_mb=s.prefix_cache_mb)
         self.frontend: Frontend[Any] = Frontend(gen, s.max_queue)  # handles: Triton's requests
         self.stopping = threading.Event()
         labels = {"model": config["name"]}
@@ -73,7 +73,7 @@ class TritonPythonModel:
                 return
             request = self.frontend.submit(job, triton_request)
         except RefusionError as e:
-            _send_error(sender, wire_message(str(e)), pb_utils.TritonError.INVALID_ARG)
+            _send_error(sender, str(e), pb_utils.TritonError.INVALID_ARG)
             return
         self._update_metrics()
         threading.Thread(target=self._respond, args=(request, sender, job.stream), daemon=True,
@@ -116,7 +116,10 @@ def _response(text: str, result: GenerationResult | None = None) -> Any:
     tensors = [pb_utils.Tensor("text_output", np.array([text.encode()], dtype=np.object_))]
     if result is not None:
         tensors += [pb_utils.Tensor("token_ids", np.array(result.token_ids, dtype=np.int64)),
-                    pb_utils.Tensor("finish_reason", np.array([result.finish_reason.encode()], dtype=np.object_))]
+                    pb_utils.Tensor("finish_reason", np.array([result.finish_reason.encode()], dtype=np.object_)),
+                    pb_utils.Tensor("cached_prompt_tokens", np.array([result.stats.cached_prompt_tokens], np.int32))]
+        if result.logprobs is not None:
+            tensors.append(pb_utils.Tensor("output_log_probs", np.array(result.logprobs, dtype=np.float32)))
     return pb_utils.InferenceResponse(output_tensors=tensors)
 
 

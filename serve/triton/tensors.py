@@ -1,6 +1,7 @@
 """The served model's tensors, declared once as data: Triton's config.pbtxt is written from this
-table and requests are read against it. The names are TensorRT-LLM's (text_input, max_tokens,
-stream -> text_output), so genai-perf and clients written for TensorRT-LLM models talk to it.
+table and requests are read against it. The names are TensorRT-LLM's (text_input, max_tokens, stop_words,
+top_k, top_p, return_log_probs, stream -> text_output, output_log_probs), so genai-perf and clients written for
+TensorRT-LLM models talk to it. Each input feeds one keyword of Generator.submit.
 
 `read_request` is pure (numpy in, settings out): the Triton model calls it, tests call it directly.
 """
@@ -23,13 +24,16 @@ class ServedTensor:
     name: str
     triton_type: str  # config.pbtxt data_type
     help: str
-    setting: str | None = None  # the DecodeParams / submit() keyword it feeds
+    setting: str | None = None  # the Generator.submit keyword it feeds (a decode setting or a request option)
     optional: bool = True
+    many: bool = False  # a list of values (stop sequences), not one
 
 
 INPUTS = (
     ServedTensor("text_input", "TYPE_STRING", "the prompt (UTF-8)", optional=False),
-    ServedTensor("max_tokens", "TYPE_INT32", "tokens to generate (the runtime's gen_length)", "gen_length"),
+    ServedTensor("max_tokens", "TYPE_INT32", "at most this many new tokens", "max_tokens"),
+    ServedTensor("stop_words", "TYPE_STRING", "stop sequences: the answer ends before the first", "stop", many=True),
+    ServedTensor("stop_token_ids", "TYPE_INT32", "token ids that end the answer", "stop_token_ids", many=True),
     ServedTensor("stream", "TYPE_BOOL", "send settled text as it commits, then a final response"),
     ServedTensor("chat", "TYPE_BOOL", "wrap text_input as a user message in the model's chat template"),
     ServedTensor("mode", "TYPE_STRING", " or ".join([f"{MODES[0]} (default)", *MODES[1:]]), "mode"),
@@ -37,14 +41,22 @@ INPUTS = (
     ServedTensor("serial_num_blocks", "TYPE_INT32", "blocks the generation is cut into", "serial_num_blocks"),
     ServedTensor("slot_threshold", "TYPE_FP32", "slot selection threshold in [0, 1]", "slot_threshold"),
     ServedTensor("token_threshold", "TYPE_FP32", "token acceptance threshold in [0, 1]", "token_threshold"),
+    ServedTensor("gen_length", "TYPE_INT32", "ReFusion's canvas (expert setting; max_tokens caps the answer)",
+                 "gen_length"),
     ServedTensor("temperature", "TYPE_FP32", "0 is greedy", "temperature"),
+    ServedTensor("top_k", "TYPE_INT32", "sample among the k most likely candidates (0: all)", "top_k"),
+    ServedTensor("top_p", "TYPE_FP32", "sample among the fewest candidates whose probability reaches it", "top_p"),
+    ServedTensor("min_p", "TYPE_FP32", "sample among those at least min_p x the most likely's probability", "min_p"),
+    ServedTensor("return_log_probs", "TYPE_BOOL", "the final response carries output_log_probs", "logprobs"),
     ServedTensor("seed", "TYPE_INT64", "seed of the sampling noise", "seed"),
     ServedTensor("timeout_s", "TYPE_FP32", "deadline in seconds: the request ends with finish_reason timeout"),
 )
 OUTPUTS = (
     ServedTensor("text_output", "TYPE_STRING", "settled text: a piece per streamed response, all of it otherwise"),
     ServedTensor("token_ids", "TYPE_INT64", "generated ids (final response)"),
-    ServedTensor("finish_reason", "TYPE_STRING", "eos, length, timeout or cancelled (final response)"),
+    ServedTensor("finish_reason", "TYPE_STRING", "eos, length, stop, timeout or cancelled (final response)"),
+    ServedTensor("cached_prompt_tokens", "TYPE_INT32", "prompt tokens reused from the prefix cache (final response)"),
+    ServedTensor("output_log_probs", "TYPE_FP32", "each token's log-probability, with return_log_probs (final)"),
 )
 INPUT_NAMES = tuple(spec.name for spec in INPUTS)
 _KINDS = {"TYPE_STRING": "OSU", "TYPE_BOOL": "b", "TYPE_INT32": "iu", "TYPE_INT64": "iu", "TYPE_FP32": "f"}
@@ -54,7 +66,8 @@ _EXPECTED = {"TYPE_STRING": "a string", "TYPE_BOOL": "a boolean", "TYPE_INT32": 
 
 def read_request(tensors: Mapping[str, np.ndarray]) -> ServeRequest:
     """A request's input tensors as prompt and settings; a RefusionError names the bad tensor."""
-    values = {spec.name: _scalar(spec, tensors[spec.name]) for spec in INPUTS if spec.name in tensors}
+    values = {spec.name: _values(spec, tensors[spec.name]) if spec.many else _scalar(spec, tensors[spec.name])
+              for spec in INPUTS if spec.name in tensors}
     if "text_input" not in values:
         raise RefusionError("text_input is missing: send the prompt as text_input (a string).")
     settings = {spec.setting: values[spec.name] for spec in INPUTS if spec.setting and spec.name in values}
@@ -63,6 +76,11 @@ def read_request(tensors: Mapping[str, np.ndarray]) -> ServeRequest:
         raise RefusionError(f"timeout_s={timeout_s!r} must be a positive number of seconds; leave it out for none.")
     return ServeRequest(values["text_input"], bool(values.get("stream", False)), bool(values.get("chat", False)),
                         timeout_s, settings)
+
+
+def _values(spec: ServedTensor, array: np.ndarray) -> list[Any]:
+    """Every value of a list tensor (stop sequences), each of the declared type."""
+    return [_scalar(spec, np.asarray([value])) for value in np.asarray(array).reshape(-1)]
 
 
 def _scalar(spec: ServedTensor, array: np.ndarray) -> Any:

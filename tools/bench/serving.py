@@ -250,7 +250,8 @@ def serving(export_dir: Path, cfg: ServeBenchConfig, log_path: Path, progress: P
 
     # Room for every client: none may be refused for the queue limit.
     settings = ServeSettings(str(export_dir), backend="ort-cpu", threads=cfg.threads, max_requests=cfg.max_requests,
-                             max_batch=cfg.max_batch, max_queue=max(ServeSettings.max_queue, max(cfg.levels)))
+                             max_batch=cfg.max_batch, max_queue=max(ServeSettings.max_queue, max(cfg.levels)),
+                             prefix_cache_mb=0)  # decoding as in-process: every prompt prefilled
     http_port, grpc_port, metrics_port = free_ports(3)
     progress(f"starting tritonserver on {export_dir}")
     with open(log_path, "wb") as log:

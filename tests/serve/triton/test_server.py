@@ -33,8 +33,6 @@ def alone(slow_export):
     """What Generator.generate gives each prompt at the same settings: the oracle."""
     with Generator.from_dir(slow_export, backend="ort-cpu", threads=1) as gen:
         def run(prompt: str, **settings) -> tuple[list[int], str]:
-            settings = dict(settings)
-            settings["gen_length"] = settings.pop("max_tokens")
             result = gen.generate(prompt, **settings)
             return result.token_ids, result.text
         yield run
@@ -55,7 +53,21 @@ def test_http_generate_returns_the_generators_tokens(server, alone):
     status, body = post(f"{server.url}/v2/models/{MODEL}/generate",
                         {"text_input": "hello", "max_tokens": 24, "mode": "ar", "chat": True})
     with Generator.from_dir(server.model_dir, backend="ort-cpu", threads=1) as gen:
-        assert body["token_ids"] == gen.generate("hello", gen_length=24, mode="ar", chat=True).token_ids
+        assert body["token_ids"] == gen.generate("hello", max_tokens=24, mode="ar", chat=True).token_ids
+
+
+def test_http_stop_words_log_probs_and_cached_prompt_tokens(server, alone):
+    prompt = "The quick brown fox jumps over the lazy dog, and then "  # more than one block of the prefix cache
+    ids, text = alone(prompt, **SHORT)
+    url = f"{server.url}/v2/models/{MODEL}/generate"
+    first = post(url, {"text_input": prompt, **SHORT, "return_log_probs": True})[1]
+    assert first["token_ids"] == ids and len(first["output_log_probs"]) == len(ids)
+    again = post(url, {"text_input": prompt, **SHORT})[1]
+    assert again["token_ids"] == ids and again["cached_prompt_tokens"] >= 16
+    if len(text) >= 4:
+        stop = text[2:4]
+        cut = post(url, {"text_input": prompt, **SHORT, "stop_words": [stop, "never in it"]})[1]
+        assert cut["finish_reason"] == "stop" and cut["text_output"] == text[: text.index(stop)]
 
 
 def test_http_generate_stream_sends_pieces_then_a_final_response(server, alone):
