@@ -202,7 +202,9 @@ def chat(ctx: click.Context, model_dir: Path, system: str | None, no_thinking: b
     """Chat with the export or engines in MODEL_DIR. On a terminal, type a message and Enter; /help lists the
     commands (/settings, /stats, /reset, /quit). With piped stdin each line is one user turn, stdout gets the
     answers alone and stderr a stats line after each (none with --no-stats) and any error; the exit code is 1 if
-    a turn failed. Decode settings left out take the values the export recorded for its model."""
+    a turn failed. Earlier turns' KV comes from the prefix cache; a conversation that outgrows the model's
+    positions drops its oldest turns (the system message kept), said once on stderr. Decode settings left out
+    take the values the export recorded for its model."""
     settings = {**decode_settings(options), **request_settings(options)}
     with Generator.from_dir(model_dir, **load_settings(options)) as gen:
         session = ChatSession(gen, settings, system, enable_thinking=not no_thinking, stats=not no_stats)

@@ -105,7 +105,7 @@ def serve(model_dir: Path, model_name: str, http_port: int, grpc_port: int, metr
 @click.option("--chat", is_flag=True, help="Wrap PROMPT as a user message in the model's chat template.")
 @click.option("--stream", is_flag=True, help="Print text as it settles (generate_stream).")
 @click.option("--json", "as_json", is_flag=True,
-              help="Print the final response as JSON: text, token_ids, finish_reason.")
+              help="Print the final response as JSON: text, token_ids, finish_reason, cached_prompt_tokens.")
 @click.option("--timeout", "timeout_s", type=float, default=None, help="The request's deadline on the server, seconds.")
 @click.option("--logprobs", is_flag=True, help="With --json: each token's log-probability (return_log_probs).")
 @request_options
