@@ -10,9 +10,9 @@ it can: batch 1 (up to --max-batch rows on batched engines, each row a request o
 inside the engine's profiles; the report lists the rest. Differences are
 max |diff| per output against abs + rel x the output's largest magnitude, NaN and inf shown
 as such; argmax and top-K ids count mismatches (a near tie may legitimately flip between kernels, so a
-few are allowed, and none where an export with logits shows the tokens apart). The shared
-report replaces Polygraphy's comparator here: one tolerance rule and one NaN rule for every
-check, and no dependence on Polygraphy's version (SimpleCompareFunc needs >= 0.53).
+few are allowed, and none where an export with logits shows the tokens further apart than the
+tolerance). The shared report replaces Polygraphy's comparator here: one tolerance rule and one NaN
+rule for every check, and no dependence on Polygraphy's version (SimpleCompareFunc needs >= 0.53).
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ from refusion.runtime.runners.ort_session import EXACT_ACCURACY_LEVEL, SharedWei
 Feed = dict[str, np.ndarray]
 Outputs = dict[str, np.ndarray]
 Row = tuple[str, str, float, float]  # graph, output, difference, limit: one per forward
-TIE_MARGIN = 1e-3  # top-2 logits closer than this may break either way between kernels
+TIE_MARGIN = 1e-3  # logits closer than this may come in either order between fp32 kernels
 ID_OUTPUTS = ("argmax_ids", "top_ids")  # compared by mismatches the reference decides, not by value
 
 
@@ -50,9 +50,16 @@ class Tolerance:
     rel: float = 0.0  # of the reference output's largest magnitude
     argmax: float = 0.0  # fraction of positions whose decided argmax may differ
 
+    @property
+    def tie(self) -> float:
+        """Logits (or log-probabilities) closer than this are a tie the runner may order either way: the
+        absolute tolerance, since values within it of the reference's pass, and at least TIE_MARGIN, so an
+        fp32 comparison stays as strict as its kernels allow."""
+        return max(TIE_MARGIN, self.abs)
+
     def __str__(self) -> str:
         rel = f" + rel {self.rel:.0e}" if self.rel else ""
-        return f"abs {self.abs:.0e}{rel}, argmax mismatches <= {self.argmax:.0%} (ties aside)"
+        return f"abs {self.abs:.0e}{rel}, argmax mismatches <= {self.argmax:.0%} (ties within {self.tie:.0e} aside)"
 
 
 class CaseRunner(ABC):
@@ -189,7 +196,7 @@ def _run(runner: CaseRunner, todo: list[tuple[Case, GraphName]]) -> list[Outputs
 
 def _difference(name: str, got: np.ndarray, want: Outputs, tol: Tolerance) -> tuple[float, float, str]:
     """(difference, limit, problem): max |got - want| (NaN or inf when either holds them) against
-    abs + rel x max |want|; for argmax ids the count of mismatches the reference's logits decide."""
+    abs + rel x max |want|; for argmax and top ids the count of ids the reference decides against (`_misranked`)."""
     if name not in want:
         return math.inf, 0.0, "missing from the reference"
     expect = want[name]
@@ -199,8 +206,13 @@ def _difference(name: str, got: np.ndarray, want: Outputs, tol: Tolerance) -> tu
         logits = want.get("logits")
         if logits is not None and not np.isfinite(logits).all():
             return math.nan, 0.0, "non-finite reference logits"
-        decided = _argmax_decided(got, logits) if name == "argmax_ids" else _top_decided(want["top_logprobs"], logits)
-        return float(np.sum((got != expect) & decided)), float(math.floor(tol.argmax * got.size)), ""
+        if name == "top_ids":
+            wrong = _misranked(got, expect, want["top_logprobs"], logits, tol.tie)
+        elif logits is not None:  # the argmax is a list of one
+            wrong = _misranked(got[..., None], expect[..., None], None, logits, tol.tie)[..., 0]
+        else:  # no logits tell a tie: every mismatch counts
+            wrong = got != expect
+        return float(np.sum(wrong)), float(math.floor(tol.argmax * got.size)), ""
     if not got.size:
         return 0.0, tol.abs, ""
     g, w = got.astype(np.float32), expect.astype(np.float32)
@@ -209,25 +221,29 @@ def _difference(name: str, got: np.ndarray, want: Outputs, tol: Tolerance) -> tu
     return diff, tol.abs + tol.rel * float(np.max(np.abs(w))), "" if math.isfinite(diff) else "non-finite output"
 
 
-def _argmax_decided(got: np.ndarray, logits: np.ndarray | None) -> np.ndarray:
-    """Positions whose argmax the reference's logits decide (top two apart); all of them without logits."""
-    if logits is None:
-        return np.ones(got.shape, dtype=bool)
-    top2 = np.sort(logits, axis=-1)[..., -2:]
-    return (top2[..., 1] - top2[..., 0]) > TIE_MARGIN
-
-
-def _top_decided(top_logprobs: np.ndarray, logits: np.ndarray | None) -> np.ndarray:
-    """Which of the reference's top-K ranks are decided: apart from the ranks beside them (the K+1-th from the
-    logits when there are some; without, the last rank counts as undecided), so kernels cannot swap them."""
-    k = top_logprobs.shape[-1]
-    if logits is not None:
-        ranked = -np.sort(-logits.astype(np.float64), axis=-1)[..., : k + 1]  # log-softmax only shifts them
+def _misranked(got: np.ndarray, want: np.ndarray, want_logprobs: np.ndarray | None, logits: np.ndarray | None,
+               tie: float) -> np.ndarray:
+    """Which of `got`'s ranked ids [..., K] the reference decides against: the id at rank j must be one whose
+    reference logit (log-probability) is within `tie` of the reference's rank-j one. So ids tied within the
+    tolerance may swap, and an id the reference does not list may stand only where the ranks are tied with its
+    logit, which is at most the K-th's: at the tail. A rank the reference decides holds its own id, and an id
+    repeated in one list, or out of the vocabulary, is wrong. Without logits an unlisted id gets the doubt: it
+    counts as tied with the reference's K-th."""
+    if logits is not None:  # log-softmax shifts a position's logits alike: their gaps are the log-probs'
+        vocab = logits.shape[-1]
+        known = (got >= 0) & (got < vocab)
+        ref = np.take_along_axis(logits, np.where(known, got, 0), axis=-1).astype(np.float64)
+        ref[~known] = -np.inf
+        at = np.take_along_axis(logits, want, axis=-1).astype(np.float64)
     else:
-        ranked = np.concatenate([top_logprobs, top_logprobs[..., -1:]], axis=-1)
-    gaps = ranked[..., :-1] - ranked[..., 1:]  # rank j to j + 1
-    before = np.concatenate([np.full(gaps.shape[:-1] + (1,), np.inf), gaps[..., : k - 1]], axis=-1)
-    return (before > TIE_MARGIN) & (gaps[..., :k] > TIE_MARGIN)
+        assert want_logprobs is not None, "the argmax without logits is compared id by id"
+        at = want_logprobs.astype(np.float64)
+        listed = got[..., :, None] == want[..., None, :]  # [..., K got, K want]
+        ref = np.where(listed, at[..., None, :], -np.inf).max(axis=-1)
+        ref = np.where(listed.any(axis=-1), ref, at[..., -1:])
+    repeated = np.triu(got[..., :, None] == got[..., None, :], k=1).any(axis=-2)  # an earlier rank holds it
+    with np.errstate(invalid="ignore"):  # -inf - -inf: NaN, wrong
+        return repeated | ~(np.abs(ref - at) <= tie)
 
 
 def _line(output: str) -> str:
