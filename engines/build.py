@@ -12,12 +12,14 @@ profile stays at 1; runtime/core/profiles.py says why).
 
 Precision follows the export: its fp16/bf16 graphs already carry the fp32 islands
 (RMSNorm variance, rotary tables, attention softmax, the heads' softmax) as explicit casts.
-A strongly typed network keeps those types exactly. A weakly typed one (TensorRT 10's
-default) gets the FP16/BF16 flag, so each island layer is pinned to fp32 with "obey"
-precision constraints, or the builder could run it in half precision and overflow, and so
-is every constant and parser helper that feeds an island (the parser gives those no node
-metadata), or the builder could store inv_freq or the attention scale in half precision.
-TensorRT 11 builds strongly typed networks only; there the flag is implied.
+So the network is strongly typed by default: it keeps those types exactly, and every TensorRT
+this project runs on (>= 10.1) builds such networks. A weakly typed build (`--weakly-typed`,
+TensorRT 10's own default) gets the FP16/BF16 flag instead, so each island layer is pinned to
+fp32 with "obey" precision constraints, or the builder could run it in half precision and
+overflow, and so is every constant and parser helper that feeds an island (the parser gives
+those no node metadata), or the builder could store inv_freq or the attention scale in half
+precision. TensorRT deprecated those flags and constraints in 10.12 and removed them in 11,
+which builds strongly typed networks only: there `--weakly-typed` is refused.
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ Report = Callable[[str], None]
 @dataclass(frozen=True)
 class BuildOptions:
     precision: str  # fp32 | fp16 | bf16
-    strongly_typed: bool = False
+    strongly_typed: bool = True
     workspace_gib: float | None = None
     timing_cache: Path | None = None
 
@@ -81,8 +83,8 @@ class BuildPlan:
         o = self.options
         parts = ["refusion-export build", str(self.export.path.resolve()), "--output", str(self.output.resolve()),
                  "--precision", o.precision, *self.limits.flags()]
-        if o.strongly_typed:
-            parts.append("--strongly-typed")
+        if not o.strongly_typed:
+            parts.append("--weakly-typed")
         if o.workspace_gib is not None:
             parts += ["--workspace", f"{o.workspace_gib:g}"]
         if o.timing_cache is not None:
@@ -91,7 +93,7 @@ class BuildPlan:
 
 
 def plan_build(export_dir: str | Path, output: str | Path, limits: DecodeLimits, *, precision: str | None = None,
-               strongly_typed: bool = False, workspace_gib: float | None = None,
+               strongly_typed: bool = True, workspace_gib: float | None = None,
                timing_cache: str | Path | None = None) -> BuildPlan:
     """Validate everything that can be known before TensorRT runs, and fix the profiles."""
     from refusion.engines.onnx_support import require_supported
@@ -106,6 +108,14 @@ def plan_build(export_dir: str | Path, output: str | Path, limits: DecodeLimits,
             f"--precision {precision} needs a {precision} export; {export.path} holds {export.dtype} graphs. The "
             "export decides the precision (and which ops stay fp32); re-export with "
             f"`refusion-export onnx CHECKPOINT --dtype {precision} --output DIR` and build from DIR."
+        )
+    if export.quantization is not None and precision == "fp32":
+        raise RefusionError(
+            f"{export.path} holds int4 weights ({export.precision}) with fp32 activations; TensorRT documents INT4 "
+            "only as weight-only W4A16 (fp16/bf16 activations), so an fp32 engine would dequantize every weight "
+            "to fp32 (8x their bytes) or run no documented kernel. Re-export with `refusion-export onnx CHECKPOINT "
+            f"--dtype fp16 --quantize {export.quantization.method} --block-size {export.quantization.block_size} "
+            "--output DIR` and build from DIR (onnxruntime runs this export as it is)."
         )
     if workspace_gib is not None and workspace_gib <= 0:
         raise RefusionError(f"--workspace {workspace_gib} GiB must be positive (or omitted to let TensorRT choose).")
@@ -122,8 +132,10 @@ def plan_build(export_dir: str | Path, output: str | Path, limits: DecodeLimits,
 
 # -- fp32 islands for weakly typed builds ------------------------------------------------------
 def fp32_island(model: Any) -> set[str]:
-    """Names of the nodes of a reduced-precision export that compute in fp32 (their float outputs
-    are typed float32). Empty for an fp32 export: nothing there is reduced."""
+    """Names of the nodes of a reduced-precision export that compute in fp32: their float outputs are
+    typed float32, or they have none and read float32 tensors only (ArgMax over the fp32 logits,
+    whose TopK would otherwise be free to run in half precision, where near ties flip). Empty for an
+    fp32 export: nothing there is reduced."""
     import onnx
 
     graph = onnx.shape_inference.infer_shapes(model).graph
@@ -135,7 +147,11 @@ def fp32_island(model: Any) -> set[str]:
     island = set()
     for node in graph.node:
         outputs = [types.get(o) for o in node.output]
+        float_inputs = [types.get(i) for i in node.input if types.get(i) in float_types]
         if any(t == onnx.TensorProto.FLOAT for t in outputs) and all(t in float_types for t in outputs):
+            island.add(node.name)
+        elif not any(t in float_types for t in outputs) and float_inputs and \
+                all(t == onnx.TensorProto.FLOAT for t in float_inputs):
             island.add(node.name)
     return island
 
@@ -156,10 +172,14 @@ def keep_fp32(network: tensorrt.INetworkDefinition, island: set[str]) -> int:
     without metadata that feeds them, through float tensors: the constants the parser makes for
     initializers (inv_freq, the RMSNorm epsilon and exponent, the attention scale, the mask bias)
     and its broadcast and cast helpers. Unpinned, TensorRT may store such a constant in half
-    precision when it picks fp16 for it. Returns how many layers were pinned."""
+    precision when it picks fp16 for it. A layer's compute precision is pinned when its inputs are
+    floats or bools (the mask's Where: run in half precision, its float32-min bias would become
+    -inf); not when an input is an integer (indices, shapes), whose type a precision would not
+    describe. Returns how many layers were pinned."""
     import tensorrt as trt
 
     floating = {trt.float32, trt.float16, trt.bfloat16}
+    data = floating | {trt.bool}
     layers = [network.get_layer(i) for i in range(network.num_layers)]
     producer = {layer.get_output(i).name: j for j, layer in enumerate(layers) for i in range(layer.num_outputs)}
     todo = [j for j, layer in enumerate(layers) if layer_node(layer.metadata) in island]
@@ -171,7 +191,7 @@ def keep_fp32(network: tensorrt.INetworkDefinition, island: set[str]) -> int:
         pinned.add(j)
         layer = layers[j]
         inputs = [layer.get_input(i) for i in range(layer.num_inputs)]
-        if all(t is not None and t.dtype in floating for t in inputs):
+        if all(t is not None and t.dtype in data for t in inputs):
             layer.precision = trt.float32
         for i in range(layer.num_outputs):
             if layer.get_output(i).dtype in floating:
@@ -249,7 +269,7 @@ def progress_monitor(report: Report) -> tensorrt.IProgressMonitor:
 
 
 # -- loaders -----------------------------------------------------------------------------------
-def engine_loader(plan: BuildPlan, *, strongly_typed: bool, report: Report = lambda m: None) -> Any:
+def engine_loader(plan: BuildPlan, report: Report = lambda m: None) -> Any:
     """Polygraphy's lazy loader chain for the engine; calling it builds and returns the serialized engine."""
     from polygraphy.backend.trt import (
         CreateConfig,
@@ -260,7 +280,7 @@ def engine_loader(plan: BuildPlan, *, strongly_typed: bool, report: Report = lam
         Profile,
     )
 
-    precision = plan.options.precision
+    precision, strongly_typed = plan.options.precision, plan.options.strongly_typed
     reduced = precision != "fp32" and not strongly_typed
     network: Any = NetworkFromOnnxPath(str(plan.onnx_path), strongly_typed=strongly_typed)
     if reduced:
@@ -336,9 +356,15 @@ def build_engines(plan: BuildPlan, *, force: bool = False, report: Report = lamb
     import tensorrt as trt
 
     target = current_target()
-    strongly = plan.options.strongly_typed or int(str(trt.__version__).split(".")[0]) >= 11
+    strongly = plan.options.strongly_typed
+    version = tuple(int(part) for part in re.findall(r"\d+", str(trt.__version__))[:2])
+    if not strongly and version >= (11, 0):
+        raise RefusionError(f"--weakly-typed: TensorRT {trt.__version__} builds strongly typed networks only (the "
+                            "FP16/BF16 builder flags are gone from TensorRT 11); build without --weakly-typed.")
     report(f"building a {plan.options.precision} engine for {target.gpu} (sm {target.compute_capability}) with "
-           f"TensorRT {target.tensorrt}{', strongly typed' if strongly else ''}")
+           f"TensorRT {target.tensorrt}, {'strongly' if strongly else 'weakly'} typed"
+           + (" (the FP16/BF16 flags it needs are deprecated since TensorRT 10.12)"
+              if not strongly and version >= (10, 12) else ""))
     with cleanup_on_signals():  # SIGTERM/SIGHUP during a long build clean up like Ctrl-C
         out.parent.mkdir(parents=True, exist_ok=True)
         clean_leftovers(out, report, complete_marker=ENGINES_MANIFEST)
@@ -347,11 +373,11 @@ def build_engines(plan: BuildPlan, *, force: bool = False, report: Report = lamb
             t0 = time.perf_counter()
             profiles = ", ".join(f"{p.name} ({p.graph})" for p in plan.profiles)
             report(f"parsing {plan.onnx_path.name}, profiles: {profiles}")
-            serialized = engine_loader(plan, strongly_typed=strongly, report=report)()
-            engine = bytes(memoryview(serialized))
+            serialized = engine_loader(plan, report=report)()
+            with memoryview(serialized) as engine:  # TensorRT's host memory, written as it is: no second copy
+                report(f"{ENGINE_FILE}: {engine.nbytes / 2**20:.1f} MiB in {time.perf_counter() - t0:.0f} s")
+                write_engines_dir(plan, staging, engine, target, strongly, time.perf_counter() - t0)  # engines.json last
             del serialized
-            report(f"{ENGINE_FILE}: {len(engine) / 2**20:.1f} MiB in {time.perf_counter() - t0:.0f} s")
-            write_engines_dir(plan, staging, engine, target, strongly, time.perf_counter() - t0)  # engines.json last
             publish(staging, out)
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
@@ -359,16 +385,20 @@ def build_engines(plan: BuildPlan, *, force: bool = False, report: Report = lamb
     return out
 
 
-def write_engines_dir(plan: BuildPlan, directory: Path, engine: bytes, target: Target, strongly_typed: bool,
-                      seconds: float) -> EngineManifest:
+def write_engines_dir(plan: BuildPlan, directory: Path, engine: bytes | memoryview, target: Target,
+                      strongly_typed: bool, seconds: float) -> EngineManifest:
     """The engine file, engines.json, and the export's refusion.json and tokenizer files beside them,
-    so the directory alone serves `refusion-run`."""
+    so the directory alone serves `refusion-run`. `engine` is written and hashed where it lies (the
+    builder's host memory: a 16 GB engine is not copied again, which on Jetson would come out of the
+    memory the GPU shares)."""
     import hashlib
 
     export = plan.export
     for name in (MANIFEST_NAME, *export.tokenizer_files):
         shutil.copyfile(export.path / name, directory / name)
-    (directory / ENGINE_FILE).write_bytes(engine)
+    with memoryview(engine).cast("B") as view, open(directory / ENGINE_FILE, "wb") as file:
+        file.write(view)
+        digest, size = hashlib.sha256(view).hexdigest(), view.nbytes
     # the planner graph is in the sources: `refusion-export check` compares the planner forwards with it
     sources = [*export.graph_files.values(), export.weights_file, MANIFEST_NAME]
     manifest = EngineManifest(
@@ -377,7 +407,7 @@ def write_engines_dir(plan: BuildPlan, directory: Path, engine: bytes, target: T
         precision=export.dtype,
         strongly_typed=strongly_typed,
         limits=plan.limits,
-        engine=EngineFile(ENGINE_FILE, hashlib.sha256(engine).hexdigest(), len(engine), tuple(plan.profiles)),
+        engine=EngineFile(ENGINE_FILE, digest, size, tuple(plan.profiles)),
         source={"export": str(export.path.resolve()),
                 "sha256": {name: sha256_file(export.path / name) for name in sources}},
         build={"command": plan.command, "seconds": round(seconds, 1),

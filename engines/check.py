@@ -81,13 +81,23 @@ def compare(runner: TensorRTRunner, export: ExportManifest, limits: DecodeLimits
     """`runner` (activated here, deactivated after) against onnxruntime over `export`, on the shared
     cases sized to fit `limits`; the report's lines go to `report`."""
     shared = cases(export, prefix=min(limits.max_prompt, 12), block=min(limits.block_length, 8), slot=limits.slot_size)
-    providers = [p for p in ("CUDAExecutionProvider", "CPUExecutionProvider")
-                 if p in import_onnxruntime().get_available_providers()]
-    result = compare_runners(TensorRTCases(runner), OrtSessions(export, providers), shared, TOLERANCE[precision],
-                             export.dtype)
+    result = compare_runners(TensorRTCases(runner), OrtSessions(export, reference_providers(precision)), shared,
+                             TOLERANCE[precision], export.dtype)
     for line in result.text().splitlines():
         report(line)
     return result
+
+
+def reference_providers(precision: str) -> list[str | tuple[str, dict[str, str]]]:
+    """onnxruntime's providers for the reference: CUDA where it has it, else the CPU. For fp32 engines
+    (built with TF32 off: the accuracy reference) the CUDA provider runs with TF32 off too, which it
+    turns on for fp32 GEMMs by default (`use_tf32`, onnxruntime >= 1.18); a TF32 reference would fail
+    right engines at 1e-3 or hide wrong ones in its noise."""
+    available = import_onnxruntime().get_available_providers()
+    cuda: str | tuple[str, dict[str, str]] = "CUDAExecutionProvider"
+    if precision == "float32":
+        cuda = ("CUDAExecutionProvider", {"use_tf32": "0"})
+    return [cuda] * ("CUDAExecutionProvider" in available) + ["CPUExecutionProvider"]
 
 
 class TensorRTCases(CaseRunner):

@@ -22,7 +22,7 @@ from refusion.runtime.core.dtypes import dtype
 from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.core.export_manifest import ExportManifest
 from refusion.runtime.decode.masks import causal_after, rows_over_prefix
-from refusion.runtime.runners.ort_session import EXACT_ACCURACY_LEVEL, SharedWeights, open_session
+from refusion.runtime.runners.ort_session import EXACT_ACCURACY_LEVEL, Provider, SharedWeights, open_session
 
 Feed = dict[str, np.ndarray]
 Outputs = dict[str, np.ndarray]
@@ -94,7 +94,7 @@ class OrtSessions(CaseRunner):
 
     name = "onnxruntime"
 
-    def __init__(self, manifest: ExportManifest, providers: Sequence[str] = ("CPUExecutionProvider",),
+    def __init__(self, manifest: ExportManifest, providers: Sequence[Provider] = ("CPUExecutionProvider",),
                  unpacked: bool = False):
         self.manifest = manifest
         self.providers = providers

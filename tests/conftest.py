@@ -49,12 +49,13 @@ def peaky_export(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def peaky_int4(peaky_export) -> dict[int, Path]:
-    """The peaky model (hidden 64, intermediate 128) as int4-rtn, by block size."""
+    """The peaky model (hidden 64, intermediate 128) as int4-rtn, by block size: fp16 graphs, as TensorRT
+    takes int4 (weight-only, half-precision activations; an fp32 int4 build is refused)."""
     from refusion.export.exporter import export_onnx
     from refusion.export.quantize import QuantizeOptions
 
     ckpt = peaky_export.parent / "ckpt0"  # export_peaky's checkpoint beside its export
-    return {b: export_onnx(ckpt, peaky_export.parent / f"int4-{b}", validate=False,
+    return {b: export_onnx(ckpt, peaky_export.parent / f"int4-{b}", dtype="fp16", validate=False,
                            quantize=QuantizeOptions("int4-rtn", b)) for b in (32, 64)}
 
 

@@ -44,14 +44,25 @@ class FakeCudart:
         cudaMemcpyDeviceToHost = 2
         cudaMemcpyDeviceToDevice = 3
 
+    cudaStreamNonBlocking = 1
+    cudaEventBlockingSync, cudaEventDisableTiming = 1, 2
+
     def __init__(self, memory_limit: int = 1 << 30):
         self.allocations: dict[int, tuple[np.ndarray, int]] = {}
+        self.host_allocations: dict[int, tuple[np.ndarray, int]] = {}  # cudaMallocHost's (pinned)
         self.memory_limit = memory_limit
         self.copies: list[tuple[str, int]] = []  # (kind, bytes), for assertions
-        self.pending: dict[int, set[int]] = {}  # allocation -> streams with queued work on it
+        self.pending: dict[int, dict[int, int]] = {}  # allocation (device or pinned) -> {stream: its last work's number}
+        self.work = 0  # numbers queued work, so an event covers only what was queued before it was recorded
+        self.stream_flags: dict[int, int] = {}  # stream -> the flags it was made with
+        self.events: dict[int, tuple[int, int, dict[int, int]]] = {}  # event -> (flags, stream, work it covers)
         self.streams = 0
-        self.syncs = 0
+        self.syncs = 0  # waits: stream and event synchronizations
+        self.event_syncs = 0
+        self.pinned_reads = 0  # device-to-host copies into cudaMallocHost memory
         self.memsets = 0
+        self.driver_version = self.runtime_version = 12060  # CUDA 12.6, as cuda(Driver|Runtime)GetVersion encode it
+        self.integrated = 0  # cudaDeviceProp.integrated: 1 on Jetson
 
     # memory
     def cudaMalloc(self, nbytes: int):
@@ -61,6 +72,22 @@ class FakeCudart:
         ptr = (backing.ctypes.data + 255) // 256 * 256
         self.allocations[ptr] = (backing, nbytes)
         return (self.cudaError_t.cudaSuccess, ptr)
+
+    def cudaMallocHost(self, nbytes: int):
+        backing = np.full(nbytes + 256, 0xFF, np.uint8)
+        ptr = (backing.ctypes.data + 255) // 256 * 256
+        self.host_allocations[ptr] = (backing, nbytes)
+        return (self.cudaError_t.cudaSuccess, ptr)
+
+    def cudaFreeHost(self, ptr: int):
+        if ptr not in self.host_allocations:
+            return (self.cudaError_t.cudaErrorInvalidValue,)
+        if self.pending.get(ptr):
+            raise AssertionError(f"cudaFreeHost of pinned memory that work queued on stream(s) {self.pending[ptr]} "
+                                 "still writes")
+        del self.host_allocations[ptr]
+        self.pending.pop(ptr, None)
+        return (self.cudaError_t.cudaSuccess,)
 
     def cudaFree(self, ptr: int):
         if ptr not in self.allocations:
@@ -87,7 +114,16 @@ class FakeCudart:
 
     def queue(self, ptr: int, nbytes: int, stream: int) -> None:
         """Work on `stream` uses [ptr, ptr + nbytes) until the stream is synchronized."""
-        self.pending.setdefault(self.check_device(ptr, nbytes), set()).add(stream)
+        self._queue_at(self.check_device(ptr, nbytes), stream)
+
+    def _queue_at(self, allocation: int, stream: int) -> None:
+        self.work += 1
+        self.pending.setdefault(allocation, {})[stream] = self.work
+
+    def pinned(self, ptr: int, nbytes: int) -> int | None:
+        """The pinned allocation [ptr, ptr + nbytes) lies in; None for pageable host memory."""
+        return next((base for base, (_, size) in self.host_allocations.items()
+                     if base <= ptr and ptr + nbytes <= base + size), None)
 
     def cudaMemcpyAsync(self, dst: int, src: int, nbytes: int, kind, stream):
         K = self.cudaMemcpyKind
@@ -95,6 +131,10 @@ class FakeCudart:
             self.queue(src, nbytes, stream)
         if kind in (K.cudaMemcpyHostToDevice, K.cudaMemcpyDeviceToDevice):
             self.queue(dst, nbytes, stream)
+        host = self.pinned(dst, nbytes) if kind == K.cudaMemcpyDeviceToHost else None
+        if host is not None:
+            self._queue_at(host, stream)
+            self.pinned_reads += 1
         if kind == K.cudaMemcpyDeviceToDevice and src < dst + nbytes and dst < src + nbytes:
             raise AssertionError("overlapping device-to-device cudaMemcpy is undefined")
         ctypes.memmove(dst, src, nbytes)
@@ -107,16 +147,48 @@ class FakeCudart:
         self.memsets += 1
         return (self.cudaError_t.cudaSuccess,)
 
-    # streams and device
-    def cudaStreamCreate(self):
+    # streams, events and device (no cudaStreamCreate: the runners' streams must be non-blocking)
+    def cudaStreamCreateWithFlags(self, flags: int):
         self.streams += 1
+        self.stream_flags[1000 + self.streams] = flags
         return (self.cudaError_t.cudaSuccess, 1000 + self.streams)
 
     def cudaStreamSynchronize(self, stream):
         self.syncs += 1
         for streams in self.pending.values():
-            streams.discard(stream)
+            streams.pop(stream, None)
         return (self.cudaError_t.cudaSuccess,)
+
+    def cudaEventCreateWithFlags(self, flags: int):
+        event = 5000 + len(self.events)
+        self.events[event] = (flags, 0, {})
+        return (self.cudaError_t.cudaSuccess, event)
+
+    def cudaEventRecord(self, event: int, stream: int):
+        """A wait on the event covers the work queued on `stream` so far, not what comes after."""
+        flags = self.events[event][0]
+        self.events[event] = (flags, stream, {ptr: streams[stream] for ptr, streams in self.pending.items()
+                                              if stream in streams})
+        return (self.cudaError_t.cudaSuccess,)
+
+    def cudaEventSynchronize(self, event: int):
+        self.syncs += 1
+        self.event_syncs += 1
+        _, stream, covered = self.events[event]
+        for ptr, work in covered.items():
+            if self.pending.get(ptr, {}).get(stream) == work:
+                del self.pending[ptr][stream]
+        return (self.cudaError_t.cudaSuccess,)
+
+    def cudaEventDestroy(self, event: int):
+        del self.events[event]
+        return (self.cudaError_t.cudaSuccess,)
+
+    def cudaDriverGetVersion(self):
+        return (self.cudaError_t.cudaSuccess, self.driver_version)
+
+    def cudaRuntimeGetVersion(self):
+        return (self.cudaError_t.cudaSuccess, self.runtime_version)
 
     def cudaStreamDestroy(self, stream):
         return (self.cudaError_t.cudaSuccess,)
@@ -125,7 +197,8 @@ class FakeCudart:
         return (self.cudaError_t.cudaSuccess, 0)
 
     def cudaGetDeviceProperties(self, device: int):
-        return (self.cudaError_t.cudaSuccess, SimpleNamespace(name=b"Fake GPU\x00\x00", major=9, minor=0))
+        return (self.cudaError_t.cudaSuccess, SimpleNamespace(name=b"Fake GPU\x00\x00", major=9, minor=0,
+                                                              integrated=self.integrated))
 
     def cudaGetErrorName(self, err):
         return (self.cudaError_t.cudaSuccess, err.name.encode())
@@ -185,7 +258,7 @@ class FakeTensorRT:
     SeekPosition = _SeekPosition
     IStreamReader = type("IStreamReader", (), {})  # bases for the runner's readers
     IStreamReaderV2 = type("IStreamReaderV2", (), {})  # TensorRT >= 10.7
-    float32, float16, bfloat16 = _DataType("FLOAT"), _DataType("HALF"), _DataType("BF16")
+    float32, float16, bfloat16, bool = _DataType("FLOAT"), _DataType("HALF"), _DataType("BF16"), _DataType("BOOL")
     ExecutionContextAllocationStrategy = SimpleNamespace(USER_MANAGED="user-managed")
     MemoryPoolType = SimpleNamespace(WORKSPACE="workspace")
 

@@ -120,7 +120,7 @@ def fake_engines(export: Path, output: Path, limits=None, **target) -> Path:
     plan = plan_build(export, output, limits or DecodeLimits(max_prompt=16, gen_length=64, slot_size=4, serial_blocks=2))
     output.mkdir(parents=True)
     where = {"tensorrt": "10.13.0.35", "gpu": "Fake GPU", "compute_capability": "9.0", **target}
-    write_engines_dir(plan, output, fake_engine_bytes(plan), Target(**where), strongly_typed=False, seconds=0.0)
+    write_engines_dir(plan, output, fake_engine_bytes(plan), Target(**where), plan.options.strongly_typed, seconds=0.0)
     return output
 
 

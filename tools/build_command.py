@@ -37,7 +37,10 @@ from refusion.tools.cli_common import progress
                    "(prefills stay one at a time).")
 @click.option("--timing-cache", type=click.Path(path_type=Path), default=None,
               help="Tactic timing cache to load and update (rebuilds of the same model get much faster).")
-@click.option("--strongly-typed", is_flag=True, help="Keep every type of the export exactly (no precision flags).")
+@click.option("--strongly-typed/--weakly-typed", default=True, show_default=True,
+              help="Strongly typed: the engine keeps every type of the export exactly (its casts already fix what "
+                   "stays fp32). Weakly typed: TensorRT's FP16/BF16 flags, with the fp32 islands pinned by "
+                   "precision constraints; deprecated in TensorRT 10.12 and refused by 11.")
 @click.option("--workspace", type=float, default=None, help="Builder workspace limit in GiB [default: TensorRT's].")
 @click.option("--force", is_flag=True, help="Replace OUTPUT if it exists.")
 def build_command(export_dir: Path, output: Path, precision: str | None, max_prompt: int | None,

@@ -193,6 +193,12 @@ class Runner(ABC):
                 f"attention_mask must be bool [1, {seq}, {past + seq}] (past {past} + seq {seq}); "
                 f"got {mask.dtype} {list(mask.shape)}."
             )
+        if not mask.any(axis=-1).all():
+            row = int(np.flatnonzero(~mask.any(axis=-1)[0])[0])
+            raise RefusionError(
+                f"attention_mask row {row} attends to nothing; every token must attend to at least one position "
+                "(itself, in the decode loop's masks): an all-masked row's softmax is NaN in half precision."
+            )
         self._check_range("past", 0, past, region)
         if int(pos.max(initial=0)) >= self.manifest.max_positions:
             raise RefusionError(
@@ -261,18 +267,22 @@ class PackedRows:
 
 def pack_rows(rows: list[RowFeed]) -> PackedRows:
     """Each row padded to the longest: its ids and positions first, its mask over its own past
-    (columns [0, row past)) and its own tokens (columns [past, past + row seq)); padding, in the past
-    or in the tokens, is attended by nothing and attends to nothing, so no row sees another's."""
+    (columns [0, row past)) and its own tokens (columns [past, past + row seq)). Padding is attended
+    by no real token, so no row sees another's; a padding token attends to itself alone, so no mask
+    row is all False (its softmax would be NaN once the mask bias is rounded to half precision, and
+    the NaN would reach the row's real tokens through the padding's KV in the next layer)."""
     batch = len(rows)
     seq, past = max(r.input_ids.shape[1] for r in rows), max(r.past for r in rows)
     ids = np.zeros((batch, seq), np.int64)
     pos = np.zeros((batch, seq), np.int64)
     mask = np.zeros((batch, seq, past + seq), bool)
+    pad = np.arange(seq)
     for b, r in enumerate(rows):
         s, p = r.input_ids.shape[1], r.past
         ids[b, :s], pos[b, :s] = r.input_ids[0], r.position_ids[0]
         mask[b, :s, :p] = r.attention_mask[0, :, :p]
         mask[b, :s, past : past + s] = r.attention_mask[0, :, p:]
+        mask[b, pad[s:], past + pad[s:]] = True
     return PackedRows(ids, pos, mask, seq, past)
 
 

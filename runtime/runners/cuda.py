@@ -18,6 +18,7 @@ otherwise make 72 of each). Failures raise RefusionError.
 
 from __future__ import annotations
 
+import ctypes
 import threading
 from typing import Any
 
@@ -28,7 +29,11 @@ from refusion.runtime.core.errors import RefusionError
 _CUDART: Any = None  # cuda-python's runtime module, imported on first use
 
 
+MIN_DRIVER = {12: "525.60", 13: "580.65"}  # the Linux driver each CUDA major needs (CUDA's release notes)
+
+
 def cudart() -> Any:
+    """cuda-python's runtime module, once its CUDA is checked against the driver (`check_cuda_python`)."""
     global _CUDART
     if _CUDART is None:
         try:
@@ -40,13 +45,46 @@ def cudart() -> Any:
                 raise RefusionError(
                     "GPU runners need cuda-python: pip install 'refusion-trt[trt]' (or '[ort-gpu]') on a CUDA machine."
                 ) from e
+        check_cuda_python(runtime)
         _CUDART = runtime
     return _CUDART
 
 
-def _call(result: tuple[Any, ...], what: str) -> Any:
-    """Unwrap cuda-python's (error, *values) convention."""
-    rt = cudart()
+def check_cuda_python(rt: Any) -> None:
+    """cuda-python links its CUDA runtime in (cuda-bindings 13 links CUDA 13's): on a driver of an older
+    CUDA major its first call fails with an error that names neither. Say it here, in one line."""
+    built = cuda_version(_call(rt.cudaRuntimeGetVersion(), "cudaRuntimeGetVersion", rt))
+    require_driver(f"cuda-python (CUDA runtime {built[0]}.{built[1]})", built,
+                   "pip install 'cuda-python>=12,<13' (what refusion-trt[trt] and [ort-gpu] install)", rt)
+
+
+def cuda_version(encoded: int) -> tuple[int, int]:
+    """CUDA's 1000 x major + 10 x minor (12060) as (major, minor)."""
+    return int(encoded) // 1000, int(encoded) % 1000 // 10
+
+
+def driver_cuda(rt: Any = None) -> tuple[int, int]:
+    """The newest CUDA the installed NVIDIA driver runs; (0, 0) without a driver."""
+    rt = rt or cudart()
+    return cuda_version(_call(rt.cudaDriverGetVersion(), "cudaDriverGetVersion", rt))
+
+
+def require_driver(component: str, built: tuple[int, int], fix: str, rt: Any = None) -> None:
+    """Refuse, in one line naming both versions and the fix, a component built for a CUDA major newer
+    than the driver's (within a major, CUDA's minor version compatibility lets it run)."""
+    driver = driver_cuda(rt)
+    if driver == (0, 0):
+        raise RefusionError(f"{component} needs an NVIDIA driver, and none is installed here (cudaDriverGetVersion "
+                            "reports none); install the GPU's driver, or run on onnxruntime's CPU (--backend ort-cpu).")
+    if built[0] > driver[0]:
+        needs = f" (CUDA {built[0]} needs driver >= {MIN_DRIVER[built[0]]})" if built[0] in MIN_DRIVER else ""
+        raise RefusionError(f"CUDA mismatch: {component} is built for CUDA {built[0]}.{built[1]}, but this machine's "
+                            f"NVIDIA driver runs CUDA {driver[0]}.{driver[1]} at most{needs}: {fix}, or update the driver.")
+
+
+def _call(result: tuple[Any, ...], what: str, rt: Any = None) -> Any:
+    """Unwrap cuda-python's (error, *values) convention (`rt`: the module, while cudart() is checking it)."""
+    rt = rt or cudart()
     err, values = result[0], result[1:]
     if err != rt.cudaError_t.cudaSuccess:
         name = rt.cudaGetErrorName(err)[1]
@@ -65,11 +103,27 @@ def device_info() -> tuple[str, str]:
     return name.split("\x00")[0].strip(), f"{props.major}.{props.minor}"
 
 
+def integrated_gpu() -> bool:
+    """The current GPU shares the host's memory and power budget (Jetson)."""
+    rt = cudart()
+    return bool(_call(rt.cudaGetDeviceProperties(_call(rt.cudaGetDevice(), "cudaGetDevice")),
+                      "cudaGetDeviceProperties").integrated)
+
+
 class Stream:
-    """One CUDA stream, plus a scratch buffer for overlapping copies that grows on demand."""
+    """One CUDA stream, plus a scratch buffer for overlapping copies that grows on demand.
+
+    Non-blocking (cudaStreamNonBlocking): its work never waits for the legacy stream 0 that other code in
+    the process may use, nor that stream for it. `synchronize` waits on an event recorded after the
+    stream's work; on an integrated GPU (Jetson) that event blocks the thread instead of spinning, which
+    there would take power the GPU shares (CUDA's default, spinning while it waits, stays elsewhere: it
+    answers sooner)."""
 
     def __init__(self) -> None:
-        self._stream = _call(cudart().cudaStreamCreate(), "cudaStreamCreate")
+        rt = cudart()
+        self._stream = _call(rt.cudaStreamCreateWithFlags(rt.cudaStreamNonBlocking), "cudaStreamCreateWithFlags")
+        flags = rt.cudaEventDisableTiming | (rt.cudaEventBlockingSync if integrated_gpu() else 0)
+        self._event = _call(rt.cudaEventCreateWithFlags(flags), "cudaEventCreateWithFlags")
         self._scratch: DeviceBuffer | None = None
 
     @property
@@ -78,7 +132,10 @@ class Stream:
         return int(self._stream)
 
     def synchronize(self) -> None:
-        _call(cudart().cudaStreamSynchronize(self._stream), "cudaStreamSynchronize")
+        """Return when the work queued on this stream so far is done."""
+        rt = cudart()
+        _call(rt.cudaEventRecord(self._event, self._stream), "cudaEventRecord")
+        _call(rt.cudaEventSynchronize(self._event), "cudaEventSynchronize")
 
     def scratch(self, nbytes: int) -> DeviceBuffer:
         """A buffer of at least `nbytes`, reused: work on this stream is ordered, so no one else holds it."""
@@ -96,6 +153,7 @@ class Stream:
         if self._scratch is not None:
             self._scratch.free()
             self._scratch = None
+        _call(cudart().cudaEventDestroy(self._event), "cudaEventDestroy")
         _call(cudart().cudaStreamDestroy(self._stream), "cudaStreamDestroy")
         self._stream = None
 
@@ -155,6 +213,15 @@ class DeviceBuffer:
         kind = cudart().cudaMemcpyKind.cudaMemcpyDeviceToHost
         self._copy(out.ctypes.data, self.ptr + offset, out.nbytes, kind, blocking=True)
         return out
+
+    def copy_to_pinned(self, host: HostBuffer, nbytes: int, src_offset: int = 0, dst_offset: int = 0) -> None:
+        """Device-to-host into page-locked memory, ordered on this buffer's stream and returning at once: the
+        data is there once the stream is synchronized (many such copies cost that one wait)."""
+        assert self.stream is not None, "a stream-less buffer's copies return when done: use copy_to_host"
+        self._check(src_offset, nbytes, "copy_to_pinned source")
+        host.check(dst_offset, nbytes, "copy_to_pinned destination")
+        kind = cudart().cudaMemcpyKind.cudaMemcpyDeviceToHost
+        self._copy(host.ptr + dst_offset, self.ptr + src_offset, nbytes, kind)
 
     def copy_to(self, dst: DeviceBuffer, nbytes: int, src_offset: int = 0, dst_offset: int = 0,
                 stream: Stream | None = None) -> None:
@@ -224,3 +291,35 @@ class DeviceBuffer:
             raise RefusionError(f"{what} on a freed device buffer; the runner was deactivated.")
         if offset < 0 or nbytes < 0 or offset + nbytes > self.nbytes:
             raise RefusionError(f"{what}: bytes [{offset}, {offset + nbytes}) lie outside the {self.nbytes}-byte buffer.")
+
+
+class HostBuffer:
+    """`nbytes` of page-locked host memory (cudaMallocHost). A device-to-host copy into it runs on its
+    stream without the driver's staging copy and without blocking, so a forward's heads come back
+    behind one wait; pageable memory would make each copy its own synchronous transfer. Whoever
+    frees or regrows it first waits for the copies queued into it."""
+
+    def __init__(self, nbytes: int):
+        assert nbytes >= 0, nbytes
+        self.nbytes = nbytes
+        self.ptr: int = int(_call(cudart().cudaMallocHost(max(nbytes, 1)), f"cudaMallocHost of {nbytes} bytes"))
+
+    def array(self, shape: tuple[int, ...], dtype: Any, offset: int = 0) -> np.ndarray:
+        """A new array of `shape` and `dtype` holding the bytes at `offset` (a copy: the buffer is reused)."""
+        dt = np.dtype(dtype)
+        count = int(np.prod(shape))
+        self.check(offset, count * dt.itemsize, "array")
+        raw = (ctypes.c_char * (count * dt.itemsize)).from_address(self.ptr + offset)
+        return np.frombuffer(memoryview(raw), dtype=dt, count=count).reshape(shape).copy()
+
+    def check(self, offset: int, nbytes: int, what: str) -> None:
+        if not self.ptr:
+            raise RefusionError(f"{what} on a freed pinned buffer; the runner was deactivated.")
+        if offset < 0 or nbytes < 0 or offset + nbytes > self.nbytes:
+            raise RefusionError(f"{what}: bytes [{offset}, {offset + nbytes}) lie outside the {self.nbytes}-byte "
+                                "pinned buffer.")
+
+    def free(self) -> None:
+        if self.ptr:
+            _call(cudart().cudaFreeHost(self.ptr), "cudaFreeHost")
+            self.ptr = 0

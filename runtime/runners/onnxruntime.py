@@ -7,6 +7,7 @@ the new tokens' present KV is copied in; on CUDA, IO binding keeps past and pres
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import numpy as np
@@ -171,6 +172,7 @@ class OrtCudaRunner(OrtRunner):
     def _activate(self) -> None:
         from refusion.runtime.runners.cuda import Stream
 
+        check_onnxruntime_cuda()
         super()._activate()
         if self.max_batch > 1:  # only packed calls gather and scatter
             self._stream = Stream()
@@ -246,3 +248,21 @@ class OrtCudaRunner(OrtRunner):
             self.sessions[graph].run_with_iobinding(binding)
         outputs = binding.get_outputs()
         return {name: outputs[j].numpy() for j, name in enumerate(wanted)}
+
+
+def check_onnxruntime_cuda() -> None:
+    """onnxruntime-gpu's CUDA (its build info says which) against the driver, in one line; a CPU build
+    records none."""
+    from refusion.runtime.runners.cuda import require_driver
+
+    ort = import_onnxruntime()
+    try:
+        from onnxruntime.capi import build_and_package_info as info
+    except ImportError:
+        return
+    built = re.match(r"(\d+)\.(\d+)", str(getattr(info, "cuda_version", "") or ""))
+    if built:
+        major = int(built[1])
+        require_driver(f"onnxruntime-gpu {ort.__version__} (CUDA {built[0]})", (major, int(built[2])),
+                       "install an onnxruntime-gpu built for the driver's CUDA (onnxruntime's CUDA provider install "
+                       "table names them)")

@@ -49,7 +49,10 @@ class SharedWeights:
         }
 
 
-def open_session(manifest: ExportManifest, graph: GraphName, providers: Sequence[str], threads: int | None = None,
+Provider = str | tuple[str, dict[str, str]]  # a provider's name, or its name and options
+
+
+def open_session(manifest: ExportManifest, graph: GraphName, providers: Sequence[Provider], threads: int | None = None,
                  low_memory: bool = False, accuracy_level: int | None = None,
                  weights: SharedWeights | None = None) -> Any:
     """The one place an onnxruntime session is made for an export graph: options, onnxruntime's own

@@ -35,7 +35,7 @@ from refusion.runtime.decode import strategy
 from refusion.runtime.decode.masks import causal_after
 from refusion.runtime.params import DecodeParams
 from refusion.runtime.runners.base import PackedRows, RowFeed, Runner, pack_rows
-from refusion.runtime.runners.cuda import DeviceBuffer, Stream, device_info
+from refusion.runtime.runners.cuda import DeviceBuffer, HostBuffer, Stream, device_info, require_driver
 from refusion.runtime.runners.kv_pool import DeviceKVPool, ScratchBuffers
 
 if TYPE_CHECKING:
@@ -50,8 +50,9 @@ MIN_TENSORRT = (10, 1)  # the V2 device memory API: IExecutionContext.set_device
 def require_tensorrt() -> None:
     """Fail with the install hint when TensorRT cannot be imported (callers then import it typed).
     A module without __version__ is a stub folder seen as a namespace package, not TensorRT."""
-    hint = ("pip install 'refusion-trt[trt]' on a machine with an NVIDIA GPU (on Jetson, JetPack's "
-            "python3-libnvinfer; see docs/tensorrt.md).")
+    hint = ("pip install 'refusion-trt[trt]' on a machine with an NVIDIA GPU (TensorRT for CUDA 12, any driver >= "
+            "525; 'refusion-trt[trt-cu13]' for CUDA 13, drivers >= 580; on Jetson, JetPack's python3-libnvinfer; "
+            "see docs/tensorrt.md).")
     try:
         import tensorrt
     except ImportError as e:
@@ -63,18 +64,34 @@ def require_tensorrt() -> None:
     if found is None or (int(found[1]), int(found[2])) < MIN_TENSORRT:
         raise RefusionError(
             f"TensorRT {version} is installed; refusion-trt needs TensorRT >= 10.1 (its runner gives contexts their "
-            "activation memory with set_device_memory(ptr, size)). pip install 'tensorrt>=10.1' (on Jetson: JetPack "
+            "activation memory with set_device_memory(ptr, size)). pip install 'refusion-trt[trt]' (on Jetson: JetPack "
             "6.1 or later, which ships TensorRT 10.3), then rebuild the engines with it."
         )
 
 
 def current_target() -> Target:
-    """This machine's TensorRT and GPU (imports tensorrt and cuda-python, creates no engine)."""
+    """This machine's TensorRT and GPU (imports tensorrt and cuda-python, creates no engine), once
+    TensorRT's CUDA is checked against the driver."""
     require_tensorrt()
     import tensorrt
 
+    major = tensorrt_cuda()
+    if major is not None:
+        require_driver(f"TensorRT {tensorrt.__version__} (tensorrt-cu{major})", (major, 0),
+                       f"pip uninstall the tensorrt-cu{major} packages and pip install 'refusion-trt[trt-cu12]'")
     gpu, capability = device_info()
     return Target(str(tensorrt.__version__), gpu, capability)
+
+
+def tensorrt_cuda() -> int | None:
+    """The CUDA major the installed TensorRT wheels are built for, as their names say (tensorrt-cu12,
+    tensorrt-cu13 and their -libs and -bindings; plain `tensorrt` installs one of them, cu13 from 10.16).
+    None for JetPack's Debian packages, which are no wheels and come with the system's CUDA."""
+    from importlib import metadata
+
+    names = ((d.metadata["Name"] or "").lower() for d in metadata.distributions())
+    majors = {int(found[1]) for name in names if (found := re.fullmatch(r"tensorrt[-_]cu(\d+)(?:[-_].*)?", name))}
+    return max(majors, default=None)
 
 
 class TensorRTRunner(Runner):
@@ -94,9 +111,10 @@ class TensorRTRunner(Runner):
         self._contexts: list[tensorrt.IExecutionContext] = []  # one per profile
         self._activations: DeviceBuffer | None = None
         self._empty: DeviceBuffer | None = None  # where empty tensors (a prefill's past) are bound
-        self._shapes_checked: set[tuple[int, int, int, int]] = set()  # (profile, batch, seq, past)
+        self._shapes_checked: set[tuple[int, int, int]] = set()  # (profile, batch, seq): no output depends on past
         self._pool: DeviceKVPool | None = None  # every request's KV, while active
         self._scratch: ScratchBuffers | None = None  # ids, positions, mask, heads, present staging, batch past
+        self._host: HostBuffer | None = None  # the heads, on the host (pinned)
 
     @staticmethod
     def from_dir(path: str | Path, max_requests: int | None = None, max_batch: int | None = None) -> TensorRTRunner:
@@ -174,10 +192,10 @@ class TensorRTRunner(Runner):
     def _deactivate(self) -> None:
         if self._stream is not None:
             self._stream.synchronize()
-        for held in (self._pool, self._scratch):
+        for held in (self._pool, self._scratch, self._host):
             if held is not None:
                 held.free()
-        self._pool, self._scratch = None, None
+        self._pool, self._scratch, self._host = None, None, None
         self._contexts = []  # contexts before the engine, the engine before the runtime
         self._engine = None
         self._shapes_checked.clear()
@@ -242,7 +260,7 @@ class TensorRTRunner(Runner):
         kv_shape = (1, past_length, m.kv_heads, m.head_dim)
         for name, cache in zip(self._kv.past_names, caches):  # the region's first past_length tokens, in place
             self._bind_input(context, name, cache.ptr, kv_shape)
-        heads = self._bind_heads(context, index, 1, seq, past_length)
+        heads = self._bind_heads(context, index, 1, seq)
         staging = self._bind_presents(context, seq, write_at, caches)
         with self._in_backend(graph):  # the stream's work is waited for when the heads come back
             self._execute(context, graph, 1, seq, past_length)
@@ -311,7 +329,7 @@ class TensorRTRunner(Runner):
         context = self._contexts[index]
         self._bind_feed(context, packed.input_ids, packed.position_ids, packed.attention_mask)
         self._gather_past(context, rows, packed)
-        heads = self._bind_heads(context, index, batch, seq, past)
+        heads = self._bind_heads(context, index, batch, seq)
         buf, stride = self._bind_scratch_presents(context, batch * seq)
         with self._in_backend(graph):
             self._execute(context, graph, batch, seq, past)
@@ -345,15 +363,17 @@ class TensorRTRunner(Runner):
             buf.copy_from_host(array)
             self._bind_input(context, name, buf.ptr, array.shape)
 
-    def _bind_heads(self, context: tensorrt.IExecutionContext, index: int, batch: int, seq: int,
-                    past: int) -> dict[str, tuple[tuple[int, ...], Any]]:
+    def _bind_heads(self, context: tensorrt.IExecutionContext, index: int, batch: int,
+                    seq: int) -> dict[str, tuple[tuple[int, ...], Any]]:
         """Bind every output but present to its buffer; returns their (shape, host dtype). The output
-        shapes TensorRT infers are checked once per (profile, batch, seq, past)."""
+        shapes TensorRT infers are checked once per (profile, batch, seq): every output's axes are the
+        batch, the new tokens and fixed sizes (the contract's), so the past, which grows every step, changes
+        none of them, and the set stays as small as the profiles' shapes."""
         m = self.manifest
         outputs = {o.name: (_shape(o.axes, seq, batch), dtype(o.dtype).numpy) for o in m.graphs[ENGINE_GRAPH].outputs}
-        if (index, batch, seq, past) not in self._shapes_checked:
+        if (index, batch, seq) not in self._shapes_checked:
             self._check_output_shapes(context, {name: shape for name, (shape, _) in outputs.items()})
-            self._shapes_checked.add((index, batch, seq, past))
+            self._shapes_checked.add((index, batch, seq))
         heads = {name: out for name, out in outputs.items() if not name.startswith("present.")}
         for name, (shape, host) in heads.items():  # a planner forward's input_probs too, never read back
             nbytes = int(np.prod(shape)) * host.itemsize
@@ -366,9 +386,28 @@ class TensorRTRunner(Runner):
                                 "see the TensorRT log above.")
 
     def _fetch(self, graph: GraphName, heads: dict[str, tuple[tuple[int, ...], Any]]) -> dict[str, np.ndarray]:
-        """The graph's heads on the host (not a planner's input_probs); waits for the stream."""
+        """The graph's heads on the host (not a planner's input_probs): each copied into one pinned buffer
+        behind the forward on the stream, then one wait for all of them."""
         returned = [o.name for o in self.manifest.graphs[graph].outputs if o.name in heads]
-        return {name: self._io[name].copy_to_host(*heads[name]) for name in returned}
+        offsets, end = {}, 0
+        for name in returned:
+            shape, host = heads[name]
+            offsets[name], end = end, end + -(-int(np.prod(shape)) * host.itemsize // 8) * 8  # 8-byte aligned
+        pinned = self._pinned(end)
+        for name in returned:
+            shape, host = heads[name]
+            self._io[name].copy_to_pinned(pinned, int(np.prod(shape)) * host.itemsize, dst_offset=offsets[name])
+        self._active_stream.synchronize()
+        return {name: pinned.array(*heads[name], offsets[name]) for name in returned}
+
+    def _pinned(self, nbytes: int) -> HostBuffer:
+        """The heads' pinned host buffer, grown (never shrunk) to `nbytes`."""
+        if self._host is None or self._host.nbytes < nbytes:
+            if self._host is not None:
+                self._active_stream.synchronize()  # queued copies may still write the old one
+                self._host.free()
+            self._host = HostBuffer(nbytes)
+        return self._host
 
     def _bind_presents(self, context: tensorrt.IExecutionContext, seq: int, write_at: int | None,
                        caches: list[DeviceBuffer]) -> tuple[DeviceBuffer, int] | None:

@@ -36,14 +36,29 @@ def test_plan_checks_the_export_before_tensorrt(exports, tmp_path):
         plan_build(exports["fp32"], tmp_path / "e", LIMITS, workspace_gib=0)
 
 
+def test_int4_with_fp32_activations_is_refused_with_the_reason(peaky_export, tmp_path):
+    """TensorRT documents INT4 as weight-only W4A16: an fp32 int4 export is refused before any build, with the
+    re-export that fits (onnxruntime still runs it)."""
+    from refusion.export.exporter import export_onnx
+    from refusion.export.quantize import QuantizeOptions
+
+    fp32 = export_onnx(peaky_export.parent / "ckpt0", tmp_path / "int4-fp32", validate=False,
+                       quantize=QuantizeOptions("int4-rtn", 64))
+    with pytest.raises(RefusionError, match=r"int4 weights \(float32, int4-rtn block 64\) with fp32 activations; "
+                                            r"TensorRT documents INT4 only as weight-only W4A16.*--dtype fp16 "
+                                            r"--quantize int4-rtn --block-size 64"):
+        plan_build(fp32, tmp_path / "engines", LIMITS)
+
+
 def test_rebuild_command_carries_every_choice(exports, tmp_path):
-    plan = plan_build(exports["fp16"], tmp_path / "engines", LIMITS, strongly_typed=True, workspace_gib=4,
+    plan = plan_build(exports["fp16"], tmp_path / "engines", LIMITS, strongly_typed=False, workspace_gib=4,
                       timing_cache=tmp_path / "tc.cache")
     cmd = plan.command
     for part in ("refusion-export build", str(exports["fp16"].resolve()), "--precision fp16", "--max-prompt 64",
-                 "--gen-length 64", "--slot-size 8", "--serial-blocks 2", "--max-slots 4", "--strongly-typed",
+                 "--gen-length 64", "--slot-size 8", "--serial-blocks 2", "--max-slots 4", "--weakly-typed",
                  "--workspace 4", f"--timing-cache {(tmp_path / 'tc.cache').resolve()}", "--force"):
         assert part in cmd
+    assert "typed" not in plan_build(exports["fp16"], tmp_path / "engines", LIMITS).command  # strongly: the default
 
 
 def test_weakly_typed_fp16_loaders(exports, tmp_path):
@@ -56,8 +71,9 @@ def test_weakly_typed_fp16_loaders(exports, tmp_path):
     )
 
     cache = tmp_path / "timing.cache"
-    plan = plan_build(exports["fp16"], tmp_path / "engines", LIMITS, timing_cache=cache, workspace_gib=2)
-    loader = engine_loader(plan, strongly_typed=False)
+    plan = plan_build(exports["fp16"], tmp_path / "engines", LIMITS, timing_cache=cache, workspace_gib=2,
+                      strongly_typed=False)
+    loader = engine_loader(plan)
     assert isinstance(loader, EngineBytesFromNetwork) and loader.timing_cache_path == str(cache)
     network = loader._network
     assert isinstance(network, PostprocessNetwork)  # the fp32 islands are pinned after parsing
@@ -89,13 +105,14 @@ def test_strongly_typed_and_fp32_loaders_set_no_precision_flags(exports, tmp_pat
     from polygraphy.backend.trt import NetworkFromOnnxPath
 
     plan = plan_build(exports["bf16"], tmp_path / "engines", LIMITS)
-    loader = engine_loader(plan, strongly_typed=True)
+    assert plan.options.strongly_typed  # the default
+    loader = engine_loader(plan)
     assert isinstance(loader._network, NetworkFromOnnxPath) and loader._network.strongly_typed
     assert loader._network.path == str(exports["bf16"] / "infiller.onnx")
     config = loader._config._config
     assert not config.fp16 and not config.bf16 and config.precision_constraints is None
     assert len(config.profiles) == 3 and loader.timing_cache_path is None
-    fp32 = engine_loader(plan_build(exports["fp32"], tmp_path / "e", LIMITS), strongly_typed=False)
+    fp32 = engine_loader(plan_build(exports["fp32"], tmp_path / "e", LIMITS, strongly_typed=False))
     assert isinstance(fp32._network, NetworkFromOnnxPath)
 
 
@@ -104,7 +121,7 @@ def test_fp32_island_is_what_the_export_keeps_in_fp32(exports):
     island = fp32_island(model)
     ops = {n.name: n.op_type for n in model.graph.node}
     kinds = {ops[n] for n in island}
-    assert {"ReduceMean", "Softmax", "Sqrt", "Reciprocal", "Cos", "Sin", "ReduceMax", "Exp"} <= kinds
+    assert {"ReduceMean", "Softmax", "Sqrt", "Reciprocal", "Cos", "Sin", "ReduceMax", "Exp", "ArgMax", "Where"} <= kinds
     # weight matmuls stay in half precision; only the score matmul's fp32 cast follows it
     weight_matmuls = [n.name for n in model.graph.node
                       if n.op_type == "MatMul" and any(i.endswith("_proj.weight") for i in n.input)]
@@ -149,27 +166,35 @@ def _network(layers):
 def test_keep_fp32_pins_island_layers_and_the_constants_feeding_them(fakes):
     trt, _ = fakes
     x, w = _Tensor(name="x", dtype=trt.float16), _Tensor(name="w", dtype=trt.float16)
-    t = {n: _Tensor(name=n, dtype=trt.float32) for n in ("a", "b", "eps", "eps_b", "g")}
-    i64 = _Tensor(name="idx", dtype="INT64")
+    t = {n: _Tensor(name=n, dtype=trt.float32) for n in ("a", "b", "eps", "eps_b", "g", "zero", "bias", "top")}
+    i64, i32 = _Tensor(name="idx", dtype="INT64"), _Tensor(name="top_i", dtype="INT32")
+    ids = _Tensor(name="ids", dtype="INT64")
+    mask = _Tensor(name="mask", dtype=trt.bool)
     half = _Tensor(name="h", dtype=trt.float16)
     layers = [
         _Layer("n3_ReduceMean", [t["a"]], [t["b"]], "[ONNX Layer: n3_ReduceMean]"),
         _Layer("eps", [], [t["eps"]]),  # the parser's constant for an initializer: no metadata
         _Layer("ONNXTRT_Broadcast", [t["eps"]], [t["eps_b"]]),
         _Layer("n4_Add", [t["b"], t["eps_b"]], [t["a"]], "[ONNX Layer: n4_Add]"),
+        _Layer("zero", [], [t["zero"]]),
+        _Layer("n8_Where", [mask, t["zero"], t["eps_b"]], [t["bias"]], "[ONNX Layer: n8_Where]"),  # the mask bias
+        _Layer("n6_ArgMax", [t["a"]], [t["top"], i32], "[ONNX Layer: n6_ArgMax]"),  # the parser's TopK for ArgMax
+        _Layer("n6_ArgMax_cast", [i32], [ids], "[ONNX Layer: n6_ArgMax]"),  # and its cast to int64
         _Layer("n9_GatherElements", [t["a"], i64], [t["g"]], "[ONNX Layer: n9_GatherElements]"),
         _Layer("w", [], [w]),  # a half weight feeding only half layers
         _Layer("n5_MatMul", [x, w], [half], "[ONNX Layer: n5_MatMul]"),
     ]
-    assert keep_fp32(_network(layers), {"n3_ReduceMean", "n4_Add", "n9_GatherElements"}) == 5
-    for layer in layers[:4]:
+    island = {"n3_ReduceMean", "n4_Add", "n8_Where", "n6_ArgMax", "n9_GatherElements"}
+    assert keep_fp32(_network(layers), island) == 9
+    for layer in layers[:7]:  # the Where with its bool mask and the TopK included
         assert layer.precision is trt.float32 and layer.output_types == {0: trt.float32}, layer.name
-    assert layers[4].precision is None and layers[4].output_types == {0: trt.float32}  # int indices: output only
-    assert all(layer.precision is None and layer.output_types == {} for layer in layers[5:])
+    assert layers[7].precision is None and layers[7].output_types == {}  # the int cast: nothing to pin
+    assert layers[8].precision is None and layers[8].output_types == {0: trt.float32}  # int indices: output only
+    assert all(layer.precision is None and layer.output_types == {} for layer in layers[9:])
 
 
 _TRT_TYPES = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.FLOAT16: "float16",
-              onnx.TensorProto.BFLOAT16: "bfloat16"}
+              onnx.TensorProto.BFLOAT16: "bfloat16", onnx.TensorProto.BOOL: "bool"}
 
 
 def _parsed(model, trt):
@@ -220,9 +245,12 @@ def test_every_constant_feeding_the_fp32_island_is_pinned(exports, fakes, dtype,
     keep_fp32(_network(layers), island)
     producer = {t.name: layer for layer in layers for t in layer._outputs}
 
-    def pinned(layer):  # fp32 out; and fp32 compute unless an input is not a float (a Cast of position ids)
-        floats = all(t is not None and t.dtype in (trt.float32, trt.float16, trt.bfloat16) for t in layer._inputs)
-        return layer.output_types == {0: trt.float32} and (layer.precision is trt.float32 or not floats)
+    floats = (trt.float32, trt.float16, trt.bfloat16)
+
+    def pinned(layer):  # float outputs fp32; and fp32 compute unless an input is an integer (a Cast of position ids)
+        outputs = {i: trt.float32 for i, t in enumerate(layer._outputs) if t.dtype in floats}
+        computes = all(t is not None and t.dtype in (*floats, trt.bool) for t in layer._inputs)
+        return layer.output_types == outputs and (layer.precision is trt.float32 or not computes)
 
     checked = set()
     for layer in layers:
@@ -240,6 +268,9 @@ def test_every_constant_feeding_the_fp32_island_is_pinned(exports, fakes, dtype,
     assert len(checked & set(constants)) >= 5 and {"Mul", "Add", "Pow"} <= consumers
     half = [t for t in constants.values() if t.dtype is not trt.float32]
     assert half and all(producer[t.name].output_types == {} and producer[t.name].precision is None for t in half)
+    # the mask bias's Where (its bool mask beside fp32 values) and ArgMax over the fp32 logits compute in fp32
+    ops = {n.name: n.op_type for n in model.graph.node}
+    assert {"Where", "ArgMax"} <= {ops.get(layer.name) for layer in layers if layer.precision is trt.float32}
 
 
 def test_progress_lines(fakes):

@@ -108,3 +108,17 @@ def test_check_refuses_a_changed_export_and_bf16(peaky_export, exports, fakes, t
         (peaky_export / "planner.onnx").write_bytes((peaky_export / "planner.onnx").read_bytes()[:-1])
     with pytest.raises(RefusionError, match="bfloat16 engines; onnxruntime cannot feed"):
         check.check_engines(fake_engines(exports["bf16"], tmp_path / "bf16"))
+
+
+def test_fp32_engines_are_compared_with_an_fp32_reference(monkeypatch):
+    """onnxruntime's CUDA provider turns TF32 on for fp32 GEMMs by default; fp32 engines are built with it off,
+    so their reference runs with it off too. Without CUDA the reference is the CPU."""
+    import onnxruntime
+
+    monkeypatch.setattr(onnxruntime, "get_available_providers", lambda: ["CPUExecutionProvider"])
+    assert check.reference_providers("float32") == ["CPUExecutionProvider"]
+    monkeypatch.setattr(onnxruntime, "get_available_providers",
+                        lambda: ["CUDAExecutionProvider", "CPUExecutionProvider"])
+    assert check.reference_providers("float32") == [("CUDAExecutionProvider", {"use_tf32": "0"}),
+                                                    "CPUExecutionProvider"]
+    assert check.reference_providers("float16") == ["CUDAExecutionProvider", "CPUExecutionProvider"]

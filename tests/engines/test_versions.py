@@ -78,4 +78,7 @@ def test_installed_polygraphy_meets_the_floor_and_has_the_apis():
 
 
 def test_tensorrt_floor_is_the_runners():
-    assert {_version(v) for v in _floors("tensorrt")} == {MIN_TENSORRT}
+    """The CUDA 12 stack's floor is the runner's; the CUDA 13 one starts at TensorRT's first CUDA 13 build."""
+    floors = dict(re.findall(r'"tensorrt-(cu\d+)>=([\d.]+),', (REPO / "pyproject.toml").read_text()))
+    assert set(floors) == {"cu12", "cu13"} and _version(floors["cu12"]) == MIN_TENSORRT
+    assert _version(floors["cu13"]) >= MIN_TENSORRT

@@ -87,7 +87,7 @@ def test_batch_ranges_reach_every_input_and_the_build_plan(exports, tmp_path):
     plan = plan_build(exports["fp16"], tmp_path / "engines", LIMITS)
     assert "--max-batch 4" in plan.command
     spec = plan.export.graphs["infiller"]
-    config = engine_loader(plan, strongly_typed=False)._config._config
+    config = engine_loader(plan)._config._config
     for polygraphy_profile, ours in zip(config.profiles, plan.profiles):
         for name, (lo, opt, hi) in ours.shapes(spec).items():  # every input's first axis is the batch
             shape = polygraphy_profile[name]
@@ -138,6 +138,74 @@ def test_engines_json_v3_round_trip_and_refusals(peaky_export, tmp_path):
     file.write_text(json.dumps(bad_range))
     with pytest.raises(RefusionError, match=r"damaged .*batch \[2, 1, 4\] is not 1 <= min <= opt <= max"):
         EngineManifest.load(engines)
+
+
+# -- packing -----------------------------------------------------------------------------------------
+def test_packed_rows_keep_to_their_own_and_no_mask_row_is_empty():
+    """Rows of 3 and 1 tokens over pasts 2 and 4: each real token's row of the mask is its own, and a
+    padding token attends to itself alone (an all-masked row is NaN once the mask bias is half precision)."""
+    from refusion.runtime.runners.base import pack_rows
+
+    rows = [RowFeed(np.array([[5, 6, 7]]), np.array([[2, 3, 4]]), masks.causal_after(2, 3), 2, 2, 0),
+            RowFeed(np.array([[9]]), np.array([[4]]), masks.causal_after(4, 1), 4, 4, 1)]
+    packed = pack_rows(rows)
+    assert (packed.seq, packed.past) == (3, 4) and packed.attention_mask.shape == (2, 3, 7)
+    assert packed.attention_mask.any(axis=-1).all()
+    np.testing.assert_array_equal(packed.attention_mask[0, :, :2], masks.causal_after(2, 3)[0, :, :2])
+    assert not packed.attention_mask[0, :, 2:4].any()  # the padded past: seen by nobody
+    np.testing.assert_array_equal(packed.attention_mask[0, :, 4:], np.tri(3, dtype=bool))
+    np.testing.assert_array_equal(packed.attention_mask[1, 0], [True] * 4 + [True, False, False])
+    np.testing.assert_array_equal(packed.attention_mask[1, 1:], [[False] * 5 + [True, False],
+                                                                 [False] * 6 + [True]])  # padding: itself only
+
+
+def _with_infinite_mask_bias(export, out):
+    """A copy of `export` whose mask bias is -inf instead of float32's min: what the bias becomes when a build
+    runs its select in half precision."""
+    import shutil
+
+    import onnx
+    from onnx import numpy_helper
+
+    shutil.copytree(export, out)
+    for graph in ("planner", "infiller"):
+        model = onnx.load(str(out / f"{graph}.onnx"), load_external_data=False)
+        bias = [i for i in model.graph.initializer if i.data_type == onnx.TensorProto.FLOAT and not i.dims
+                and numpy_helper.to_array(i) == np.finfo(np.float32).min]
+        assert len(bias) == 1
+        bias[0].raw_data = np.array(-np.inf, np.float32).tobytes()
+        onnx.save(model, str(out / f"{graph}.onnx"))
+    return out
+
+
+def test_packed_padding_stays_finite_with_an_infinite_mask_bias(tiny_export, fakes, tmp_path):
+    """Rows of 1, 3 and 5 tokens packed: with the bias at -inf an all-masked padding row would be NaN, its KV NaN in
+    the next layer, and 0 x NaN the row's real tokens through P.V. Padding that attends to itself keeps all finite."""
+    export = _with_infinite_mask_bias(tiny_export, tmp_path / "inf-bias")
+    rng = np.random.default_rng(2)
+    with TensorRTRunner.from_dir(fake_engines(export, tmp_path / "engines", LIMITS)) as trt:
+        rows = []
+        for region, seq in enumerate((1, 3, 5)):
+            trt.allocate_kv(32, region)
+            trt.run("infiller", rng.integers(0, 100, (1, 6)), np.arange(6)[None], masks.causal_after(0, 6), 0, 0,
+                    region)
+            rows.append(RowFeed(rng.integers(0, 100, (1, seq)), np.arange(6, 6 + seq)[None],
+                                masks.causal_after(6, seq), 6, 6, region))
+        for out in trt.run_batch("infiller", rows):
+            assert all(np.isfinite(a).all() for a in out.values())
+        for region, row in enumerate(rows):
+            assert all(np.isfinite(a).all() for a in trt.kv_to_host(6, row.input_ids.shape[1], region).values())
+
+
+def test_an_all_masked_row_is_refused(tiny_export):
+    from refusion.runtime.runners.onnxruntime import OrtRunner
+
+    with OrtRunner(ExportManifest.load(tiny_export), threads=1) as runner:
+        runner.allocate_kv(8)
+        mask = masks.causal_after(0, 3)
+        mask[0, 1] = False
+        with pytest.raises(RefusionError, match=r"attention_mask row 1 attends to nothing"):
+            runner.run("infiller", np.zeros((1, 3), np.int64), np.arange(3)[None], mask, 0, 0)
 
 
 # -- the TensorRT runner ---------------------------------------------------------------------------

@@ -226,6 +226,10 @@ def test_output_shapes_are_checked_once_per_shape_and_refused_when_wrong(peaky_e
             _prefill(trt, write_at=write_at)
         _prefill(trt, seq=7)
         assert trt._contexts[0].shape_queries == 2  # seq 6 and seq 7 over past 0
+        for past in (7, 8, 9):  # no output's shape depends on the past, which grows every step
+            trt.run("infiller", np.zeros((1, 3), np.int64), np.arange(past, past + 3)[None],
+                    np.ones((1, 3, past + 3), bool), past, past)
+        assert trt._contexts[1].shape_queries == 1
         real = _Context.get_tensor_shape
         monkeypatch.setattr(_Context, "get_tensor_shape",
                             lambda self, name: (1, 99) if name == "argmax_probs" else real(self, name))
@@ -265,7 +269,7 @@ def test_tensorrt_older_than_10_1_is_refused(fakes, monkeypatch):
     require_tensorrt()
     monkeypatch.setattr(trt, "__version__", "10.0.1.6")
     with pytest.raises(RefusionError, match=r"TensorRT 10.0.1.6 is installed; refusion-trt needs TensorRT >= 10.1.*"
-                                            r"pip install 'tensorrt>=10.1'"):
+                                            r"pip install 'refusion-trt\[trt\]'"):
         require_tensorrt()
 
 
@@ -352,3 +356,74 @@ def test_missing_cuda_python_names_the_extra(monkeypatch):
     monkeypatch.setattr(builtins, "__import__", no_cuda)
     with pytest.raises(RefusionError, match=r"refusion-trt\[trt\]"):
         cuda.cudart()
+
+
+@pytest.mark.parametrize("integrated", [0, 1])
+def test_heads_come_back_behind_one_wait_into_pinned_memory(peaky_export, fakes, tmp_path, integrated):
+    """A forward queues its heads' copies into one pinned host buffer and waits once, on an event of the runner's
+    non-blocking stream; on an integrated GPU (Jetson) that event blocks the thread instead of spinning."""
+    _, cudart = fakes
+    cudart.integrated = integrated
+    engines = fake_engines(peaky_export, tmp_path / "engines")
+    with TensorRTRunner.from_dir(engines) as trt:
+        trt.allocate_kv(32)
+        _prefill(trt)  # sizes every buffer
+        syncs, events, pinned = cudart.syncs, cudart.event_syncs, cudart.pinned_reads
+        out = trt.run("infiller", np.array([[7, 8]]), np.array([[6, 7]]), np.ones((1, 2, 8), bool), 6, 8)
+        assert (cudart.syncs - syncs, cudart.event_syncs - events) == (1, 1)
+        # argmax ids and probabilities, the top-K candidates, input_probs: every head one pinned read, one wait
+        assert cudart.pinned_reads - pinned == len(out) == 5
+        assert set(cudart.stream_flags.values()) == {cudart.cudaStreamNonBlocking}
+        flags = {f for f, _, _ in cudart.events.values()}
+        assert flags == {cudart.cudaEventDisableTiming | (cudart.cudaEventBlockingSync if integrated else 0)}
+        ort = OrtRunner(ExportManifest.load(peaky_export), threads=1)
+        with ort:
+            ort.allocate_kv(32)
+            _prefill(ort)
+            want = ort.run("infiller", np.array([[7, 8]]), np.array([[6, 7]]), np.ones((1, 2, 8), bool), 6, 8)
+        for name in want:
+            np.testing.assert_allclose(out[name], want[name], rtol=1e-6)
+    assert cudart.allocations == {} and cudart.host_allocations == {}
+
+
+def test_a_cuda_mismatch_is_named_in_one_line(peaky_export, fakes, tmp_path, monkeypatch):
+    """cuda-python, TensorRT's wheels and onnxruntime-gpu each built for a CUDA major newer than the driver's:
+    refused at start, one line naming both versions and the fix (CUDA 12 runtimes run on a CUDA 13 driver)."""
+    from importlib import metadata
+
+    from refusion.runtime.runners import tensorrt as trt_runner
+
+    _, cudart = fakes
+    cudart.runtime_version = 13000
+    with pytest.raises(RefusionError, match=r"^CUDA mismatch: cuda-python \(CUDA runtime 13.0\) is built for CUDA "
+                                            r"13.0, but this machine's NVIDIA driver runs CUDA 12.6 at most \(CUDA 13 "
+                                            r"needs driver >= 580.65\): pip install 'cuda-python>=12,<13'.*update the "
+                                            r"driver.$"):
+        cuda.check_cuda_python(cudart)
+    cudart.driver_version = 13000
+    cuda.check_cuda_python(cudart)
+    cudart.runtime_version, cudart.driver_version = 12080, 13020  # an older major runs on a newer driver
+    cuda.check_cuda_python(cudart)
+    cudart.driver_version = 0
+    with pytest.raises(RefusionError, match="needs an NVIDIA driver, and none is installed"):
+        cuda.check_cuda_python(cudart)
+
+    cudart.driver_version = 12060
+    engines = fake_engines(peaky_export, tmp_path / "engines")
+    assert trt_runner.tensorrt_cuda() is None  # no TensorRT wheel here (JetPack's packages are none either)
+    wheel = type("Dist", (), {"metadata": {"Name": "tensorrt_cu13_libs"}})
+    monkeypatch.setattr(metadata, "distributions", lambda: [wheel()])
+    assert trt_runner.tensorrt_cuda() == 13
+    with pytest.raises(RefusionError, match=r"TensorRT 10.13.0.35 \(tensorrt-cu13\) is built for CUDA 13.0.*"
+                                            r"pip install 'refusion-trt\[trt-cu12\]'"):
+        TensorRTRunner.from_dir(engines).activate()
+
+    from onnxruntime.capi import build_and_package_info
+
+    from tests.fakes import CpuBoundCudaRunner
+
+    monkeypatch.setattr(build_and_package_info, "cuda_version", "13.0", raising=False)
+    with pytest.raises(RefusionError, match=r"onnxruntime-gpu .* \(CUDA 13.0\) is built for CUDA 13.0.*an "
+                                            r"onnxruntime-gpu built for the driver's CUDA"):
+        CpuBoundCudaRunner(ExportManifest.load(peaky_export), threads=1).activate()
+    assert cudart.allocations == {}
