@@ -130,9 +130,8 @@ def build_graph(
         x = g.op("Add", x, g.linear(act, p + "mlp.down_proj.weight"))
 
     h = _rms_norm(g, x, "model.norm.weight", dims.rms_norm_eps, onnx_dtype)
-    # Linear weights are stored [in, out]; a tied head reads the embedding through a Transpose.
-    head = g.op("Transpose", "model.embed_tokens.weight", perm=[1, 0]) if dims.tie_word_embeddings else "lm_head.weight"
-    logits = _to_f32(g, g.linear(h, head), onnx_dtype)  # [b, s, vocab] fp32
+    head = _tied_head(g, h, dims) if dims.tie_word_embeddings else g.linear(h, "lm_head.weight")
+    logits = _to_f32(g, head, onnx_dtype)  # [b, s, vocab] fp32
     if "logits" in wants:
         logits = g.op("Identity", logits, out="logits")
     _heads(g, logits, "input_probs" in wants, spec.output("top_ids").axes[-1])
@@ -147,6 +146,15 @@ def build_graph(
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", g.opset)], producer_name="refusion-trt")
     model.ir_version = IR_VERSION[g.opset]
     return model
+
+
+def _tied_head(g: _Builder, h: str, dims: ModelDims) -> str:
+    """h [b, s, hidden] times the embedding [vocab, hidden] transposed, as one Gemm(transB=1) over the rows
+    [b x s, hidden]: TensorRT reads the transposed operand in place, so the engine holds the embedding the
+    Gather reads once. A Transpose of it into a MatMul would be folded into a second vocab x hidden constant."""
+    rows = g.op("Reshape", h, g.ints(-1, dims.hidden_size))
+    logits = g.op("Gemm", rows, "model.embed_tokens.weight", transB=1)  # [b x s, vocab]
+    return g.op("Reshape", logits, g.op("Concat", g.op("Shape", "input_ids"), g.ints(dims.vocab_size), axis=0))
 
 
 def _heads(g: _Builder, logits: str, verify: bool, candidates: int | str) -> None:

@@ -261,6 +261,7 @@ class FakeTensorRT:
     float32, float16, bfloat16, bool = _DataType("FLOAT"), _DataType("HALF"), _DataType("BF16"), _DataType("BOOL")
     ExecutionContextAllocationStrategy = SimpleNamespace(USER_MANAGED="user-managed")
     MemoryPoolType = SimpleNamespace(WORKSPACE="workspace")
+    LayerInformationFormat = SimpleNamespace(ONELINE="oneline", JSON="json")
 
     class Logger:
         WARNING = 2
@@ -357,6 +358,10 @@ class _Engine:
     def get_tensor_name(self, i: int) -> str:
         return self.io[i][0]
 
+    def get_tensor_profile_shape(self, name: str, profile_index: int) -> list[list[int]]:
+        """An input's min, opt and max shapes in a profile, as built."""
+        return [list(shape) for shape in self.profiles[profile_index][name]]
+
     def _entry(self, name: str) -> tuple[str, str, str]:
         return next(e for e in self.io if e[0] == name)
 
@@ -369,6 +374,34 @@ class _Engine:
     def create_execution_context(self, strategy: str) -> _Context:
         assert strategy == "user-managed"
         return _Context(self)
+
+    def create_engine_inspector(self) -> _Inspector:
+        return _Inspector(self)
+
+
+class _Inspector:
+    """The engine inspector of a strongly typed build without fusion: a layer per ONNX node, its outputs in the
+    graph's types; formats only for a context with bound shapes, as TensorRT gives them."""
+
+    _FORMATS = {1: "Row major linear FP32", 10: "Row major linear FP16 format", 16: "Row major linear BF16",
+                7: "Row major linear Int64", 9: "Row major linear BOOL"}
+
+    def __init__(self, engine: _Engine):
+        self.engine = engine
+        self.execution_context: _Context | None = None
+
+    def get_engine_information(self, format: str) -> str:
+        import onnx
+
+        assert format == "json"
+        model = onnx.shape_inference.infer_shapes(onnx.load(self.engine.spec["onnx"], load_external_data=False))
+        types = {v.name: v.type.tensor_type.elem_type for v in [*model.graph.value_info, *model.graph.output]}
+        bound = self.execution_context is not None and bool(self.execution_context.shapes)
+        layers = [{"Name": node.name, "LayerType": node.op_type, "Metadata": f"[ONNX Layer: {node.name}]",
+                   "Outputs": [{"Name": o, "Format/Datatype": self._FORMATS.get(types.get(o, 0), "Unknown")
+                                if bound else "N/A due to dynamic shapes"} for o in node.output]}
+                  for node in model.graph.node]
+        return json.dumps({"Layers": layers, "Bindings": [name for name, _, _ in self.engine.io]})
 
 
 class _Context:

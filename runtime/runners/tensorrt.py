@@ -18,6 +18,7 @@ TensorRT >= 10.1 (`set_device_memory(ptr, size)`, `device_memory_size_v2`); docs
 
 from __future__ import annotations
 
+import json
 import mmap
 import re
 from pathlib import Path
@@ -25,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from refusion.runtime.core.contract import BATCH, SEQ, GraphName
+from refusion.runtime.core.contract import BATCH, SEQ, GraphName, past_key_name
 from refusion.runtime.core.dtypes import dtype, from_trt
 from refusion.runtime.core.engines_manifest import ENGINE_GRAPH, EngineManifest, Target
 from refusion.runtime.core.errors import RefusionError
@@ -149,7 +150,7 @@ class TensorRTRunner(Runner):
                                   self._stream)
         self._scratch = ScratchBuffers(self._stream)
         runtime = self._runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
-        engine = _deserialize(runtime, self.engines.engine_path)
+        engine = deserialize_engine(runtime, self.engines.engine_path)
         if engine is None:
             raise RefusionError(f"TensorRT could not deserialize {self.engines.engine.file}; rebuild with: "
                                 f"{self.engines.rebuild_command}")
@@ -188,6 +189,26 @@ class TensorRTRunner(Runner):
                 f"{diff}, profiles {engine.num_optimization_profiles} vs {profiles}); rebuild with: "
                 f"{self.engines.rebuild_command}"
             )
+        self._check_profiles(engine)
+
+    def _check_profiles(self, engine: tensorrt.ICudaEngine) -> None:
+        """Each profile's ranges in the engine must be those engines.json records (the runner picks profiles by
+        them; the manifest is not hashed, so an edit would surface only as refused shapes, later). The ids
+        and the first layer's past carry every free axis: batch, seq and past."""
+        spec = self.manifest.graphs[ENGINE_GRAPH]
+        names = ("input_ids", past_key_name(0))
+        for index, profile in enumerate(self.engines.engine.profiles):
+            recorded = profile.shapes(spec)
+            for name in names:
+                built = tuple(tuple(int(d) for d in dims[:]) for dims in engine.get_tensor_profile_shape(name, index))
+                if built != recorded[name]:
+                    raise RefusionError(
+                        f"{self.engines.engine.file}'s profile {index} ({profile.name}) takes {name} from "
+                        f"{list(built[0])} to {list(built[2])} (opt {list(built[1])}), but engines.json records "
+                        f"{list(recorded[name][0])} to {list(recorded[name][2])} (opt {list(recorded[name][1])}): "
+                        f"engines.json was edited or belongs to another build. Rebuild with: "
+                        f"{self.engines.rebuild_command}"
+                    )
 
     def _deactivate(self) -> None:
         if self._stream is not None:
@@ -207,6 +228,18 @@ class TensorRTRunner(Runner):
         if self._stream is not None:
             self._stream.close()
             self._stream = None
+
+    def layer_information(self, profile: int = 0) -> dict[str, Any]:
+        """TensorRT's engine inspector over profile `profile`'s context as its last forward bound it (formats
+        and precisions show only for bound shapes): every layer, as parsed JSON. For checks (tools/checks/gpu.py)."""
+        import tensorrt as trt
+
+        self._require_active()
+        assert self._engine is not None
+        inspector = self._engine.create_engine_inspector()
+        inspector.execution_context = self._contexts[profile]
+        info: dict[str, Any] = json.loads(inspector.get_engine_information(trt.LayerInformationFormat.JSON))
+        return info
 
     # -- KV cache ----------------------------------------------------------------------------
     def _allocate_kv(self, capacity: int, region: int) -> None:
@@ -515,7 +548,7 @@ def batch_and_requests(engines: EngineManifest, max_requests: int | None, max_ba
     return batch, regions
 
 
-def _deserialize(runtime: tensorrt.Runtime, path: Path) -> tensorrt.ICudaEngine | None:
+def deserialize_engine(runtime: tensorrt.Runtime, path: Path) -> tensorrt.ICudaEngine | None:
     """An engine read from its file by a TensorRT stream reader over a read-only mapping: the
     reader hands out views of the mapped file (page cache), never a copy of it."""
     with open(path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as mapped:

@@ -1,19 +1,24 @@
 """The TensorRT check for a machine with a GPU, TensorRT, cuda-python and onnxruntime.
 
-    python -m refusion.tools.checks.gpu [--workdir DIR] [--strongly-typed]
+    python -m refusion.tools.checks.gpu [--workdir DIR] [--weakly-typed]
 
 On a fixture checkpoint (tools/checks/fixtures) exported fp16, fp32 and int4 it builds engines and checks,
-one PASS/FAIL line each, exit 0 only if all pass: no weight converted between types in TensorRT's build log;
-one engine whose profiles serve both roles; the engine against onnxruntime on the comparator's shared cases,
-and against the fp32 export at the top of the position range (where half-precision rotary tables would show);
-generation token-identical to the onnxruntime Runner, alone and with requests batched (--max-batch 4, on
-TensorRT and on onnxruntime CUDA); per-forward latency. The fixture's KV (256 bytes per token and layer) is
-aligned, so present KV is written straight into the cache, as for real models.
+one PASS/FAIL line each, exit 0 only if all pass: no weight converted between types in TensorRT's build log
+(each build's own log: Polygraphy logs a warning once per process); the fp32 islands' layers in fp32, as
+the engine inspector reports them; one engine whose profiles serve both roles; the engine against
+onnxruntime on the comparator's shared cases, and against the fp32 export at the top of the position range
+(where half-precision rotary tables would show); generation token-identical to the onnxruntime Runner,
+alone and with requests batched (--max-batch 4, on TensorRT and on onnxruntime CUDA); per-forward latency.
+The fp16 engine is built strongly typed (the default; --weakly-typed for the other), then in the other
+typing mode for the build-log, island and comparator checks; the fp32 engine is compared with onnxruntime
+with TF32 off; the int4 engine gets the fp16 engine's checks. The fixture's KV (256 bytes per token and
+layer) is aligned, so present KV is written straight into the cache, as for real models.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import statistics
 import sys
 import tempfile
@@ -67,6 +72,7 @@ def build(export: Path, work: Path, strongly_typed: bool, name: str = "engines")
                       timing_cache=work / "timing.cache")
     log = work / f"tensorrt-build-{name}.log"
     G_LOGGER.log_file = str(log)  # TensorRT's builder logs through Polygraphy's logger
+    G_LOGGER.once_logged.clear()  # which logs each warning once a process: this build's must reach its log
     t0 = time.perf_counter()
     try:
         out = build_engines(plan, force=True, report=print)
@@ -82,6 +88,63 @@ def weight_conversions(log: str) -> list[str]:
     lines = log.splitlines()
     found = [i for i, text in enumerate(lines) if WEIGHT_CONVERSION in text.lower()]
     return [text for i in found for text in [lines[i]] + [t for t in lines[i + 1:i + 6] if "weights are affected" in t]]
+
+
+HALF = re.compile(r"\b(half|fp16|bf16|bfloat16)\b", re.IGNORECASE)  # in a layer's "Format/Datatype"
+_NODES = re.compile(r"\[ONNX Layer: ([^|\]]+?)(?: \|[^\]]*)?\]")
+
+
+def island_layers(info: dict[str, Any], island: set[str]) -> tuple[int, int, list[str]]:
+    """Of the engine inspector's layers (`info`: its JSON) that compute only nodes of the fp32 island: how
+    many have fp32 outputs, how many are fused into Myelin nodes (whose inner precisions it does not show)
+    or beside other nodes, and which have a half-precision output."""
+    layers = info.get("Layers", [])
+    if any(not isinstance(layer, dict) for layer in layers):
+        raise RuntimeError("the engine inspector gives layer names only: the build's profiling verbosity is not "
+                           "DETAILED (Polygraphy's default)")
+    fp32, opaque, half = 0, 0, []
+    for layer in layers:
+        name = str(layer.get("Name", ""))
+        nodes = set(_NODES.findall(str(layer.get("Metadata", "")))) or set(name.split(" + "))
+        if not nodes & island:
+            continue
+        if layer.get("LayerType") == "Myelin" or name.startswith("{ForeignNode") or not nodes <= island:
+            opaque += 1
+            continue
+        formats = [str(out.get("Format/Datatype", "")) for out in layer.get("Outputs", [])]
+        if any(HALF.search(f) for f in formats):
+            half.append(f"{name}: {formats}")
+        else:
+            fp32 += 1
+    return fp32, opaque, half
+
+
+def islands_in_fp32(export: Path, engines: Path) -> bool:
+    """The fp32 islands' layers as the engine inspector shows them after a prefill and a verify: none with a
+    half-precision output. The layers fused into Myelin nodes, whose inner precisions it does not show, are
+    counted, not judged (the long-position comparison judges their numbers)."""
+    import onnx
+
+    from refusion.engines.build import fp32_island
+    from refusion.runtime.core.export_manifest import ExportManifest
+    from refusion.runtime.decode.masks import causal_after
+    from refusion.runtime.runners.tensorrt import TensorRTRunner
+
+    manifest = ExportManifest.load(export)
+    island = fp32_island(onnx.load(str(manifest.graph_path("infiller")), load_external_data=False))
+    runner = TensorRTRunner.from_dir(engines)
+    fp32, opaque, half = 0, 0, []
+    with runner:
+        runner.allocate_kv(64)
+        runner.run("infiller", np.zeros((1, 16), np.int64), np.arange(16)[None], causal_after(0, 16), 0, 0)
+        runner.run("infiller", np.zeros((1, 8), np.int64), np.arange(16, 24)[None], causal_after(16, 8), 16, 16)
+        for profile in (0, 1):
+            seen = island_layers(runner.layer_information(profile), island)
+            fp32, opaque, half = fp32 + seen[0], opaque + seen[1], half + seen[2]
+    detail = "".join(f"\n  {h}" for h in half[:10])
+    return line(not half and fp32 + opaque > 0,
+                f"fp32 islands ({engines.name}): {fp32} layers with fp32 outputs, {opaque} fused with others (not "
+                f"shown), {len(half)} in half precision{detail}")
 
 
 def one_engine(export: Path, engines: Path) -> bool:
@@ -300,32 +363,58 @@ def packed_latency(runner: Any, limits: Any, past: int, repeats: int) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workdir", type=Path, default=None, help="keep the export, engines and timing cache here")
-    parser.add_argument("--strongly-typed", action="store_true", help="build strongly typed engines")
+    parser.add_argument("--weakly-typed", action="store_true",
+                        help="build the main fp16 and int4 engines weakly typed (the other fp16 build is then "
+                             "strongly typed)")
     args = parser.parse_args()
     work = args.workdir or Path(tempfile.mkdtemp(prefix="refusion-gpu-check-"))
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     from refusion.engines.check import check_engines
 
+    strongly = not args.weakly_typed
     export, export32, export4 = fixture(work)
-    engines, converted = build(export, work, args.strongly_typed)
-    detail = "".join(f"\n  {c}" for c in converted)
-    ok = line(not converted, f"no weights converted between types by the builder{detail}")
+    engines, ok = built(export, work, strongly, "engines")
     ok &= one_engine(export, engines)
     ok &= line(check_engines(engines), "TensorRT fp16 engines vs onnxruntime (comparator)")
     ok &= long_positions(export, export32, engines)
     ok &= parity(export, engines)
     ok &= batched(export, engines)
     latency(engines)
-    engines4, converted = build(export4, work, args.strongly_typed, "engines-int4")
-    detail = "".join(f"\n  {c}" for c in converted)
-    ok &= line(not converted, f"int4 build: no weights converted between types by the builder{detail}")
-    ok &= one_engine(export4, engines4)
+    ok &= other_typing(export, work, not strongly)
+    engines32, _ = build(export32, work, True, "engines-fp32")
+    ok &= line(check_engines(engines32), "TensorRT fp32 engines vs onnxruntime with TF32 off (comparator)")
+    engines4, good = built(export4, work, strongly, "engines-int4")
+    ok &= good & one_engine(export4, engines4)
     ok &= line(check_engines(engines4), f"TensorRT int4 (block {INT4_BLOCK}) engine vs onnxruntime (comparator)")
     ok &= parity(export4, engines4)
     latency(engines4)
     line(ok, f"GPU check ({time.perf_counter() - t0:.0f} s, work directory {work})")
     return 0 if ok else 1
+
+
+def built(export: Path, work: Path, strongly_typed: bool, name: str) -> tuple[Path, bool]:
+    """A build, its log searched for converted weights and its fp32 islands inspected."""
+    engines, converted = build(export, work, strongly_typed, name)
+    detail = "".join(f"\n  {c}" for c in converted)
+    typing = "strongly" if strongly_typed else "weakly"
+    ok = line(not converted, f"{name} ({typing} typed): no weights converted between types by the builder{detail}")
+    return engines, ok & islands_in_fp32(export, engines)
+
+
+def other_typing(export: Path, work: Path, strongly_typed: bool) -> bool:
+    """The fp16 engine in the other typing mode: its build, its islands and the comparator. TensorRT 11
+    builds strongly typed networks only: there a weakly typed build is skipped."""
+    import tensorrt
+
+    from refusion.engines.check import check_engines
+
+    if not strongly_typed and int(str(tensorrt.__version__).split(".")[0]) >= 11:
+        print(f"SKIP: a weakly typed build (TensorRT {tensorrt.__version__} builds strongly typed networks only)")
+        return True
+    engines, ok = built(export, work, strongly_typed, "engines-" + ("strong" if strongly_typed else "weak"))
+    return ok & line(check_engines(engines), f"TensorRT fp16 engines, {'strongly' if strongly_typed else 'weakly'} "
+                                             "typed, vs onnxruntime (comparator)")
 
 
 if __name__ == "__main__":

@@ -182,6 +182,24 @@ def test_engine_that_does_not_match_refusion_json_is_refused(peaky_export, expor
         TensorRTRunner.from_dir(engines).activate()
 
 
+def test_profile_ranges_are_checked_against_engines_json_at_load(peaky_export, fakes, tmp_path):
+    """engines.json is not hashed: an edited profile range (same count of profiles) is refused at load, naming
+    the profile and both ranges, instead of surfacing later as TensorRT refusing shapes."""
+    import json
+
+    engines = fake_engines(peaky_export, tmp_path / "engines")
+    with TensorRTRunner.from_dir(engines):
+        pass
+    raw = json.loads((engines / "engines.json").read_text())
+    raw["engine"]["profiles"][1]["past"] = [0, 20, 200]
+    (engines / "engines.json").write_text(json.dumps(raw))
+    with pytest.raises(RefusionError, match=r"profile 1 \(decode\) takes past_key_values.0.key from \[1, 0, 2, 16\] "
+                                            r"to \[1, 112, 2, 16\] \(opt \[1, 40, 2, 16\]\), but engines.json records "
+                                            r"\[1, 0, 2, 16\] to \[1, 200, 2, 16\] \(opt \[1, 20, 2, 16\]\).*Rebuild"):
+        TensorRTRunner.from_dir(engines).activate()
+    assert fakes[1].allocations == {}
+
+
 def _prefill(trt, seq=6, write_at=0):
     ids = np.arange(5, 5 + seq, dtype=np.int64)[None]
     return trt.run("infiller", ids, np.arange(seq, dtype=np.int64)[None], np.tril(np.ones((seq, seq), bool))[None], 0,

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import pytest
 from onnx import numpy_helper
 
 from refusion.runtime.core.profiles import DecodeLimits
@@ -55,6 +56,43 @@ def test_weight_conversion_warnings_are_found():
     assert gpu_check.weight_conversions("[I] Finished engine building in 3 s") == []
 
 
+def test_each_build_log_gets_its_own_weight_conversion_warning(exports, tmp_path, monkeypatch):
+    """Polygraphy logs TensorRT's warnings once per process: without clearing that, the int4 build's warning
+    would be dropped when the fp16 build had printed the same, and its PASS line would be false."""
+    from polygraphy.logger import G_LOGGER, LogMode
+
+    from refusion.engines import build
+
+    warning = "TensorRT encountered issues when converting weights between types and that could affect accuracy."
+
+    def build_engines(plan, force, report):
+        G_LOGGER.warning(warning, mode=LogMode.ONCE)  # as Polygraphy's TensorRT logger passes it on
+        return plan.output
+
+    monkeypatch.setattr(build, "build_engines", build_engines)
+    for name in ("engines", "engines-int4"):
+        assert gpu_check.build(exports["fp16"], tmp_path, True, name)[1] == [f"[W] {warning}"]
+
+
+def test_island_layers_are_judged_by_the_engine_inspector(exports, fakes, tmp_path, capsys):
+    """The fp32 islands' precisions as the engine inspector shows them (the fake's: a layer per node in the graph's
+    types, as a strongly typed unfused build has them): all fp32 on the export; a layer shown in half precision
+    fails, one fused into a Myelin node or beside other nodes is counted apart."""
+    engines = fake_engines(exports["fp16"], tmp_path / "engines", DecodeLimits(**gpu_check.LIMITS))
+    assert gpu_check.islands_in_fp32(exports["fp16"], engines)
+    assert "PASS: fp32 islands (engines): " in capsys.readouterr().out
+    island = {"n3_ReduceMean", "n4_Add"}
+    info = {"Layers": [
+        {"Name": "n3_ReduceMean + n4_Add", "LayerType": "Reduce", "Outputs": [{"Format/Datatype": "Row major FP32"}]},
+        {"Name": "n4_Add", "Metadata": "[ONNX Layer: n4_Add]", "Outputs": [{"Format/Datatype": "Half"}]},
+        {"Name": "{ForeignNode[n3_ReduceMean...n9_MatMul]}", "LayerType": "Myelin",
+         "Metadata": "[ONNX Layer: n3_ReduceMean]\x1e[ONNX Layer: n9_MatMul]", "Outputs": []},
+        {"Name": "n9_MatMul", "Outputs": [{"Format/Datatype": "Row major linear FP16 format"}]},
+    ]}
+    fp32, opaque, half = gpu_check.island_layers(info, island)
+    assert (fp32, opaque) == (1, 1) and half == ["n4_Add: ['Half']"]
+
+
 def test_one_engine_for_both_roles(exports, fakes, tmp_path, capsys):
     engines = fake_engines(exports["fp16"], tmp_path / "engines")
     assert gpu_check.one_engine(exports["fp16"], engines)
@@ -85,3 +123,35 @@ def test_batched_requests_get_their_tokens_alone(peaky_export, fakes, tmp_path, 
     assert f"PASS: TensorRT: {jobs} requests together" in out and f"PASS: onnxruntime CUDA: {jobs} requests" in out
     gpu_check.latency(engines, repeats=1)
     assert "latency: infiller verify, 4 requests packed" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_the_whole_check_runs_on_the_fakes(fakes, tmp_path, monkeypatch, capsys):
+    """`python -m refusion.tools.checks.gpu` end to end on the CPU fakes, the builds replaced by fake engines
+    of the same plans: every check runs and passes (onnxruntime CUDA, absent here, is skipped and said so)."""
+    import functools
+    import sys
+
+    from refusion.engines import build
+    from refusion.runtime.runners.tensorrt import current_target
+    from tests.fakes import fake_engine_bytes
+
+    def build_engines(plan, force, report):
+        plan.output.mkdir(parents=True, exist_ok=force)
+        build.write_engines_dir(plan, plan.output, fake_engine_bytes(plan), current_target(),
+                                plan.options.strongly_typed, 0.0)
+        return plan.output
+
+    monkeypatch.setattr(build, "build_engines", build_engines)
+    monkeypatch.setattr(gpu_check, "latency", functools.partial(gpu_check.latency, repeats=1))
+    monkeypatch.setattr(sys, "argv", ["gpu", "--workdir", str(tmp_path)])
+    assert gpu_check.main() == 0
+    out = capsys.readouterr().out
+    assert "FAIL" not in out and out.splitlines()[-1].startswith("PASS: GPU check")
+    for check in ("engines (strongly typed): no weights converted", "fp32 islands (engines)", "one engine for both",
+                  "TensorRT fp16 engines vs onnxruntime (comparator)", "TensorRT fp16 vs onnxruntime fp32 up to",
+                  "generation parity", "TensorRT: 8 requests together", "engines-weak (weakly typed)",
+                  "fp32 islands (engines-weak)", "TensorRT fp16 engines, weakly typed, vs onnxruntime",
+                  "TensorRT fp32 engines vs onnxruntime with TF32 off", "engines-int4 (strongly typed)",
+                  "fp32 islands (engines-int4)", "TensorRT int4 (block 64) engine"):
+        assert f"PASS: {check}" in out, check
