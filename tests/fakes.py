@@ -60,6 +60,7 @@ class FakeCudart:
         self.syncs = 0  # waits: stream and event synchronizations
         self.event_syncs = 0
         self.pinned_reads = 0  # device-to-host copies into cudaMallocHost memory
+        self.copies_2d = 0  # cudaMemcpy2DAsync calls (each one entry of `copies`, all its rows' bytes)
         self.memsets = 0
         self.driver_version = self.runtime_version = 12060  # CUDA 12.6, as cuda(Driver|Runtime)GetVersion encode it
         self.integrated = 0  # cudaDeviceProp.integrated: 1 on Jetson
@@ -139,6 +140,24 @@ class FakeCudart:
             raise AssertionError("overlapping device-to-device cudaMemcpy is undefined")
         ctypes.memmove(dst, src, nbytes)
         self.copies.append((kind.name, nbytes))
+        return (self.cudaError_t.cudaSuccess,)
+
+    def cudaMemcpy2DAsync(self, dst: int, dpitch: int, src: int, spitch: int, width: int, height: int, kind,
+                          stream):
+        """`height` rows of `width` bytes, each checked as one cudaMemcpyAsync; no copied byte may be one
+        another row writes (CUDA: "the memory areas may not overlap")."""
+        if width > dpitch or width > spitch:
+            return (self.cudaError_t.cudaErrorInvalidValue,)  # cudaErrorInvalidPitchValue
+        reads = [(src + i * spitch, src + i * spitch + width) for i in range(height)]
+        writes = [(dst + i * dpitch, dst + i * dpitch + width) for i in range(height)]
+        if kind == self.cudaMemcpyKind.cudaMemcpyDeviceToDevice:
+            assert not any(a < d and c < b for a, b in reads for c, d in writes), "overlapping 2D copy is undefined"
+        copies = len(self.copies)
+        for (r, _), (w, _) in zip(reads, writes):
+            self.cudaMemcpyAsync(w, r, width, kind, stream)
+        del self.copies[copies:]
+        self.copies.append((kind.name, width * height))
+        self.copies_2d += 1
         return (self.cudaError_t.cudaSuccess,)
 
     def cudaMemsetAsync(self, ptr: int, value: int, nbytes: int, stream):

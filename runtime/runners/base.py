@@ -7,7 +7,7 @@ its past and writes its present; it never sees device memory, nor which backend 
 `run_batch` packs forwards of several requests (each over its own region) into one call, on
 backends that can (`max_batch` > 1); the others run them one by one. Regions beyond the requests' can be
 added (`add_region`: the prefix cache's) and KV copied between regions (`copy_kv`). Every runner counts its
-own forwards, KV moves and copies in `stats` (runners/stats.py).
+own forwards, the KV copies they make, KV moves and copies between regions in `stats` (runners/stats.py).
 """
 
 from __future__ import annotations
@@ -169,6 +169,12 @@ class Runner(ABC):
             yield
         finally:
             self.stats.graph(graph).backend_seconds += time.perf_counter() - t0
+
+    def _count_copies(self, graph: GraphName, copied: tuple[int, int]) -> None:
+        """KV copies (calls, bytes) a forward of `graph` made: RunnerStats' kv_copies and kv_copy_bytes."""
+        stats = self.stats.graph(graph)
+        stats.kv_copies += copied[0]
+        stats.kv_copy_bytes += copied[1]
 
     def _check_row(self, graph: GraphName, row: RowFeed) -> None:
         self._check_region(row.region)

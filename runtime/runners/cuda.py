@@ -233,6 +233,45 @@ class DeviceBuffer:
         kind = cudart().cudaMemcpyKind.cudaMemcpyDeviceToDevice
         self._copy(dst.ptr + dst_offset, self.ptr + src_offset, nbytes, kind, stream=stream, ordered=stream is not None)
 
+    def copy_rows_to(self, dst: DeviceBuffer, width: int, height: int, src_offset: int, src_pitch: int,
+                     dst_offset: int, dst_pitch: int, stream: Stream | None = None) -> None:
+        """`height` rows of `width` bytes, row i from src_offset + i x src_pitch to dst_offset + i x dst_pitch
+        of another buffer, in one call (cudaMemcpy2DAsync): a token range of every layer's cache at once.
+        With `stream`, ordered on it as copy_to is."""
+        self._check_rows(src_offset, width, height, src_pitch, "copy_rows_to source")
+        dst._check_rows(dst_offset, width, height, dst_pitch, "copy_rows_to destination")
+        kind = cudart().cudaMemcpyKind.cudaMemcpyDeviceToDevice
+        self._copy(dst.ptr + dst_offset, self.ptr + src_offset, width, kind, stream=stream, ordered=stream is not None,
+                   rows=(height, dst_pitch, src_pitch))
+
+    def copy_rows_within(self, src_offset: int, dst_offset: int, width: int, height: int, pitch: int) -> None:
+        """`height` rows of `width` bytes at `pitch`, from src_offset to dst_offset of this buffer; a row may
+        overlap its own destination (the rows are at most `pitch` apart, so only a row and its own can)."""
+        self._check_rows(src_offset, width, height, pitch, "copy_rows_within source")
+        self._check_rows(dst_offset, width, height, pitch, "copy_rows_within destination")
+        if width == 0 or height == 0 or src_offset == dst_offset:
+            return
+        assert height == 1 or abs(dst_offset - src_offset) + width <= pitch, "rows of different index would overlap"
+        kind = cudart().cudaMemcpyKind.cudaMemcpyDeviceToDevice
+        if abs(dst_offset - src_offset) >= width:
+            self._copy(self.ptr + dst_offset, self.ptr + src_offset, width, kind, rows=(height, pitch, pitch))
+            return
+        # cudaMemcpy leaves overlapping copies undefined: stage through a scratch buffer.
+        if self.stream is not None:
+            self._staged(self.stream, src_offset, dst_offset, width, height, pitch)
+            return
+        with _STAGING.lock:  # blocking copies: the shared scratch is free again when this returns
+            self._staged(_STAGING.stream(), src_offset, dst_offset, width, height, pitch)
+
+    def copy_rows_to_host(self, width: int, height: int, offset: int, pitch: int) -> np.ndarray:
+        """`height` rows of `width` bytes at `pitch` from `offset`, as a new [height, width] uint8 host array, in one
+        call; returns when the data is there."""
+        out = np.empty((height, width), np.uint8)
+        self._check_rows(offset, width, height, pitch, "copy_rows_to_host")
+        kind = cudart().cudaMemcpyKind.cudaMemcpyDeviceToHost
+        self._copy(out.ctypes.data, self.ptr + offset, width, kind, blocking=True, rows=(height, width, pitch))
+        return out
+
     def zero(self) -> None:
         """Set every byte to 0 (on the buffer's stream; a stream-less buffer waits for it)."""
         self._check(0, self.nbytes, "zero")
@@ -243,20 +282,7 @@ class DeviceBuffer:
 
     def copy_within(self, src_offset: int, dst_offset: int, nbytes: int) -> None:
         """Copy [src, src+nbytes) to [dst, dst+nbytes) of this buffer; the ranges may overlap."""
-        self._check(src_offset, nbytes, "copy_within source")
-        self._check(dst_offset, nbytes, "copy_within destination")
-        if nbytes == 0 or src_offset == dst_offset:
-            return
-        kind = cudart().cudaMemcpyKind.cudaMemcpyDeviceToDevice
-        if abs(dst_offset - src_offset) >= nbytes:
-            self._copy(self.ptr + dst_offset, self.ptr + src_offset, nbytes, kind)
-            return
-        # cudaMemcpy leaves overlapping copies undefined: stage through a scratch buffer.
-        if self.stream is not None:
-            self._staged(self.stream, src_offset, dst_offset, nbytes)
-            return
-        with _STAGING.lock:  # blocking copies: the shared scratch is free again when this returns
-            self._staged(_STAGING.stream(), src_offset, dst_offset, nbytes)
+        self.copy_rows_within(src_offset, dst_offset, nbytes, 1, nbytes)
 
     def free(self) -> None:
         if self.ptr:
@@ -266,20 +292,27 @@ class DeviceBuffer:
                 _STAGING.remove_user()
 
     # -- internals -------------------------------------------------------------------------
-    def _staged(self, stream: Stream, src_offset: int, dst_offset: int, nbytes: int) -> None:
+    def _staged(self, stream: Stream, src_offset: int, dst_offset: int, width: int, height: int, pitch: int) -> None:
+        """Rows through the stream's scratch buffer, packed there (two calls, whatever the rows)."""
         kind = cudart().cudaMemcpyKind.cudaMemcpyDeviceToDevice
-        scratch = stream.scratch(nbytes)
-        self._copy(scratch.ptr, self.ptr + src_offset, nbytes, kind, stream=stream)
-        self._copy(self.ptr + dst_offset, scratch.ptr, nbytes, kind, stream=stream)
+        scratch = stream.scratch(width * height)
+        self._copy(scratch.ptr, self.ptr + src_offset, width, kind, stream=stream, rows=(height, width, pitch))
+        self._copy(self.ptr + dst_offset, scratch.ptr, width, kind, stream=stream, rows=(height, pitch, width))
 
     def _copy(self, dst: int, src: int, nbytes: int, kind: Any, blocking: bool = False,
-              stream: Stream | None = None, ordered: bool = False) -> None:
-        """`ordered`: the caller orders the copy on `stream` and synchronizes it itself."""
+              stream: Stream | None = None, ordered: bool = False, rows: tuple[int, int, int] = (1, 0, 0)) -> None:
+        """`nbytes` (a row's, with `rows` = (height, dst pitch, src pitch): one cudaMemcpy2DAsync for them all).
+        `ordered`: the caller orders the copy on `stream` and synchronizes it itself."""
         stream = stream or self.stream
-        if nbytes == 0:
+        height, dst_pitch, src_pitch = rows
+        if nbytes == 0 or height == 0:
             return
         raw = stream._stream if stream is not None else 0
-        _call(cudart().cudaMemcpyAsync(dst, src, nbytes, kind, raw), "cudaMemcpyAsync")
+        if height == 1:
+            _call(cudart().cudaMemcpyAsync(dst, src, nbytes, kind, raw), "cudaMemcpyAsync")
+        else:
+            _call(cudart().cudaMemcpy2DAsync(dst, dst_pitch, src, src_pitch, nbytes, height, kind, raw),
+                  "cudaMemcpy2DAsync")
         if blocking or (self.stream is None and not ordered):
             if stream is not None:
                 stream.synchronize()
@@ -291,6 +324,10 @@ class DeviceBuffer:
             raise RefusionError(f"{what} on a freed device buffer; the runner was deactivated.")
         if offset < 0 or nbytes < 0 or offset + nbytes > self.nbytes:
             raise RefusionError(f"{what}: bytes [{offset}, {offset + nbytes}) lie outside the {self.nbytes}-byte buffer.")
+
+    def _check_rows(self, offset: int, width: int, height: int, pitch: int, what: str) -> None:
+        assert height <= 1 or width <= pitch, (width, pitch)
+        self._check(offset, (height - 1) * pitch + width if height and width else 0, what)
 
 
 class HostBuffer:

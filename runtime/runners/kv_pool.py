@@ -1,25 +1,43 @@
 """Device memory the GPU runners share: every request's KV on the device, and named scratch buffers.
 
-A `DeviceKVPool` holds one KV region per request in flight: a K and a V buffer per layer, `capacity`
-tokens of [kv_heads, head_dim] each, so a region's committed prefix is one contiguous block per
-layer. A backend that takes a batch as one [rows, past, H, D] tensor gets it by `gather` (each row's
-past copied from its region into a batch buffer) and gives the present back by `scatter` (each row's
-new tokens copied from the batch's output into its region at its write_at).
+A `DeviceKVPool` holds one KV region per request in flight, each one device buffer laid out layer-major:
+its caches (K of every layer, then V of every layer: the graphs' past order) one after another, each
+`capacity` tokens of [kv_heads, head_dim] at a pitch rounded up to 256 bytes (TensorRT's alignment). So a
+cache's committed prefix is contiguous, bound in place as a [1, past, H, D] tensor, and a token range of
+every cache is one strided copy (cudaMemcpy2DAsync: a row per cache, the region's pitch apart): a backend
+that takes a batch as one [rows, past, H, D] tensor per cache gets it by `gather` (one copy per row, from its
+region into the batch buffer) and gives the present back by `scatter` (one copy per row, into its region at
+its write_at); `place` writes one staged present. Each returns the copies and bytes it queued, which the
+runners count per forward (RunnerStats).
 """
 
 from __future__ import annotations
 
 from functools import cached_property
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
-from refusion.runtime.core.contract import kv_names, present_key_name, present_value_name
+from refusion.runtime.core.contract import kv_names
 from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.runners.cuda import DeviceBuffer, Stream
 
 if TYPE_CHECKING:
     from refusion.runtime.runners.base import RowFeed
+
+ALIGNMENT = 256  # bytes: TensorRT's requirement for tensor addresses (every cache of a region starts at one)
+
+
+def aligned(nbytes: int) -> int:
+    """`nbytes` rounded up to ALIGNMENT (tensors packed in one buffer)."""
+    return -(-nbytes // ALIGNMENT) * ALIGNMENT
+
+
+class Copied(NamedTuple):
+    """What KV copies a pool call queued: calls and bytes."""
+
+    copies: int
+    bytes: int
 
 
 class DeviceKVPool:
@@ -32,83 +50,107 @@ class DeviceKVPool:
         self.dtype, self.stream = np.dtype(dtype), stream
         self.token_bytes = kv_heads * head_dim * self.dtype.itemsize  # one token's K (or V) in one layer
         self.regions = regions  # the requests'; `add_region` adds more until `free`
-        self._keys: list[list[DeviceBuffer]] = [[] for _ in range(regions)]  # [region][layer]
-        self._values: list[list[DeviceBuffer]] = [[] for _ in range(regions)]
+        self._buffers: list[DeviceBuffer | None] = [None] * regions  # a region's caches, layer-major
+        self._pitches: list[int] = [0] * regions  # bytes from one cache of a region to the next
 
     @cached_property  # names fixed by the export: not rebuilt per forward
     def past_names(self) -> list[str]:
-        """The graph inputs of `caches()`, in its order."""
+        """The graph inputs of `addresses()`, in its order."""
         return kv_names(self.num_layers, past=True)
 
     @cached_property
     def present_names(self) -> list[str]:
-        """The graph outputs of `caches()`, in its order."""
+        """The graph outputs of `addresses()`, in its order."""
         return kv_names(self.num_layers, past=False)
 
-    def caches(self, region: int | None = None) -> list[DeviceBuffer]:
-        """A region's K buffers then its V buffers, by layer (every region's when `region` is None)."""
-        regions = range(len(self._keys)) if region is None else (region,)
-        return [buf for r in regions for buf in self._keys[r] + self._values[r]]
+    @property
+    def caches(self) -> int:
+        """Caches per region: a K and a V per layer."""
+        return 2 * self.num_layers
+
+    def addresses(self, region: int) -> list[int]:
+        """Where each of the region's caches starts (past_names order), 256-byte aligned."""
+        buf, pitch = self._region(region), self._pitches[region]
+        return [buf.ptr + j * pitch for j in range(self.caches)]
+
+    def pitch(self, region: int) -> int:
+        return self._pitches[region]
+
+    def allocated(self, region: int) -> int:
+        """Device bytes the region holds (0 before `allocate`)."""
+        buf = self._buffers[region]
+        return buf.nbytes if buf is not None else 0
 
     def allocate(self, region: int, capacity: int) -> None:
-        """Fresh buffers of `capacity` tokens for `region`; its old ones are freed once queued work is done."""
+        """A fresh buffer of `capacity` tokens a cache for `region`; its old one is freed once queued work is done."""
         if self.stream is not None:
-            self.stream.synchronize()  # queued forwards and moves may still use the old buffers
-        for buf in self.caches(region):
-            buf.free()
-        size = capacity * self.token_bytes
-        self._keys[region] = [DeviceBuffer(size, self.stream) for _ in range(self.num_layers)]
-        self._values[region] = [DeviceBuffer(size, self.stream) for _ in range(self.num_layers)]
+            self.stream.synchronize()  # queued forwards and moves may still use the old buffer
+        old = self._buffers[region]
+        if old is not None:
+            old.free()
+        pitch = aligned(capacity * self.token_bytes)
+        self._buffers[region] = DeviceBuffer(self.caches * pitch, self.stream)
+        self._pitches[region] = pitch
 
     def add_region(self) -> None:
         """One more region (empty until `allocate`), at the next index."""
-        self._keys.append([])
-        self._values.append([])
+        self._buffers.append(None)
+        self._pitches.append(0)
 
-    def copy(self, src_region: int, src: int, dst_region: int, dst: int, length: int) -> None:
-        """KV of tokens [src, src + length) of one region to [dst, dst + length) of another, in every layer (on
-        the pool's stream when it has one: ordered before the next forward, as a move is)."""
+    def copy(self, src_region: int, src: int, dst_region: int, dst: int, length: int) -> Copied:
+        """KV of tokens [src, src + length) of one region to [dst, dst + length) of another, in every cache: one
+        copy (on the pool's stream when it has one: ordered before the next forward, as a move is)."""
         t = self.token_bytes
-        for source, target in zip(self.caches(src_region), self.caches(dst_region)):
-            source.copy_to(target, length * t, src * t, dst * t)
+        self._region(src_region).copy_rows_to(self._region(dst_region), length * t, self.caches, src * t,
+                                              self._pitches[src_region], dst * t, self._pitches[dst_region])
+        return Copied(1, self.caches * length * t) if length else Copied(0, 0)
 
     def move(self, region: int, src: int, dst: int, length: int) -> None:
-        """KV of tokens [src, src + length) to [dst, dst + length) in every layer; the ranges may overlap."""
+        """KV of tokens [src, src + length) to [dst, dst + length) in every cache (one call, two where the
+        ranges overlap)."""
         t = self.token_bytes
-        for buf in self.caches(region):
-            buf.copy_within(src * t, dst * t, length * t)
+        self._region(region).copy_rows_within(src * t, dst * t, length * t, self.caches, self._pitches[region])
 
     def gather(self, rows: list[RowFeed], past: int, into: DeviceBuffer, stride: int,
-               stream: Stream | None = None) -> None:
-        """Each row's past from its region into `into`: cache j (caches() order) at j * stride, row b of it at
-        b * past tokens. Ordered on `stream` when given (the caller synchronizes it)."""
-        t = self.token_bytes
+               stream: Stream | None = None) -> Copied:
+        """Each row's past from its region into `into`: cache j (past_names order) at j * stride, row b of it at
+        b * past tokens; one copy a row. Ordered on `stream` when given (the caller synchronizes it)."""
+        t, copies, nbytes = self.token_bytes, 0, 0
         for b, r in enumerate(rows):
-            for j, cache in enumerate(self.caches(r.region)):
-                cache.copy_to(into, r.past * t, dst_offset=j * stride + b * past * t, stream=stream)
+            if r.past:
+                self._region(r.region).copy_rows_to(into, r.past * t, self.caches, 0, self._pitches[r.region],
+                                                    b * past * t, stride, stream=stream)
+                copies, nbytes = copies + 1, nbytes + self.caches * r.past * t
+        return Copied(copies, nbytes)
 
     def scatter(self, rows: list[RowFeed], seq: int, source: DeviceBuffer, stride: int,
-                stream: Stream | None = None) -> None:
+                stream: Stream | None = None) -> Copied:
         """Each infiller row's own new tokens from `source` (laid out as `gather` lays out pasts, seq tokens a
-        row) into its region at its write_at; padding stays behind."""
-        t = self.token_bytes
+        row) into its region at its write_at, one copy a row; padding stays behind."""
+        copies, nbytes = 0, 0
         for b, r in enumerate(rows):
-            if r.write_at is None:
-                continue
-            tokens = r.input_ids.shape[1] * t
-            for j, cache in enumerate(self.caches(r.region)):
-                source.copy_to(cache, tokens, src_offset=j * stride + b * seq * t, dst_offset=r.write_at * t,
-                               stream=stream)
+            if r.write_at is not None:
+                done = self.place(r.region, r.write_at, source, r.input_ids.shape[1], b * seq * self.token_bytes,
+                                  stride, stream)
+                copies, nbytes = copies + done.copies, nbytes + done.bytes
+        return Copied(copies, nbytes)
+
+    def place(self, region: int, write_at: int, source: DeviceBuffer, tokens: int, offset: int, stride: int,
+              stream: Stream | None = None) -> Copied:
+        """`tokens` tokens of every cache from `source` (cache j at offset + j * stride) into `region` at
+        `write_at`: one copy."""
+        t = self.token_bytes
+        source.copy_rows_to(self._region(region), tokens * t, self.caches, offset, stride, write_at * t,
+                            self._pitches[region], stream=stream)
+        return Copied(1, self.caches * tokens * t) if tokens else Copied(0, 0)
 
     def to_host(self, region: int, start: int, length: int) -> dict[str, np.ndarray]:
-        """KV of tokens [start, start + length) per layer, on the host, by present name (bfloat16 as its
-        raw uint16 bits)."""
-        shape, t = (1, length, self.kv_heads, self.head_dim), self.token_bytes
-        out = {}
-        for i in range(self.num_layers):
-            out[present_key_name(i)] = self._keys[region][i].copy_to_host(shape, self.dtype, start * t)
-            out[present_value_name(i)] = self._values[region][i].copy_to_host(shape, self.dtype, start * t)
-        return out
+        """KV of tokens [start, start + length) per cache, on the host, by present name (bfloat16 as its
+        raw uint16 bits): one copy."""
+        t = self.token_bytes
+        rows = self._region(region).copy_rows_to_host(length * t, self.caches, start * t, self._pitches[region])
+        shape = (1, length, self.kv_heads, self.head_dim)
+        return {name: rows[j].view(self.dtype).reshape(shape) for j, name in enumerate(self.present_names)}
 
     def past_lengths(self, past: dict[str, np.ndarray]) -> list[int]:
         """The tokens each layer's past in `past` holds, once every one is checked to be of this pool's
@@ -122,15 +164,24 @@ class DeviceKVPool:
 
     def from_host(self, region: int, start: int, past: dict[str, np.ndarray]) -> None:
         """Write a feed's past (checked by `past_lengths`) into `region` at token `start`."""
-        for name, cache in zip(self.past_names, self.caches(region)):
-            cache.copy_from_host(past[name], start * self.token_bytes)
+        buf, pitch = self._region(region), self._pitches[region]
+        for j, name in enumerate(self.past_names):
+            buf.copy_from_host(past[name], j * pitch + start * self.token_bytes)
 
     def free(self) -> None:
         """Every region's buffers; the regions added since go too."""
-        for buf in self.caches():
-            buf.free()
-        self._keys = [[] for _ in range(self.regions)]
-        self._values = [[] for _ in range(self.regions)]
+        if self.stream is not None:
+            self.stream.synchronize()  # queued forwards and moves may still use the buffers
+        for buf in self._buffers:
+            if buf is not None:
+                buf.free()
+        self._buffers = [None] * self.regions
+        self._pitches = [0] * self.regions
+
+    def _region(self, region: int) -> DeviceBuffer:
+        buf = self._buffers[region]
+        assert buf is not None, f"region {region} holds no KV: allocate it first"
+        return buf
 
 
 class ScratchBuffers:

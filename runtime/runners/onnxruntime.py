@@ -109,7 +109,7 @@ class OrtRunner(Runner):
             feed[past_value_name(i)] = values[i][:, :past_length]
         outputs = self._session_run(graph, feed, write_at is not None)
         if write_at is not None:  # only the new tokens' KV is copied into its region
-            self._keep_present(outputs, 0, input_ids.shape[1], region, write_at)
+            self._keep_present(graph, outputs, 0, input_ids.shape[1], region, write_at)
         return {name: outputs[name] for name in self._outputs[graph]}
 
     def _run_batch(self, graph, rows):
@@ -124,12 +124,14 @@ class OrtRunner(Runner):
                 key[b, : r.past] = self.keys[r.region][i][0, : r.past]
                 value[b, : r.past] = self.values[r.region][i][0, : r.past]
             feed[past_key_name(i)], feed[past_value_name(i)] = key, value
+        gathered = [r.past for r in rows if r.past]
+        self._count_copies(graph, (2 * m.num_layers * len(gathered), self.kv_bytes_per_token * sum(gathered)))
         outputs = self._session_run(graph, feed, graph == "infiller")
         results = []
         for b, r in enumerate(rows):
             s = r.input_ids.shape[1]
             if r.write_at is not None:
-                self._keep_present(outputs, b, s, r.region, r.write_at)
+                self._keep_present(graph, outputs, b, s, r.region, r.write_at)
             results.append({name: outputs[name][b : b + 1, :s] for name in self._outputs[graph]})
         return results
 
@@ -139,8 +141,10 @@ class OrtRunner(Runner):
             values = self.sessions[graph].run(names, feed)
         return dict(zip(names, values))
 
-    def _keep_present(self, outputs: dict[str, np.ndarray], row: int, seq: int, region: int, write_at: int) -> None:
-        """Row `row`'s first `seq` new tokens' KV into `region` at write_at."""
+    def _keep_present(self, graph: GraphName, outputs: dict[str, np.ndarray], row: int, seq: int, region: int,
+                      write_at: int) -> None:
+        """Row `row`'s first `seq` new tokens' KV into `region` at write_at: a copy per layer's K and V."""
+        self._count_copies(graph, (2 * self.manifest.num_layers, self.kv_bytes_per_token * seq))
         for i in range(self.manifest.num_layers):
             self.keys[region][i][0, write_at : write_at + seq] = outputs[present_key_name(i)][row, :seq]
             self.values[region][i][0, write_at : write_at + seq] = outputs[present_value_name(i)][row, :seq]
@@ -201,12 +205,12 @@ class OrtCudaRunner(OrtRunner):
         m, t, seq = self.manifest, self._kv.token_bytes, input_ids.shape[1]
         binding, wanted = self._binding(graph, input_ids, position_ids, attention_mask)
         kv = [m.kv_heads, m.head_dim]
-        caches = self._kv.caches(region)
-        for name, buf in zip(self._kv.past_names, caches):  # past and present as addresses inside the region
-            binding.bind_input(name, self.device, 0, self.dtype, [1, past_length, *kv], buf.ptr)
+        caches = self._kv.addresses(region)
+        for name, ptr in zip(self._kv.past_names, caches):  # past and present as addresses inside the region
+            binding.bind_input(name, self.device, 0, self.dtype, [1, past_length, *kv], ptr)
         if write_at is not None:
-            for name, buf in zip(self._kv.present_names, caches):
-                binding.bind_output(name, self.device, 0, self.dtype, [1, seq, *kv], buf.ptr + write_at * t)
+            for name, ptr in zip(self._kv.present_names, caches):
+                binding.bind_output(name, self.device, 0, self.dtype, [1, seq, *kv], ptr + write_at * t)
         return self._run_bound(graph, binding, wanted)
 
     def _run_batch(self, graph, rows):
@@ -214,20 +218,20 @@ class OrtCudaRunner(OrtRunner):
         seq, past, kv = packed.seq, packed.past, [m.kv_heads, m.head_dim]
         binding, wanted = self._binding(graph, packed.input_ids, packed.position_ids, packed.attention_mask)
         stride = batch * past * t  # one cache's rows, each padded to the longest past
-        gathered = self._scratch.get("past", len(self._kv.past_names) * stride, zeroed=True)
-        self._kv.gather(rows, past, gathered, stride, self._stream)
+        gathered = self._scratch.get("past", self._kv.caches * stride, zeroed=True)
+        self._count_copies(graph, self._kv.gather(rows, past, gathered, stride, self._stream))  # one copy a row
         self._stream.synchronize()  # before onnxruntime reads them on its own stream
         for j, name in enumerate(self._kv.past_names):
             binding.bind_input(name, self.device, 0, self.dtype, [batch, past, *kv], gathered.ptr + j * stride)
         presents, present_stride = None, batch * seq * t
         if graph == "infiller":
-            presents = self._scratch.get("present", len(self._kv.present_names) * present_stride, zeroed=True)
+            presents = self._scratch.get("present", self._kv.caches * present_stride, zeroed=True)
             for j, name in enumerate(self._kv.present_names):
                 binding.bind_output(name, self.device, 0, self.dtype, [batch, seq, *kv],
                                     presents.ptr + j * present_stride)
         outputs = self._run_bound(graph, binding, wanted)
         if presents is not None:
-            self._kv.scatter(rows, seq, presents, present_stride, self._stream)
+            self._count_copies(graph, self._kv.scatter(rows, seq, presents, present_stride, self._stream))
         self._stream.synchronize()  # the regions are whole before the next forward reads them
         return [{name: array[b : b + 1, : r.input_ids.shape[1]] for name, array in outputs.items()}
                 for b, r in enumerate(rows)]

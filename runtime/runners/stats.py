@@ -20,6 +20,8 @@ class ForwardStats:
     padded: int = 0  # tokens computed: rows x the longest row's tokens, as the rows are packed
     seconds: float = 0.0  # inside run_batch: packing, KV copies and the backend
     backend_seconds: float = 0.0  # inside the backend's own call (onnxruntime's run; TensorRT's execution)
+    kv_copies: int = 0  # KV copy calls the forwards made: pasts gathered into a batch, presents put in regions
+    kv_copy_bytes: int = 0  # and the bytes they copied (a past bound in place, a present written in place: none)
 
     def add(self, rows: list[RowFeed], seconds: float) -> None:
         seqs = [r.input_ids.shape[1] for r in rows]
@@ -38,7 +40,8 @@ class RunnerStats:
     moves: int = 0  # move_kv calls that moved anything (every layer's K and V)
     moved_tokens: int = 0
     move_seconds: float = 0.0
-    copies: int = 0  # copy_kv calls between regions (the prefix cache's loads and stores)
+    copies: int = 0  # copy_kv calls between regions (the prefix cache's loads and stores; one device copy
+    # each on the GPU runners)
     copied_tokens: int = 0
     copy_seconds: float = 0.0
 

@@ -37,14 +37,13 @@ from refusion.runtime.decode.masks import causal_after
 from refusion.runtime.params import DecodeParams
 from refusion.runtime.runners.base import PackedRows, RowFeed, Runner, pack_rows
 from refusion.runtime.runners.cuda import DeviceBuffer, HostBuffer, Stream, device_info, require_driver
-from refusion.runtime.runners.kv_pool import DeviceKVPool, ScratchBuffers
+from refusion.runtime.runners.kv_pool import ALIGNMENT, DeviceKVPool, ScratchBuffers, aligned
 
 if TYPE_CHECKING:
     import tensorrt
 
     from refusion.runtime.decode.llada import DiffusionParams
 
-ALIGNMENT = 256  # bytes; TensorRT's requirement for tensor addresses
 MIN_TENSORRT = (10, 1)  # the V2 device memory API: IExecutionContext.set_device_memory(ptr, size)
 
 
@@ -289,19 +288,17 @@ class TensorRTRunner(Runner):
         index = self._profile(graph, seq, past_length)  # before any device work
         context = self._contexts[index]
         self._bind_feed(context, input_ids, position_ids, attention_mask)
-        m, caches = self.manifest, self._kv.caches(region)
+        m, caches = self.manifest, self._kv.addresses(region)
         kv_shape = (1, past_length, m.kv_heads, m.head_dim)
         for name, cache in zip(self._kv.past_names, caches):  # the region's first past_length tokens, in place
-            self._bind_input(context, name, cache.ptr, kv_shape)
+            self._bind_input(context, name, cache, kv_shape)
         heads = self._bind_heads(context, index, 1, seq)
         staging = self._bind_presents(context, seq, write_at, caches)
         with self._in_backend(graph):  # the stream's work is waited for when the heads come back
             self._execute(context, graph, 1, seq, past_length)
-            if staging is not None and write_at is not None:
+            if staging is not None and write_at is not None:  # every cache's new tokens: one copy
                 buf, stride = staging
-                t = self._kv.token_bytes
-                for j, cache in enumerate(caches):
-                    buf.copy_to(cache, seq * t, src_offset=j * stride, dst_offset=write_at * t)
+                self._count_copies(graph, self._kv.place(region, write_at, buf, seq, 0, stride))
             return self._fetch(graph, heads)
 
     def _chunk(self, graph: GraphName, ids: np.ndarray, mask: np.ndarray, past: int, write_at: int | None) -> int:
@@ -361,24 +358,26 @@ class TensorRTRunner(Runner):
         seq, past = packed.seq, packed.past
         context = self._contexts[index]
         self._bind_feed(context, packed.input_ids, packed.position_ids, packed.attention_mask)
-        self._gather_past(context, rows, packed)
+        self._gather_past(context, graph, rows, packed)
         heads = self._bind_heads(context, index, batch, seq)
         buf, stride = self._bind_scratch_presents(context, batch * seq)
         with self._in_backend(graph):
             self._execute(context, graph, batch, seq, past)
-            self._kv.scatter(rows, seq, buf, stride)  # each row's own tokens; padding and planner KV stay behind
+            # each row's own tokens, one copy a row; padding and planner KV stay behind
+            self._count_copies(graph, self._kv.scatter(rows, seq, buf, stride))
             outputs = self._fetch(graph, heads)
         return [{name: array[b : b + 1, : r.input_ids.shape[1]] for name, array in outputs.items()}
                 for b, r in enumerate(rows)]
 
-    def _gather_past(self, context: tensorrt.IExecutionContext, rows: list[RowFeed], packed: PackedRows) -> None:
+    def _gather_past(self, context: tensorrt.IExecutionContext, graph: GraphName, rows: list[RowFeed],
+                     packed: PackedRows) -> None:
         """Each row's past copied from its region into one [rows, past, H, D] buffer per layer. The buffer is
         zeroed when allocated: a padded position is masked, but 0 x NaN would still be NaN, so padding must
         hold finite values (zeros, or KV an earlier gather left there)."""
         m, batch, past = self.manifest, len(rows), packed.past
-        stride = _aligned(batch * past * self._kv.token_bytes)
-        buf = self._buffer("batch past", len(self._kv.past_names) * stride, zeroed=True)
-        self._kv.gather(rows, past, buf, stride)
+        stride = aligned(batch * past * self._kv.token_bytes)
+        buf = self._buffer("batch past", self._kv.caches * stride, zeroed=True)
+        self._count_copies(graph, self._kv.gather(rows, past, buf, stride))  # one copy a row
         shape = (batch, past, m.kv_heads, m.head_dim)
         for j, name in enumerate(self._kv.past_names):
             self._bind_input(context, name, buf.ptr + j * stride, shape)
@@ -443,7 +442,7 @@ class TensorRTRunner(Runner):
         return self._host
 
     def _bind_presents(self, context: tensorrt.IExecutionContext, seq: int, write_at: int | None,
-                       caches: list[DeviceBuffer]) -> tuple[DeviceBuffer, int] | None:
+                       caches: list[int]) -> tuple[DeviceBuffer, int] | None:
         """Present KV straight into the region's `caches` at write_at. Through an aligned staging buffer
         when that address is not 256-byte aligned (returned, to be copied in after the run), and for a
         planner forward (write_at None), whose present is discarded: the staging buffer is its
@@ -451,15 +450,15 @@ class TensorRTRunner(Runner):
         t = self._kv.token_bytes
         if write_at is not None and (write_at * t) % ALIGNMENT == 0:
             for name, cache in zip(self._kv.present_names, caches):
-                self._bind_output(context, name, cache.ptr + write_at * t)
+                self._bind_output(context, name, cache + write_at * t)
             return None
         staging = self._bind_scratch_presents(context, seq)
         return staging if write_at is not None else None
 
     def _bind_scratch_presents(self, context: tensorrt.IExecutionContext, tokens: int) -> tuple[DeviceBuffer, int]:
         """Every present bound into the staging buffer, `tokens` tokens each at an aligned stride."""
-        stride = _aligned(tokens * self._kv.token_bytes)
-        buf = self._buffer("present staging", len(self._kv.present_names) * stride)
+        stride = aligned(tokens * self._kv.token_bytes)
+        buf = self._buffer("present staging", self._kv.caches * stride)
         for j, name in enumerate(self._kv.present_names):
             self._bind_output(context, name, buf.ptr + j * stride)
         return buf, stride
@@ -522,11 +521,6 @@ class TensorRTRunner(Runner):
 def _shape(axes: tuple[str | int, ...], seq: int, batch: int) -> tuple[int, ...]:
     """An output's shape for this forward: `batch` rows, `seq` tokens, fixed trailing dims."""
     return tuple(batch if a == BATCH else seq if a == SEQ else int(a) for a in axes)
-
-
-def _aligned(nbytes: int) -> int:
-    """`nbytes` rounded up to TensorRT's address alignment (tensors packed in one buffer)."""
-    return -(-nbytes // ALIGNMENT) * ALIGNMENT
 
 
 def batch_and_requests(engines: EngineManifest, max_requests: int | None, max_batch: int | None) -> tuple[int, int]:

@@ -284,6 +284,47 @@ def test_packed_rows_equal_each_row_alone(tiny_export, fakes, tmp_path):
     assert cudart.allocations == {}
 
 
+def test_kv_copies_per_forward_are_counted(tiny_export, fakes, tmp_path):
+    """RunnerStats counts each forward's KV copies. On the GPU runners a past bound in place and a present
+    written in place copy nothing, a staged (unaligned) present is one copy, and a packed forward one copy a
+    row each way, its pasts gathered and its presents scattered, whatever the layers; the CPU runner copies a
+    K and a V per layer and row."""
+    from refusion.runtime.runners.onnxruntime import OrtRunner
+
+    manifest = ExportManifest.load(tiny_export)
+    caches, per_token = 2 * manifest.num_layers, TensorRTRunner.from_dir(fake_engines(
+        tiny_export, tmp_path / "engines", LIMITS)).kv_bytes_per_token
+    assert per_token // caches % 256  # 384-byte tokens: an odd write_at is unaligned, so TensorRT stages it
+    rng = np.random.default_rng(3)
+    spans = [(7, 3, 7), (12, 5, 13), (20, 1, 21)]  # (past, seq, write_at)
+    pasts, seqs = sum(p for p, _, _ in spans), sum(q for _, q, _ in spans)
+    runners = {"trt": TensorRTRunner.from_dir(tmp_path / "engines"),
+               "ort-cuda": CpuBoundCudaRunner(manifest, threads=1, max_requests=3, max_batch=3),
+               "ort-cpu": OrtRunner(manifest, threads=1, max_requests=3, max_batch=3)}
+    for name, runner in runners.items():
+        per_row = caches if name == "ort-cpu" else 1
+        with runner:
+            def counted(graph, rows):
+                before = runner.stats.copy()
+                runner.run_batch(graph, rows)
+                done = runner.stats.since(before).graph(graph)
+                return done.kv_copies, done.kv_copy_bytes
+
+            rows = []
+            for region, (past, seq, write_at) in enumerate(spans):
+                runner.allocate_kv(48, region)
+                prefill = RowFeed(rng.integers(0, 100, (1, past)), np.arange(past)[None], masks.causal_after(0, past),
+                                  0, 0, region)
+                assert counted("infiller", [prefill]) == ((caches, per_token * past) if name == "ort-cpu" else (0, 0))
+                rows.append(RowFeed(rng.integers(0, 100, (1, seq)), np.arange(past, past + seq)[None],
+                                    masks.causal_after(past, seq), past, write_at, region))
+            staged = {"trt": (1, per_token * 5), "ort-cuda": (0, 0), "ort-cpu": (caches, per_token * 5)}[name]
+            assert counted("infiller", [rows[1]]) == staged, name  # write_at 13: unaligned
+            assert counted("infiller", rows) == (2 * 3 * per_row, per_token * (pasts + seqs)), name
+            planner = [RowFeed(r.input_ids, r.position_ids, r.attention_mask, r.past, None, r.region) for r in rows]
+            assert counted("planner", planner) == (3 * per_row, per_token * pasts), name
+
+
 @pytest.mark.parametrize("max_requests, max_batch", [(4, 4), (6, 2)])
 def test_requests_served_together_get_their_tokens_alone_on_tensorrt(tiny_export, jobs, fakes, tmp_path, max_requests,
                                                                      max_batch):
@@ -333,9 +374,8 @@ def test_ort_cuda_packed_rows_write_each_region(tiny_export, fakes):
                        masks.causal_after(0, past), 0, 0, region)
             rows.append(RowFeed(rng.integers(0, 100, (1, seq)), np.arange(past, past + seq)[None],
                                 masks.causal_after(past, seq), past, past, region))
-        t = runner._kv.token_bytes
         alone = [runner.run_batch("infiller", [r])[0] for r in rows]
-        kv_alone = [[buf.copy_to_host((32 * t,), np.uint8) for buf in runner._kv.caches(s)] for s in range(2)]
+        kv_alone = [runner._kv.to_host(s, 0, 32) for s in range(2)]
         runner.run_batch("infiller", rows)  # allocates (and zeroes) the scratch; the second run reuses it
         syncs = cudart.syncs
         packed = runner.run_batch("infiller", rows)  # the same presents, written at the same places
@@ -344,9 +384,8 @@ def test_ort_cuda_packed_rows_write_each_region(tiny_export, fakes):
             for name in a:  # log-probabilities of ~-17 differ in their last float32 bits between batch orders
                 np.testing.assert_allclose(a[name], b[name], rtol=1e-6, atol=1e-5)
         for s in range(2):
-            for buf, want in zip(runner._kv.caches(s), kv_alone[s]):
-                got = buf.copy_to_host((32 * t // 4,), np.float32)
-                np.testing.assert_allclose(got, want.view(np.float32), rtol=0, atol=1e-5)
+            for name, got in runner._kv.to_host(s, 0, 32).items():
+                np.testing.assert_allclose(got, kv_alone[s][name], rtol=0, atol=1e-5)
     assert cudart.allocations == {}
 
 

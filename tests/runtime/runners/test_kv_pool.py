@@ -1,6 +1,7 @@
-"""The device KV pool both GPU runners hold, on the fake cuda-python (tests/fakes.py): regions, moves,
-the gather / scatter of packed rows, host round trips, scratch buffers; with a stream (TensorRT) and
-without (onnxruntime CUDA, whose copies each return when done)."""
+"""The device KV pool both GPU runners hold, on the fake cuda-python (tests/fakes.py): regions (one buffer each,
+its caches layer-major at an aligned pitch), moves, the gather / scatter of packed rows (one copy a row, counted),
+host round trips, scratch buffers; with a stream (TensorRT) and without (onnxruntime CUDA, whose copies each
+return when done)."""
 
 from __future__ import annotations
 
@@ -42,21 +43,52 @@ def test_regions_hold_what_is_written_and_moves_may_overlap(stream, fakes):
     pool = _pool(stream)
     pool.allocate(0, 10)
     pool.allocate(1, 10)
-    assert len(pool.caches()) == 2 * 2 * LAYERS and pool.token_bytes == HEADS * DIM * 4
+    assert pool.caches == 2 * LAYERS and pool.token_bytes == HEADS * DIM * 4
+    pitch = pool.pitch(1)
+    assert pitch == 512 and pool.allocated(1) == 2 * LAYERS * pitch  # 10 x 32 bytes, rounded up to 256
+    addresses = pool.addresses(1)
+    assert addresses == [addresses[0] + j * pitch for j in range(2 * LAYERS)] and addresses[0] % 256 == 0
     past = _past(6, seed=0)
     assert pool.past_lengths(past) == [6] * 2 * LAYERS
     pool.from_host(1, 2, past)
     got = pool.to_host(1, 2, 6)
     for name, array in past.items():
         np.testing.assert_array_equal(got[name.replace("past_key_values", "present")], array)
-    pool.move(1, 2, 4, 6)  # [2, 8) -> [4, 10): overlapping
+    calls = fakes[1].copies_2d
+    pool.move(1, 2, 4, 6)  # [2, 8) -> [4, 10): overlapping, staged
+    assert fakes[1].copies_2d == calls + 2  # every cache at once, through the scratch and back
     moved = pool.to_host(1, 4, 6)
     for name, array in past.items():
         np.testing.assert_array_equal(moved[name.replace("past_key_values", "present")], array)
+    pool.move(1, 4, 0, 3)  # disjoint: one direct copy
+    assert fakes[1].copies_2d == calls + 2 + 1 + 1  # and to_host's one
     pool.free()
     if stream is not None:
         stream.synchronize()
-    assert pool.caches() == []
+    assert pool.allocated(0) == pool.allocated(1) == 0
+
+
+def test_a_copy_between_regions_is_one_call_whatever_their_pitches(stream, fakes):
+    """copy (the prefix cache's copy_kv) moves a token range of every cache from one region to another, an added
+    one of another capacity included, in one strided copy; added regions go at free."""
+    pool = _pool(stream)
+    pool.allocate(0, 10)
+    pool.add_region()
+    pool.allocate(2, 20)  # the added region: another pitch
+    assert pool.pitch(0) != pool.pitch(2)
+    past = _past(6, seed=3)
+    pool.from_host(0, 1, past)
+    calls = fakes[1].copies_2d
+    assert pool.copy(0, 1, 2, 12, 6) == (1, 2 * LAYERS * 6 * pool.token_bytes)
+    assert pool.copy(0, 1, 2, 12, 0) == (0, 0)
+    assert fakes[1].copies_2d == calls + 1
+    got = pool.to_host(2, 12, 6)
+    for name, array in past.items():
+        np.testing.assert_array_equal(got[name.replace("past_key_values", "present")], array)
+    pool.free()
+    if stream is not None:
+        stream.synchronize()
+    assert pool.allocated(0) == 0 and len(pool._buffers) == 2  # the added region is gone
 
 
 def test_a_past_of_another_shape_or_dtype_is_refused(fakes):
@@ -78,7 +110,9 @@ def test_gather_then_scatter_round_trips_each_rows_tokens(stream, fakes):
     longest, seq, t = 5, 2, pool.token_bytes
     stride = len(rows) * longest * t
     batch = scratch.get("past", 2 * LAYERS * stride, zeroed=True)
-    pool.gather(rows, longest, batch, stride, stream)
+    calls = fakes[1].copies_2d
+    assert pool.gather(rows, longest, batch, stride, stream) == (3, 2 * LAYERS * (5 + 3 + 4) * t)
+    assert fakes[1].copies_2d == calls + 3  # one a row, whatever the layers
     if stream is not None:
         stream.synchronize()
     for j, name in enumerate(pool.past_names):
@@ -91,7 +125,9 @@ def test_gather_then_scatter_round_trips_each_rows_tokens(stream, fakes):
     present = scratch.get("present", 2 * LAYERS * present_stride)
     new = np.arange(2 * LAYERS * len(rows) * seq * HEADS * DIM, dtype=np.float32)
     present.copy_from_host(new)
-    pool.scatter(rows, seq, present, present_stride, stream)
+    calls = fakes[1].copies_2d
+    assert pool.scatter(rows, seq, present, present_stride, stream) == (2, 2 * LAYERS * (2 + 1) * t)
+    assert fakes[1].copies_2d == calls + 2  # the planner row writes nothing
     if stream is not None:
         stream.synchronize()
     written = new.reshape(2 * LAYERS, len(rows), seq, HEADS, DIM)
@@ -134,6 +170,6 @@ def test_both_gpu_runners_keep_their_kv_in_the_pool(tiny_export, fakes, tmp_path
         for runner in (ort, trt):
             runner.allocate_kv(8)
             assert isinstance(runner._kv, DeviceKVPool)
-            layers = runner.manifest.num_layers
-            assert [buf.nbytes for buf in runner._kv.caches(0)] == [8 * runner._kv.token_bytes] * 2 * layers
+            layers, t = runner.manifest.num_layers, runner._kv.token_bytes
+            assert runner._kv.allocated(0) == 2 * layers * -(-8 * t // 256) * 256
     assert fakes[1].allocations == {}

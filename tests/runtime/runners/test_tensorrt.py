@@ -215,7 +215,7 @@ def test_empty_past_is_bound_apart_from_present(peaky_export, fakes, tmp_path):
         _prefill(trt)
         context = trt._contexts[0]
         past, present = context.addresses["past_key_values.0.key"], context.addresses["present.0.key"]
-        assert past == trt._empty.ptr and present == trt._kv.caches(0)[0].ptr and past != present
+        assert past == trt._empty.ptr and present == trt._kv.addresses(0)[0] and past != present
 
 
 def test_profile_refused_by_tensorrt_names_the_rebuild(peaky_export, fakes, tmp_path, monkeypatch):
