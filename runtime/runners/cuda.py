@@ -6,14 +6,16 @@
     host = buf.copy_to_host(shape, dtype)   # blocking: the stream's earlier work is done
     buf.copy_within(src, dst, nbytes)       # overlapping ranges are fine
     buf.copy_to(other, nbytes, src_off, dst_off, stream=s)  # ordered on s, without waiting (gathers)
+    buf.copy_rows_to(other, width, height, src_off, src_pitch, dst_off, dst_pitch)  # one strided copy
+    buf.copy_to_pinned(host, nbytes, src_off, dst_off)  # into a HostBuffer, returns at once
     buf.zero()                              # every byte 0
     buf.free(); stream.close()
 
 With a stream, copies are ordered on it and return at once; with none (a framework that
 runs on its own stream, like onnxruntime's CUDA provider), each call returns only when its
 copy is done, so it can never race that framework. Stream-less buffers stage overlapping
-copies through one shared stream and scratch buffer (a 36-layer model's 72 KV buffers would
-otherwise make 72 of each). Failures raise RefusionError.
+copies through one shared stream and scratch buffer. Streams are non-blocking; the first use of
+cuda-python checks its CUDA against the driver's (`check_cuda_python`). Failures raise RefusionError.
 """
 
 from __future__ import annotations

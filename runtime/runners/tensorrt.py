@@ -371,7 +371,8 @@ class TensorRTRunner(Runner):
 
     def _gather_past(self, context: tensorrt.IExecutionContext, graph: GraphName, rows: list[RowFeed],
                      packed: PackedRows) -> None:
-        """Each row's past copied from its region into one [rows, past, H, D] buffer per layer. The buffer is
+        """Each row's past copied from its region into one [rows, past, H, D] buffer per cache, one copy a row
+        for all of them (the pool's layout). The buffer is
         zeroed when allocated: a padded position is masked, but 0 x NaN would still be NaN, so padding must
         hold finite values (zeros, or KV an earlier gather left there)."""
         m, batch, past = self.manifest, len(rows), packed.past

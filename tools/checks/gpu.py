@@ -61,7 +61,7 @@ def fixture(work: Path) -> tuple[Path, Path, Path]:
 
 
 def build(export: Path, work: Path, strongly_typed: bool, name: str = "engines") -> tuple[Path, list[str]]:
-    """The engines directory, and TensorRT's warnings (from its log, kept as work/tensorrt-build.log) that
+    """The engines directory, and TensorRT's warnings (from its log, kept as work/tensorrt-build-NAME.log) that
     weights were converted between types."""
     from polygraphy.logger import G_LOGGER
 
