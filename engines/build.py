@@ -133,9 +133,9 @@ def plan_build(export_dir: str | Path, output: str | Path, limits: DecodeLimits,
 # -- fp32 islands for weakly typed builds ------------------------------------------------------
 def fp32_island(model: Any) -> set[str]:
     """Names of the nodes of a reduced-precision export that compute in fp32: their float outputs are
-    typed float32, or they have none and read float32 tensors only (ArgMax over the fp32 logits,
-    whose TopK would otherwise be free to run in half precision, where near ties flip). Empty for an
-    fp32 export: nothing there is reduced."""
+    typed float32 (beside integer ones: a TopK's values and indices), or they have none and read
+    float32 tensors only (ArgMax over the fp32 logits, whose TopK would otherwise be free to run in
+    half precision, where near ties flip). Empty for an fp32 export: nothing there is reduced."""
     import onnx
 
     graph = onnx.shape_inference.infer_shapes(model).graph
@@ -147,11 +147,11 @@ def fp32_island(model: Any) -> set[str]:
     island = set()
     for node in graph.node:
         outputs = [types.get(o) for o in node.output]
+        float_outputs = [t for t in outputs if t in float_types]
         float_inputs = [types.get(i) for i in node.input if types.get(i) in float_types]
-        if any(t == onnx.TensorProto.FLOAT for t in outputs) and all(t in float_types for t in outputs):
+        if float_outputs and None not in outputs and all(t == onnx.TensorProto.FLOAT for t in float_outputs):
             island.add(node.name)
-        elif not any(t in float_types for t in outputs) and float_inputs and \
-                all(t == onnx.TensorProto.FLOAT for t in float_inputs):
+        elif not float_outputs and float_inputs and all(t == onnx.TensorProto.FLOAT for t in float_inputs):
             island.add(node.name)
     return island
 

@@ -121,12 +121,29 @@ def test_fp32_island_is_what_the_export_keeps_in_fp32(exports):
     island = fp32_island(model)
     ops = {n.name: n.op_type for n in model.graph.node}
     kinds = {ops[n] for n in island}
-    assert {"ReduceMean", "Softmax", "Sqrt", "Reciprocal", "Cos", "Sin", "ReduceMax", "Exp", "ArgMax", "Where"} <= kinds
+    assert {"ReduceMean", "Softmax", "Sqrt", "Reciprocal", "Cos", "Sin", "ReduceMax", "Exp", "ArgMax", "Where",
+            "TopK"} <= kinds  # TopK: the sampling candidates over the fp32 logits
     # weight matmuls stay in half precision; only the score matmul's fp32 cast follows it
     weight_matmuls = [n.name for n in model.graph.node
                       if n.op_type == "MatMul" and any(i.endswith("_proj.weight") for i in n.input)]
     assert weight_matmuls and not island & set(weight_matmuls)
     assert fp32_island(onnx.load(str(exports["fp32"] / "infiller.onnx"), load_external_data=False)) == set()
+
+
+def test_a_node_with_fp32_and_integer_outputs_is_in_the_island():
+    """A TopK over fp32 logits (its values fp32, its indices int64) computes in fp32; over half values it does not."""
+    from onnx import TensorProto, helper
+
+    k = helper.make_tensor("k", TensorProto.INT64, [1], [2])
+    nodes = [helper.make_node("Cast", ["h"], ["logits"], name="n1_Cast", to=TensorProto.FLOAT),
+             helper.make_node("TopK", ["logits", "k"], ["top", "top_ids"], name="n2_TopK"),
+             helper.make_node("TopK", ["h", "k"], ["half_top", "half_ids"], name="n3_TopK")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("h", TensorProto.FLOAT16, [1, 8])],
+                              [helper.make_tensor_value_info(n, t, [1, 2]) for n, t in
+                               (("top", TensorProto.FLOAT), ("top_ids", TensorProto.INT64),
+                                ("half_top", TensorProto.FLOAT16), ("half_ids", TensorProto.INT64))],
+                              initializer=[k])
+    assert fp32_island(helper.make_model(graph)) == {"n1_Cast", "n2_TopK"}
 
 
 def test_layer_to_node_mapping():
