@@ -45,6 +45,8 @@ class Generator:
         self.tokenizer = tokenizer
         self.prefix_cache = PrefixCache(runner, int(prefix_cache_mb * 2**20)) if prefix_cache_mb else None
         self.scheduler = Scheduler(runner, self.prefix_cache)
+        # Text over this many UTF-8 bytes cannot fit the model's positions: refused before it is tokenized.
+        self.max_prompt_bytes = tokenizer.max_text_bytes(manifest.max_positions) if tokenizer else 0
 
     @staticmethod
     def from_dir(path: str | Path, backend: str = "auto", threads: int | None = None, verify: bool = False,
@@ -107,8 +109,11 @@ class Generator:
             tok = self._tokenizer()
             if messages is None and chat:
                 messages = [{"role": "user", "content": prompt}]
+            for text in [prompt] if messages is None else [m["content"] for m in messages]:
+                if isinstance(text, str):
+                    self._check_text(text)  # before a template copies it
             text = tok.apply_chat_template(messages, enable_thinking=enable_thinking) if messages else prompt
-            ids = tok.encode(text or "")
+            ids = tok.encode(self._check_text(text or ""))
         if not ids:
             raise RefusionError("the prompt is empty; give at least one token of prompt.")
         return ids
@@ -125,7 +130,10 @@ class Generator:
         room = self.manifest.max_positions - strategy(params.mode).positions(params)
 
         def length(kept: list[dict[str, Any]]) -> int:
-            return len(self.prompt_ids(messages=kept, enable_thinking=enable_thinking))
+            try:
+                return len(self.prompt_ids(messages=kept, enable_thinking=enable_thinking))
+            except _TooManyBytes:  # more bytes than any prompt that fits: more tokens than any room
+                return self.manifest.max_positions + 1
 
         if length(messages) <= room:
             return messages, 0
@@ -158,6 +166,21 @@ class Generator:
         if bad:
             raise RefusionError(f"prompt id {bad[0]} is outside the vocabulary [0, {vocab}).")
         return [int(t) for t in ids]
+
+    def _check_text(self, text: str) -> str:
+        """`text` if it is UTF-8 text short enough to fit the positions; checked in bytes, before tokenizing."""
+        try:
+            size = len(text.encode("utf-8"))
+        except UnicodeEncodeError as e:
+            raise RefusionError(
+                f"the prompt is not valid text: character {e.start} is a lone surrogate {text[e.start]!r} (what "
+                "undecodable bytes become: input that is not UTF-8); send UTF-8 text.") from None
+        if size > self.max_prompt_bytes:
+            raise _TooManyBytes(
+                f"the prompt is {size} bytes of UTF-8; no text over {self.max_prompt_bytes} bytes fits the model's "
+                f"{self.manifest.max_positions} positions (at most {self._tokenizer().longest_token_bytes} bytes a "
+                "token); shorten it.")
+        return text
 
     def _tokenizer(self) -> Tokenizer:
         if self.tokenizer is None:
@@ -201,17 +224,23 @@ class Generator:
         ids = self.prompt_ids(prompt, messages=messages, prompt_ids=prompt_ids, chat=chat, enable_thinking=enable_thinking)
         return self.submit_ids(ids, params, request)
 
+    def check_fits(self, params: DecodeParams | DiffusionParams, prompt_tokens: int = 1) -> None:
+        """Refuse params this export cannot run with a prompt of `prompt_tokens` (a RefusionError): too many
+        positions, or outside the backend's profiles."""
+        positions = strategy(params.mode).positions(params)
+        if prompt_tokens + positions > self.manifest.max_positions:
+            raise RefusionError(
+                f"prompt of {prompt_tokens} tokens + {positions} positions of generation exceeds the model's "
+                f"{self.manifest.max_positions} positions; shorten the prompt or ask for fewer tokens (max_tokens or "
+                f"gen_length; {max(0, self.manifest.max_positions - prompt_tokens)} positions remain after this "
+                "prompt)."
+            )
+        self.runner.check_request(prompt_tokens, params)
+
     def submit_ids(self, ids: list[int], params: DecodeParams | DiffusionParams,
                    options: RequestOptions = RequestOptions()) -> Request:
         """Start a generation of these token ids with these params (any strategy's: decode.STRATEGIES)."""
-        positions = strategy(params.mode).positions(params)
-        if len(ids) + positions > self.manifest.max_positions:
-            raise RefusionError(
-                f"prompt of {len(ids)} tokens + {positions} positions of generation exceeds the model's "
-                f"{self.manifest.max_positions} positions; shorten the prompt or ask for fewer tokens (max_tokens or "
-                f"gen_length; {max(0, self.manifest.max_positions - len(ids))} positions remain after this prompt)."
-            )
-        self.runner.check_request(len(ids), params)
+        self.check_fits(params, len(ids))
         m = self.manifest
         detokenize = self.tokenizer.decode if self.tokenizer else None
         request = Request(Tokens(ids, m.mask_token_id, m.eos_token_id), params, detokenize, self.runner.name, options)
@@ -262,6 +291,10 @@ class Generator:
                 yield piece
         finally:
             request.cancel()
+
+
+class _TooManyBytes(RefusionError):
+    """A prompt over max_prompt_bytes (fit_messages takes it for a conversation too long, not an error)."""
 
 
 def _is_chat(messages: Any) -> bool:

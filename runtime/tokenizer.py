@@ -8,13 +8,19 @@ of transformers 5 for Qwen2/Qwen3-style byte-level BPE checkpoints, using only t
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import json
+import re
+import string
 import sys
-from collections.abc import Iterable, Mapping, Sequence
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from datetime import datetime
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import jinja2
@@ -50,6 +56,10 @@ _QWEN2_SPLIT = (
 # Older names for a message's reasoning; transformers copies them to `reasoning_content`.
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 _ADDED_TOKEN_FIELDS = ("content", "single_word", "lstrip", "rstrip", "normalized", "special")
+# Unicode normalization (NFC, NFKC, lowercasing: the normalizers of this family's tokenizers) shrinks UTF-8
+# text at most 3x: three Hangul jamo of 3 bytes compose into one syllable of 3, a fullwidth letter becomes ASCII.
+_NORMALIZED_SHRINK = 3
+_CHARACTER_BYTES = 4  # an unknown character becomes one token: at most 4 bytes of UTF-8
 
 
 class Tokenizer:
@@ -94,7 +104,22 @@ class Tokenizer:
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`, as transformers' `tokenizer(text)["input_ids"]`."""
-        return self._backend.encode(text).ids
+        # encode_batch gives the same ids and releases the GIL while it works (encode holds it), so a long
+        # prompt tokenized on one thread does not stall the scheduler's.
+        return self._backend.encode_batch([text])[0].ids
+
+    @cached_property
+    def longest_token_bytes(self) -> int:
+        """At least the UTF-8 bytes of input text any one token stands for: the longest vocabulary entry in
+        UTF-8 (byte-level alphabets spell each byte with one or two characters, so they over-count), or one
+        unknown character."""
+        vocab = self._backend.get_vocab(with_added_tokens=True)
+        return max(_CHARACTER_BYTES, *(len(t.encode("utf-8", "surrogatepass")) for t in vocab))
+
+    def max_text_bytes(self, tokens: int) -> int:
+        """No text of more UTF-8 bytes than this tokenizes to `tokens` tokens or fewer: each token stands for at
+        most `longest_token_bytes` of normalized text, and normalization shrinks text at most 3x."""
+        return tokens * self.longest_token_bytes * _NORMALIZED_SHRINK
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         # transformers skips its clean_up_tokenization step for BPE, so the backend's text is final.
@@ -145,13 +170,13 @@ class Tokenizer:
         variables = {**self.special_tokens, **_plain(kwargs)}  # caller's kwargs win, as in transformers
         template = _compile(source)
         try:
-            return template.render(
+            return _bounded_render(template, dict(
                 messages=chat,
                 tools=_plain(tools),
                 documents=_plain(documents),
                 add_generation_prompt=add_generation_prompt,
                 **variables,
-            )
+            ))
         except RefusionError:
             raise
         except Exception as e:
@@ -397,16 +422,151 @@ def _compile(source: str) -> jinja2.Template:
         raise RefusionError(
             f"jinja2 {jinja2.__version__} has known sandbox escapes; run `pip install -U 'jinja2>=3.1.6'`"
         )
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, loopcontrols])
+    env = _BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, loopcontrols])
     env.filters["tojson"] = _tojson
+    env.filters = {name: _bounded_call(f) for name, f in env.filters.items()}
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     env.globals["dict"] = _TemplateDict()
     env.globals["namespace"] = _TemplateNamespace
     try:
-        return env.from_string(source)
+        template = env.from_string(source)
     except jinja2.TemplateSyntaxError as e:
         raise RefusionError(
             f"the checkpoint's chat template is not valid Jinja (line {e.lineno}: {e.message}); "
             "fix chat_template.jinja / tokenizer_config.json, or pass raw text or token ids instead"
         ) from e
+    # `a ~ b` compiles to a call of the module's str_join / markup_join, which no sandbox hook sees.
+    namespace = template.root_render_func.__globals__
+    for name in ("str_join", "markup_join"):
+        namespace[name] = _bounded_join(namespace[name])
+    return template
+
+
+# --- bounds on what a template may do: the sandbox stops escapes, these stop a template that hangs or
+# fills memory ('a' * 10**8, range(100000) nested twice). A real chat template stays far below them.
+TEMPLATE_MAX_LINES = 2_000_000  # template code lines run per render (loops, macros)
+TEMPLATE_MAX_SECONDS = 10.0  # wall clock per render, checked every _CLOCK_EVERY lines
+TEMPLATE_MAX_SIZE = 64 << 20  # the longest string or list an operator, filter or call may make; the output's bytes
+_CLOCK_EVERY = 1000
+
+
+def _over_limit(what: str) -> RefusionError:
+    return RefusionError(f"the chat template {what}; it loops without end or is hostile: fix chat_template.jinja")
+
+
+def _too_big(what: str, size: int) -> RefusionError:
+    return _over_limit(f"made {what} of {size}, over its limit of {TEMPLATE_MAX_SIZE}")
+
+
+def _size(value: Any) -> int:
+    return len(value) if isinstance(value, (str, bytes, list, tuple)) else 0
+
+
+def _check_arguments(args: Iterable[Any]) -> None:
+    for arg in args:
+        if isinstance(arg, int) and not isinstance(arg, bool) and abs(arg) > TEMPLATE_MAX_SIZE:
+            raise _over_limit(f"passed {arg} to a call, over its limit of {TEMPLATE_MAX_SIZE}")
+
+
+def _bounded_call(f: Callable[..., Any]) -> Callable[..., Any]:
+    """A filter whose integer arguments (a width, a count) stay within the size limit."""
+    @functools.wraps(f)  # keeps jinja's pass_context / pass_environment marks
+    def bounded(*args: Any, **kwargs: Any) -> Any:
+        _check_arguments([*args, *kwargs.values()])
+        return f(*args, **kwargs)
+    return bounded
+
+
+def _bounded_join(join: Callable[[Iterable[Any]], str]) -> Callable[[Iterable[Any]], str]:
+    def bounded(parts: Iterable[Any]) -> str:
+        parts = list(parts)
+        size = sum(_size(p) for p in parts)
+        if size > TEMPLATE_MAX_SIZE:
+            raise _too_big("a concatenation", size)
+        return join(parts)
+    return bounded
+
+
+def _check_widths(numbers: Iterable[str]) -> None:
+    """The widths and precisions of a format string (`'{:>N}'`, `'%Ns'`) within the size limit."""
+    for n in numbers:
+        if n and int(n) > TEMPLATE_MAX_SIZE:
+            raise _over_limit(f"formats to a width of {n}, over its limit of {TEMPLATE_MAX_SIZE}")
+
+
+_PERCENT_SPEC = re.compile(r"%(?:\([^)]*\))?[-#0 +]*(\d*)(?:\.(\d*))?")
+
+
+class _BoundedSandbox(ImmutableSandboxedEnvironment):
+    """The immutable sandbox, with the size of what `*`, `**`, `+` and `%` make, the widths format strings ask
+    for, and the integers calls take, bounded."""
+
+    intercepted_binops = frozenset({"*", "**", "+", "%"})
+
+    def wrap_str_format(self, value: Any) -> Callable[..., str] | None:
+        wrapped = super().wrap_str_format(value)
+        if wrapped is not None:  # `value` is a str's format or format_map
+            with contextlib.suppress(ValueError):  # a malformed format fails when it is called
+                _check_widths(n for _, _, spec, _ in string.Formatter().parse(value.__self__) if spec
+                              for n in re.findall(r"\d+", spec))
+        return wrapped
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        if operator == "%" and isinstance(left, str):
+            _check_widths(n for m in _PERCENT_SPEC.finditer(left) for n in m.groups())
+            _check_arguments(right if isinstance(right, tuple) else [right])  # '%*s' takes its width from these
+        elif operator == "*":
+            for seq, n in ((left, right), (right, left)):
+                if _size(seq) and isinstance(n, int) and _size(seq) * n > TEMPLATE_MAX_SIZE:
+                    raise _too_big("a repetition", _size(seq) * n)
+        elif operator == "+" and _size(left) + _size(right) > TEMPLATE_MAX_SIZE:
+            raise _too_big("a sum", _size(left) + _size(right))
+        elif operator == "**" and isinstance(left, int) and isinstance(right, int) and abs(left) > 1:
+            bits = abs(left).bit_length() * right
+            if bits > TEMPLATE_MAX_SIZE:
+                raise _too_big("a power's bits", bits)
+        return super().call_binop(context, operator, left, right)
+
+    def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805 - jinja's signature
+        _check_arguments([*args, *kwargs.values()])
+        return super().call(__context, __obj, *args, **kwargs)
+
+
+class _LineBudget:
+    """A trace function counting the lines template code runs (jinja compiles templates to Python whose
+    filename is "<template>"), so loops and recursion are bounded however they are written."""
+
+    def __init__(self) -> None:
+        self.lines = 0
+        self.deadline = time.monotonic() + TEMPLATE_MAX_SECONDS
+
+    def __call__(self, frame: FrameType, event: str, arg: Any) -> Callable[..., Any] | None:
+        return self._line if frame.f_code.co_filename == "<template>" else None
+
+    def _line(self, frame: FrameType, event: str, arg: Any) -> Callable[..., Any] | None:
+        if event == "line":
+            self.lines += 1
+            if self.lines > TEMPLATE_MAX_LINES:
+                raise _over_limit(f"ran more than {TEMPLATE_MAX_LINES} lines")
+            if self.lines % _CLOCK_EVERY == 0 and time.monotonic() > self.deadline:
+                raise _over_limit(f"ran for more than {TEMPLATE_MAX_SECONDS:.0f} s")
+        return self._line
+
+
+def _bounded_render(template: jinja2.Template, variables: dict[str, Any]) -> str:
+    """template.render(**variables) within the line, time and size limits."""
+    previous = sys.gettrace()
+    sys.settrace(_LineBudget())  # this thread only
+    try:
+        chunks: list[str] = []
+        size = 0
+        pieces: Iterator[str] = template.generate(**variables)
+        for piece in pieces:
+            size += len(piece)
+            if size > TEMPLATE_MAX_SIZE:
+                raise _over_limit(f"wrote more than {TEMPLATE_MAX_SIZE} characters")
+            chunks.append(piece)
+        return "".join(chunks)
+    finally:
+        sys.settrace(previous)

@@ -13,6 +13,7 @@ piped stdin every line is one user turn and stdout gets only the answers.
 from __future__ import annotations
 
 import contextlib
+import io
 import sys
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict
@@ -65,11 +66,20 @@ class ChatSession:
         self.history: list[dict[str, Any]] = []
         self.failed = False  # a turn ended in an error
         self.trimmed = False  # the oldest turns were dropped once (said on stderr that once)
-        self.params()  # refuse bad settings before the first turn
+        self.check(settings)  # refuse bad settings before the first turn
+        if system is not None:  # and a --system that no turn could send (not UTF-8, too long)
+            try:
+                gen.prompt_ids(system)
+            except RefusionError as e:
+                raise RefusionError(f"--system: {e}") from None
         self.reset()
 
     def params(self) -> DecodeParams:
         return self.gen.options(**self.settings)[0]
+
+    def check(self, settings: dict[str, Any]) -> None:
+        """Refuse settings that every turn would fail with: bad values, or more than this export can run."""
+        self.gen.check_fits(self.gen.options(**settings)[0])
 
     def reset(self) -> None:
         self.history = [{"role": "system", "content": self.system}] if self.system else []
@@ -158,7 +168,7 @@ class ChatSession:
             except ValueError as e:
                 kind, example = ("an integer", "4") if _TYPES[name] is int else ("a number", "0.5")
                 raise RefusionError(f"/settings {item}: {value!r} is not {kind} (e.g. {name}={example}).") from e
-        self.gen.options(**changed)
+        self.check(changed)
         self.settings = changed
 
     def run(self, lines: Iterable[str]) -> None:
@@ -181,6 +191,8 @@ def _typed(prompt: str) -> Iterator[str]:
     while True:
         try:
             yield input(prompt)
+        except UnicodeDecodeError:
+            click.echo("error: that line is not UTF-8 text; set the terminal to UTF-8.", err=True)
         except KeyboardInterrupt:
             click.echo()
         except EOFError:
@@ -209,7 +221,8 @@ def chat(ctx: click.Context, model_dir: Path, system: str | None, no_thinking: b
     with Generator.from_dir(model_dir, **load_settings(options)) as gen:
         session = ChatSession(gen, settings, system, enable_thinking=not no_thinking, stats=not no_stats)
         if not sys.stdin.isatty():
-            session.run(sys.stdin)
+            # Undecodable bytes stay in the line (as surrogates) so that turn alone is refused, not the session.
+            session.run(io.TextIOWrapper(sys.stdin.buffer, encoding="utf-8", errors="surrogateescape"))
             ctx.exit(1 if session.failed else 0)
         click.echo(f"chat with {gen.manifest.path} on {gen.runner.name}; /help lists the commands, Ctrl-C cancels "
                    "an answer, Ctrl-D or /quit leaves.", err=True)

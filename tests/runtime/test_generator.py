@@ -234,3 +234,42 @@ def test_cli_generate_json_and_errors(export_dir):
     text = runner.invoke(cli, ["generate", str(export_dir), "Hello", "--chat", "--stream", "--gen-length", "16",
                                "--slot-size", "4", "--serial-blocks", "1", "--backend", "ort-cpu"])
     assert text.exit_code == 0, text.output
+
+
+@pytest.mark.parametrize("call", [
+    lambda g: g.generate("sort: \udcff 3", **SMALL),  # what Python makes of the byte 0xff in argv or stdin
+    lambda g: g.generate("sort: \ud800 3", chat=True, **SMALL),
+    lambda g: g.generate(messages=[{"role": "system", "content": "\udcff"}, {"role": "user", "content": "hi"}],
+                         **SMALL),
+])
+def test_text_that_is_not_utf8_is_refused_as_such(gen, call):
+    with pytest.raises(RefusionError, match=r"the prompt is not valid text: character \d+ is a lone surrogate"):
+        call(gen)
+
+
+def test_a_prompt_too_long_in_bytes_is_refused_before_it_is_tokenized(export_dir, monkeypatch):
+    with Generator.from_dir(export_dir, backend="ort-cpu", threads=1) as g:
+        tok = g.tokenizer
+        # The bound holds for the worst text: the longest vocabulary entry at every position.
+        longest = max(tok._backend.get_vocab(), key=lambda t: len(t.encode()))
+        assert len((longest * g.manifest.max_positions).encode()) <= g.max_prompt_bytes
+        monkeypatch.setattr(tok, "encode", lambda text: pytest.fail("an over-long prompt was tokenized"))
+        monkeypatch.setattr(tok, "apply_chat_template", lambda *a, **k: pytest.fail("an over-long prompt was rendered"))
+        over = "ab" * (g.max_prompt_bytes // 2 + 1)
+        for call in (lambda: g.generate(over, **SMALL), lambda: g.generate(over, chat=True, **SMALL),
+                     lambda: g.generate(messages=[{"role": "user", "content": over}], **SMALL)):
+            with pytest.raises(RefusionError, match=rf"the prompt is {len(over)} bytes of UTF-8; no text over "
+                                                    rf"{g.max_prompt_bytes} bytes fits the model's"):
+                call()
+
+
+def test_cli_generate_refuses_a_prompt_that_is_not_utf8_in_one_line(export_dir):
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "refusion.tools.run_cli", "generate", str(export_dir).encode(),
+                           b"sort: \xff 3", b"--backend", b"ort-cpu"], capture_output=True)
+    assert done.returncode == 1 and done.stdout == b""
+    last = done.stderr.decode().splitlines()[-1]
+    assert last.startswith("error: the prompt is not valid text: character 6 is a lone surrogate")
+    assert b"Traceback" not in done.stderr

@@ -332,6 +332,51 @@ def test_template_errors(tok_dir, tmp_path):
         Tokenizer.from_dir(d).apply_chat_template([{"role": "user", "content": "hi"}])
 
 
+
+@pytest.mark.parametrize("template, limit", [
+    ("{{ 'a' * 100000000 }}", "made a repetition of 100000000"),
+    ("{{ [0] * 100000000 }}", "made a repetition of 100000000"),
+    ("{{ 9 ** 99999999 }}", "made a power's bits"),
+    ("{{ 'a'|center(100000000) }}", "passed 100000000 to a call"),
+    ("{{ '{:>100000000}'.format('a') }}", "formats to a width of 100000000"),
+    ("{{ '{:>{w}}'.format('a', w=100000000) }}", "passed 100000000 to a call"),
+    ("{{ '%100000000s' % 'a' }}", "formats to a width of 100000000"),
+    ("{{ '%.100000000f' % 1.0 }}", "formats to a width of 100000000"),
+    ("{{ '%*s' % (100000000, 'a') }}", "passed 100000000 to a call"),
+    ("{% set ns = namespace(s='ab') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}",
+     "made a concatenation of"),
+    ("{% set ns = namespace(s='ab') %}{% for i in range(40) %}{% set ns.s = ns.s + ns.s %}{% endfor %}",
+     "made a sum of"),
+    ("{% for i in range(100000) %}{{ 'x' * 1000 }}{% endfor %}", "wrote more than"),
+    ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", "ran more than 50000 lines"),
+    ("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}", "maximum recursion depth"),
+])
+def test_a_hostile_template_is_stopped_at_a_limit(tok_dir, tmp_path, monkeypatch, template, limit):
+    from refusion.runtime import tokenizer as module
+
+    # Smaller limits than the defaults, so that each case stops at once: the same checks, hit sooner.
+    monkeypatch.setattr(module, "TEMPLATE_MAX_LINES", 50_000)
+    monkeypatch.setattr(module, "TEMPLATE_MAX_SIZE", 1 << 20)
+    d = _copy(tok_dir, tmp_path / "tok")
+    (d / "chat_template.jinja").write_text(template)
+    with pytest.raises(RefusionError, match="the chat template ") as err:
+        Tokenizer.from_dir(d).apply_chat_template([{"role": "user", "content": "hi"}])
+    assert limit in str(err.value)
+
+
+def test_the_template_limits_leave_real_templates_and_the_callers_tracer_alone(tok_dir):
+    import sys
+
+    def tracer(frame, event, arg):
+        return None
+
+    sys.settrace(tracer)
+    try:
+        Tokenizer.from_dir(tok_dir).apply_chat_template(CONVERSATIONS["tools"])
+        assert sys.gettrace() is tracer
+    finally:
+        sys.settrace(None)
+
 # --- dependencies ---------------------------------------------------------------------------
 
 

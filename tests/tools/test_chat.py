@@ -132,6 +132,27 @@ def test_fit_messages_keeps_the_system_prompt_and_the_newest_turns(gen):
         gen.fit_messages(system + [{"role": "user", "content": "x" * 300}], max_tokens=24)
 
 
+def test_a_piped_line_that_is_not_utf8_fails_that_turn_alone(tiny_dir, gen):
+    out = CliRunner().invoke(cli, ["chat", str(tiny_dir), "--backend", "ort-cpu", "--no-stats"],
+                             input=f"{SORT}\nsort: \xff 3\n{REVERSE}\n".encode("latin-1"))
+    assert out.exit_code == 1 and "Traceback" not in out.output
+    assert out.stdout == f"{answer(gen, SORT)}\n{answer(gen, SORT, REVERSE)}\n"  # the bad turn is not kept
+    assert out.stderr.startswith("error: the prompt is not valid text: character 6 is a lone surrogate")
+
+
+def test_a_system_message_that_is_not_utf8_is_refused_before_any_turn(tiny_dir):
+    out = chat(tiny_dir, f"{SORT}\n", "--system", "be \udcff brief")  # Python's argv for the byte 0xff
+    assert out.exit_code == 1 and not out.stdout and "Traceback" not in out.output
+    assert out.stderr.startswith("error: --system: the prompt is not valid text: character 3 is a lone surrogate")
+
+
+def test_settings_no_turn_could_run_with_are_refused_and_change_nothing(tiny_dir, gen):
+    out = chat(tiny_dir, f"/settings gen_length=100000\n{SORT}\n", "--no-stats")
+    assert out.exit_code == 0, out.output
+    assert out.stdout == f"{answer(gen, SORT)}\n"  # the turn after the refusal runs with the settings before it
+    assert "error: prompt of 1 tokens + 100000 positions of generation exceeds the model's 256 positions" in out.stderr
+
+
 def test_ctrl_c_cancels_the_answer_and_keeps_the_session(gen, monkeypatch):
     expected = answer(gen, REVERSE)
     session = ChatSession(gen, {})
