@@ -4,14 +4,16 @@
 `refusion-export inspect` prints them all. The manifest itself is read strictly first
 (ExportManifest.read raises one RefusionError for a damaged refusion.json); then each file
 is checked against its recorded size and sha256, and each graph's inputs, outputs and weight
-initializers against the contract and the weight index.
+initializers against the contract and the weight index; then the tokenizer is loaded.
 """
 
 from __future__ import annotations
 
 from refusion.runtime.core.contract import GRAPH_NAMES, GraphName
 from refusion.runtime.core.dtypes import from_onnx
+from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.core.export_manifest import ExportManifest
+from refusion.runtime.tokenizer import Tokenizer
 
 
 def audit(manifest: ExportManifest, verify: bool = True) -> list[str]:
@@ -20,6 +22,11 @@ def audit(manifest: ExportManifest, verify: bool = True) -> list[str]:
     for graph in GRAPH_NAMES:
         if manifest.files[manifest.graph_files[graph]].problem(manifest.graph_path(graph), verify=False) is None:
             problems += graph_problems(manifest, graph)
+    if manifest.tokenizer_files and not problems:  # files that match their records may still not load
+        try:
+            Tokenizer.from_dir(manifest.path)
+        except RefusionError as e:
+            problems.append(f"the tokenizer does not load: {e}")
     return problems
 
 

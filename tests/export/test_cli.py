@@ -54,6 +54,18 @@ def test_check_fails_when_graphs_and_manifest_disagree(exported, tmp_path):
     assert_user_error(run("inspect", broken), "section 'model' differs from what the exporter wrote")
 
 
+def test_check_fails_an_export_whose_tokenizer_does_not_load(exported, tmp_path):
+    from refusion.runtime.core.export_manifest import ExportManifest, with_files
+
+    broken = Path(shutil.copytree(exported, tmp_path / "broken"))
+    manifest = ExportManifest.read(broken)
+    assert "tokenizer.json" in manifest.tokenizer_files
+    (broken / "tokenizer.json").write_text('{"model": "not a tokenizer"}')
+    with_files(manifest).write()  # the records match the damaged file: only loading it finds the damage
+    result = run("check", broken)
+    assert "the tokenizer does not load: " in result.stdout
+    assert_user_error(result, "1 problem(s), listed above")
+
 def test_check_refuses_to_call_an_unchecked_export_a_pass(store, tmp_path):
     out = tmp_path / "bf16"
     assert run("onnx", store.checkpoint("gqa2"), "-o", out, "--dtype", "bf16").exit_code == 0
