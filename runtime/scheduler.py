@@ -49,9 +49,10 @@ class Scheduler:
             if self._closed:
                 raise RefusionError("this Generator is closed; load it again with Generator.from_dir(...).")
             self._waiting.append(request)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name="refusion-scheduler", daemon=True)
-                self._thread.start()
+            if self._thread is None:  # started before it is seen: `alive` never sees it unstarted
+                thread = threading.Thread(target=self._loop, name="refusion-scheduler", daemon=True)
+                thread.start()
+                self._thread = thread
             self._lock.notify_all()
         return request
 
@@ -63,6 +64,12 @@ class Scheduler:
             thread = self._thread
         if thread is not None:
             thread.join()
+
+    @property
+    def alive(self) -> bool:
+        """The scheduler thread runs (or has not been needed yet): submitted requests will be answered."""
+        thread = self._thread
+        return not self._closed and (thread is None or thread.is_alive())
 
     @property
     def in_flight(self) -> int:

@@ -1,8 +1,11 @@
 """What every serving frontend shares, over one Generator: the request as frontends read it, admission
-and the queue limit, the drain, the values the metrics report, and answering a request to its end.
+and the queue limit, the drain, the values the metrics report, answering a request to its end, and the
+status of every error (serve/security.py holds the shared limits and the key).
 
 A frontend (Triton's model, serve/triton/model.py) only translates: its wire format to a ServeRequest, a
 `Final` and the streamed pieces back to its responses, its own way of noticing a client that went away.
+Per request: `admit()` (a refusal, or a place taken), then `submit()` (it tokenizes: call it off the thread
+that receives requests, so a long prompt holds up no other), then `respond()`.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any, Generic, TypeVar
 
 from refusion.runtime.core.errors import RefusionError
@@ -31,17 +35,42 @@ class ServeRequest:
 
 @dataclass(frozen=True)
 class Metrics:
-    requests_in_flight: int  # submitted and not yet ended
+    requests_in_flight: int  # admitted and not yet given their final response
     kv_regions_in_use: int  # KV regions held by running requests
+
+
+class Status(Enum):
+    """What kind of failure an error is, by its gRPC status name, with the HTTP status that says it."""
+
+    INVALID_ARGUMENT = 400  # the request's fault: fix it
+    RESOURCE_EXHAUSTED = 429  # the server is full: retry later or elsewhere
+    UNAVAILABLE = 503  # the server is going down or cannot serve: retry elsewhere
+    INTERNAL = 500  # a bug
 
 
 @dataclass(frozen=True)
 class Final:
-    """How a request ended: its result, or the message its client gets."""
+    """How a request ended: its result, or the message its client gets and what kind of failure it is."""
 
     result: GenerationResult | None = None
     error: str = ""
-    internal: bool = False  # a bug, not the request's fault
+    status: Status = Status.INVALID_ARGUMENT
+
+    @property
+    def internal(self) -> bool:  # a bug, not the request's fault
+        return self.status is Status.INTERNAL
+
+    def coded(self) -> str:
+        """The error with its status name in front: how it crosses a wire that carries only a message
+        (Triton's responses; a gRPC stream's error_message)."""
+        return f"{self.status.name}: {self.error}"
+
+
+def decode(message: str) -> tuple[Status | None, str]:
+    """A `Final.coded()` message back as (status, message); (None, message) when it carries no status."""
+    name, sep, rest = message.partition(": ")
+    status = Status.__members__.get(name) if sep else None
+    return (status, rest) if status is not None else (None, message)
 
 
 class Frontend(Generic[Handle]):
@@ -53,25 +82,42 @@ class Frontend(Generic[Handle]):
         self.limit = gen.runner.max_requests + max_queue
         self.drain_deadline: float | None = None  # time.time() at which what still runs is cancelled
         self._live: dict[Request, Handle] = {}
+        self._admitted = 0  # admitted, not yet submitted
         self._lock = threading.Condition()
         self._closed = False
 
-    def refusal(self) -> str | None:
-        """Why a new request is turned away now (retryable: the server is full or going down), else None.
-        Only the thread that submits adds requests, so the answer holds until its next submit."""
+    def admit(self) -> Final | None:
+        """Take a place for a new request, or the refusal its client gets (retryable: the server is full or
+        going down). Every admitted request must then be submitted, which gives the place back if it fails."""
+        with self._lock:
+            refusal = self._refusal()
+            if refusal is None:
+                self._admitted += 1
+            return refusal
+
+    def _refusal(self) -> Final | None:
         if self._closed or self.drain_deadline is not None:
-            return "the server is shutting down; send the request to another instance."
-        held = len(self._live)
+            return Final(error="the server is shutting down; send the request to another instance.",
+                         status=Status.UNAVAILABLE)
+        held = len(self._live) + self._admitted
         if held >= self.limit:
-            return (f"the server holds {held} requests, its limit ({self.gen.runner.max_requests} running "
-                    f"+ {self.max_queue} queued, --max-queue); retry later or add instances.")
+            return Final(error=f"the server holds {held} requests, its limit ({self.gen.runner.max_requests} running "
+                               f"+ {self.max_queue} queued, --max-queue); retry later or add instances.",
+                         status=Status.RESOURCE_EXHAUSTED)
         return None
 
     def submit(self, job: ServeRequest, handle: Handle) -> Request:
-        """Start `job` (its bad settings raise here, a RefusionError); it is live until `respond` ends it."""
-        # Tokenizing and submitting stay outside the lock that cancellation and final responses take.
-        request = self.gen.submit(job.prompt, chat=job.chat, timeout_s=job.timeout_s, **job.settings)
+        """Start an admitted `job` (its bad settings or prompt raise here, a RefusionError); it is live until
+        `respond` ends it."""
+        try:
+            # Tokenizing and submitting stay outside the lock that cancellation and final responses take.
+            request = self.gen.submit(job.prompt, chat=job.chat, timeout_s=job.timeout_s, **job.settings)
+        except BaseException:
+            with self._lock:
+                self._admitted -= 1
+            raise
         with self._lock:
+            self._admitted -= 1
             self._live[request] = handle
         return request
 
@@ -87,7 +133,7 @@ class Frontend(Generic[Handle]):
         except RefusionError as e:  # it failed alone (e.g. over a runner's limit), with its own error
             outcome = Final(error=str(e))
         except Exception as e:  # noqa: BLE001 - a bug: the client still gets a final response
-            outcome = Final(error=f"internal error: {type(e).__name__}: {e}", internal=True)
+            outcome = Final(error=f"internal error: {type(e).__name__}: {e}", status=Status.INTERNAL)
         with self._lock:
             final(outcome)
             self._live.pop(request, None)
@@ -108,12 +154,14 @@ class Frontend(Generic[Handle]):
             self.drain_deadline = deadline
 
     def metrics(self) -> Metrics:
-        return Metrics(self.gen.scheduler.in_flight, self.gen.scheduler.regions_in_use)
+        with self._lock:
+            held = len(self._live) + self._admitted
+        return Metrics(held, self.gen.scheduler.regions_in_use)
 
     def close(self, timeout_s: float) -> None:
         """Refuse new requests, cancel every live one and wait (at most `timeout_s`) for their final responses."""
-        self._closed = True
         with self._lock:
+            self._closed = True
             for request in self._live:
                 request.cancel()
             self._lock.wait_for(lambda: not self._live, timeout=timeout_s)

@@ -2,9 +2,10 @@
 `refusion-run client`: one request to such a server over HTTP.
 
     refusion-run serve out/refusion-onnx [--model-name refusion] [--http-port 8000] [--grpc-port 8001]
-                 [--metrics-port 8002] [--max-requests N] [--max-batch N] [--max-queue N] [--prefix-cache-mb MB]
-                 [--backend ...]
-    refusion-run client "prompt" [--url http://127.0.0.1:8000] [--chat] [--stream] [--json] [decode options]
+                 [--metrics-port 8002] [--address 127.0.0.1] [--api-key KEY] [--max-requests N] [--max-batch N]
+                 [--max-queue N] [--prefix-cache-mb MB] [--backend ...]
+    refusion-run client "prompt" [--url http://127.0.0.1:8000] [--api-key KEY] [--chat] [--stream] [--json]
+                 [--client-timeout S] [decode options]
 
 docs/serving.md has the requests (curl, tritonclient), the tensors and what was measured.
 """
@@ -12,6 +13,7 @@ docs/serving.md has the requests (curl, tritonclient), the tensors and what was 
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sys
 import time
@@ -23,7 +25,8 @@ import click
 
 from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.runners import BACKENDS
-from refusion.serve.triton.client import generate, request_body, stream_events
+from refusion.serve.security import API_KEY_ENV, DEFAULT_ADDRESS, api_key, bind_address, exposure_warning
+from refusion.serve.triton.client import CLIENT_TIMEOUT_S, generate, request_body, stream_events
 from refusion.serve.triton.launcher import Ports, TritonServer, check_export
 from refusion.serve.triton.settings import ServeSettings
 from refusion.tools.cli_common import (
@@ -45,15 +48,17 @@ _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 @click.option("--http-port", type=int, default=8000, show_default=True)
 @click.option("--grpc-port", type=int, default=8001, show_default=True)
 @click.option("--metrics-port", type=int, default=8002, show_default=True)
-@click.option("--address", default="0.0.0.0", show_default=True,
-              help="Interface to listen on (127.0.0.1: this host only).")
+@click.option("--address", default=DEFAULT_ADDRESS, show_default=True,
+              help="Interface to listen on (0.0.0.0: every interface; give --api-key then).")
+@click.option("--api-key", "key", default=None,
+              help=f"Clients must send Authorization: Bearer KEY (default: ${API_KEY_ENV}, else no key).")
 @click.option("--backend", type=click.Choice(BACKENDS), default="auto", show_default=True)
 @click.option("--threads", type=int, default=None, help="onnxruntime intra-op threads (default: all cores).")
 @click.option("--max-requests", type=int, default=None,
               help="Requests decoding at once, a KV region each (default: the backend's; more wait in the queue).")
 @click.option("--max-batch", type=int, default=None, help="Their forwards packed per call (default: the backend's).")
 @click.option("--max-queue", type=int, default=ServeSettings.max_queue, show_default=True,
-              help="Requests waiting beyond those decoding; more are rejected at once (UNAVAILABLE).")
+              help="Requests waiting beyond those decoding; more are refused at once (HTTP 429, RESOURCE_EXHAUSTED).")
 @click.option("--prefix-cache-mb", type=float, default=ServeSettings.prefix_cache_mb, show_default=True,
               help="Budget of the prefix cache: the KV of prompt prefixes later requests copy instead of "
                    "prefilling (a shared system prompt); 0 turns it off.")
@@ -62,16 +67,23 @@ _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 @click.option("--verbose", is_flag=True, help="Triton's info log too.")
 @quiet_option
 def serve(model_dir: Path, model_name: str, http_port: int, grpc_port: int, metrics_port: int, address: str,
-          backend: str, threads: int | None, max_requests: int | None, max_batch: int | None, max_queue: int,
-          prefix_cache_mb: float, drain_timeout: int, verbose: bool) -> None:
+          key: str | None, backend: str, threads: int | None, max_requests: int | None, max_batch: int | None,
+          max_queue: int, prefix_cache_mb: float, drain_timeout: int, verbose: bool) -> None:
     """Serve the export or engines in MODEL_DIR with NVIDIA Triton: HTTP generate and generate_stream,
     gRPC streaming, health and metrics. Requests run concurrently, their forwards batched step by step.
-    SIGTERM or Ctrl-C drains and stops."""
+    It listens on this host only unless --address says otherwise; bodies, JSON nesting and prompts are
+    bounded (docs/serving.md, "Security and limits"). SIGTERM or Ctrl-C drains and stops; the exit code is
+    1 (with an error line) if the server failed."""
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # the gRPC gateway's library logs no INFO lines of its own
     settings = ServeSettings(str(model_dir.resolve()), backend, threads, max_requests, max_batch, max_queue,
                              prefix_cache_mb)
+    key = api_key(key)
     server = TritonServer(model_dir, Ports(http_port, grpc_port, metrics_port, address), settings, model_name,
-                          drain_timeout, verbose=verbose)
+                          drain_timeout, verbose=verbose, api_key=key)
     check_export(model_dir, settings)
+    warning = exposure_warning(bind_address(address), key)
+    if warning:
+        click.echo(warning, err=True)
     stopped: list[int] = []
 
     def stop(signum: int, frame: FrameType | None) -> None:
@@ -94,8 +106,13 @@ def serve(model_dir: Path, model_name: str, http_port: int, grpc_port: int, metr
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
-    progress(f"stopped (tritonserver exit code {code})")
-    raise SystemExit(code)
+    if server.failure is not None:
+        raise RefusionError(f"{server.failure}; the server stopped (restart it, or let its supervisor).")
+    if code != 0:
+        ended = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+        raise RefusionError(f"tritonserver {ended} while {'stopping' if stopped else 'serving'}; its log above says "
+                            "why, if it could.")
+    progress("stopped (tritonserver exit code 0)")
 
 
 @click.command("client")
@@ -108,10 +125,13 @@ def serve(model_dir: Path, model_name: str, http_port: int, grpc_port: int, metr
               help="Print the final response as JSON: text, token_ids, finish_reason, cached_prompt_tokens.")
 @click.option("--timeout", "timeout_s", type=float, default=None, help="The request's deadline on the server, seconds.")
 @click.option("--logprobs", is_flag=True, help="With --json: each token's log-probability (return_log_probs).")
+@click.option("--client-timeout", type=float, default=CLIENT_TIMEOUT_S, show_default=True,
+              help="Seconds to wait for the server's answer (when streaming: for each event) before giving up.")
+@click.option("--api-key", "key", default=None, help=f"The server's API key (default: ${API_KEY_ENV}, else none).")
 @request_options
 @decode_options
 def client(prompt: str, url: str, model_name: str, chat: bool, stream: bool, as_json: bool, timeout_s: float | None,
-           logprobs: bool, **options: Any) -> None:
+           logprobs: bool, client_timeout: float, key: str | None, **options: Any) -> None:
     """Send PROMPT to a server started with `refusion-run serve` and print the answer. Decode settings
     left out take the values the served export recorded. PROMPT - reads the prompt from stdin (its trailing
     newline dropped)."""
@@ -123,16 +143,19 @@ def client(prompt: str, url: str, model_name: str, chat: bool, stream: bool, as_
     asked = request_settings(options)
     settings = {**decode_settings(options), **{k: v for k, v in asked.items() if v not in (None, ())},
                 **({"logprobs": True} if logprobs else {})}
+    if not client_timeout > 0:
+        raise RefusionError(f"--client-timeout {client_timeout} must be a positive number of seconds.")
+    key = api_key(key)
     body = request_body(prompt, settings, chat=chat, stream=stream, timeout_s=timeout_s)
     t0 = time.perf_counter()
     if stream:
-        for event in stream_events(url, model_name, body):
+        for event in stream_events(url, model_name, body, client_timeout, key):
             click.echo(event.get("text_output", ""), nl=False)
             sys.stdout.flush()
         click.echo()
         final = event
     else:
-        final = generate(url, model_name, body)
+        final = generate(url, model_name, body, client_timeout, key)
         if as_json:
             extra = {"logprobs": final["output_log_probs"]} if logprobs else {}
             click.echo(json.dumps({"text": final["text_output"], "token_ids": final["token_ids"],

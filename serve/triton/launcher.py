@@ -1,9 +1,15 @@
-"""Start NVIDIA Triton Inference Server on an export, with our model in Triton's Python backend.
+"""Start NVIDIA Triton Inference Server on an export, with our model in Triton's Python backend, behind
+gateways of our own.
 
 The server is the `tritonserver` that nvidia-pytriton ships (pip, no container). We run it with a
 model repository of our own rather than through PyTriton's callable proxy, because that proxy does
 not pass Triton's request cancellation to the callable: a client that goes away would keep its
 request decoding. Triton's Python backend does (serve/triton/model.py polls it).
+
+Triton listens on loopback only, on ports of its own, and every API of it needs a secret header made at
+each start; the ports clients reach are the gateways' (serve/triton/gateway.py, grpc_gateway.py), which
+serve generation, health and metadata within the limits of serve/security.py. tritonserver dies with
+this process (lifetime.py), and what a killed launcher left is removed at the next start.
 
     with TritonServer(export_dir, Ports(8000, 8001, 8002)) as server:
         ...  # http://127.0.0.1:8000/v2/models/refusion/generate
@@ -14,6 +20,8 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+import secrets
+import select
 import shutil
 import signal
 import socket
@@ -21,22 +29,39 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import IO
+from typing import IO, TYPE_CHECKING
 
 from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.core.export_manifest import ExportManifest
 from refusion.runtime.runners import runner_options
-from refusion.serve.triton.settings import ServeSettings
+from refusion.runtime.tokenizer import Tokenizer
+from refusion.serve.security import DEFAULT_ADDRESS, bind_address, body_limit
+from refusion.serve.triton import lifetime
+from refusion.serve.triton.gateway import Gateway, Health, HttpGateway, Upstream
+from refusion.serve.triton.settings import SETTINGS_FILE, ServeSettings
 from refusion.serve.triton.tensors import config_pbtxt
+
+if TYPE_CHECKING:
+    from refusion.serve.triton.grpc_gateway import GrpcGateway
+    from refusion.serve.triton.upstream import TritonCalls
 
 _INSTALL_HINT = "pip install -e '.[serve]' (nvidia-pytriton, which bundles tritonserver)"
 _MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
-_EXIT_MARGIN_S = 15  # Triton's exit timeout beyond our drain deadline: time for the cancelled to answer
+_EXIT_MARGIN_S = 15  # Triton's exit timeout: time for the model to stop, once nothing is in flight
+_ANSWER_MARGIN_S = 5  # beyond the drain's deadline: time for the cancelled to get their final responses
+_DRAIN_POLL_S = 0.1
+_API_GROUPS = "health,metadata,inference,shared-memory,model-config,model-repository,statistics,trace,logging"
+_GPU_PRESENT = Path("/dev/nvidiactl").exists()
+# What Triton prints on every start on a machine without a GPU, though it asked for none (GPU metrics, off
+# there, take the rest); on a machine with a GPU nothing is hidden.
+_CPU_NOISE = ("CudaDriverHelper has not been initialized",)
+_START_TRIES = 3  # Triton's loopback ports are picked free just before it binds them; another may take one first
 
 
 @dataclass(frozen=True)
@@ -75,10 +100,12 @@ class TritonInstall:
 
 @dataclass(frozen=True)
 class Ports:
+    """The ports clients reach (the gateways'), on `address`."""
+
     http: int = 8000
     grpc: int = 8001
     metrics: int = 8002
-    address: str = "0.0.0.0"  # Triton's default: every interface
+    address: str = DEFAULT_ADDRESS
 
     def __post_init__(self) -> None:
         named = {"--http-port": self.http, "--grpc-port": self.grpc, "--metrics-port": self.metrics}
@@ -90,23 +117,24 @@ class Ports:
 
     @property
     def local_http(self) -> str:
-        host = "127.0.0.1" if self.address in ("0.0.0.0", "") else self.address
-        return f"http://{host}:{self.http}"
+        host = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(self.address, self.address)
+        return f"http://[{host}]:{self.http}" if ":" in host else f"http://{host}:{self.http}"
 
 
 class TritonServer:
-    """tritonserver as a child process, on a model repository written to a temporary directory.
-    `start` returns once the model is ready; `stop` (or `signal(SIGTERM)`) drains: new requests are
-    refused, those in flight finish or, at `drain_timeout_s`, are cancelled with a final response.
+    """tritonserver as a child process on a model repository written to a work directory, behind the
+    gateways. `start` returns once the model is ready; `stop` (or `signal(SIGTERM)`) drains: new requests
+    are refused, those in flight finish or, at `drain_timeout_s`, are cancelled with a final response.
+    If the model's Python-backend stub dies, readiness fails at once and the server stops (`failure` says
+    why), so that a supervisor restarts it.
 
-    The drain's deadline is ours, not Triton's: past its --exit-timeout-secs Triton exits at once and
-    cuts open streams without a final response. So the model learns the deadline from a file the
-    launcher writes (the model's watcher polls it), cancels what still runs when it passes, and
-    Triton's own timeout is set beyond it."""
+    The drain is ours, not Triton's (see `signal`): the model learns its deadline from a file the launcher
+    writes (the model's watcher polls it) and cancels what still runs when it passes; tritonserver is told
+    to stop only once nothing is in flight."""
 
     def __init__(self, model_dir: str | Path, ports: Ports = Ports(), settings: ServeSettings | None = None,
                  model_name: str = "refusion", drain_timeout_s: int = 30, log: IO[bytes] | None = None,
-                 verbose: bool = False):
+                 verbose: bool = False, api_key: str | None = None):
         if not _MODEL_NAME.fullmatch(model_name):
             raise RefusionError(f"--model-name {model_name!r} must be letters, digits, '_', '.' or '-', "
                                 "starting with a letter or digit (it names a directory and a URL path).")
@@ -114,86 +142,243 @@ class TritonServer:
             raise RefusionError(f"--drain-timeout {drain_timeout_s!r} must be a whole number of seconds >= 0.")
         self.model_dir = Path(model_dir).resolve()
         self.ports, self.model_name = ports, model_name
+        self.address = bind_address(ports.address)
         self.settings = settings or ServeSettings(str(self.model_dir))
-        self.drain_timeout_s, self.log, self.verbose = drain_timeout_s, log, verbose
+        self.drain_timeout_s, self.log, self.verbose, self.api_key = drain_timeout_s, log, verbose, api_key
+        self.health = Health()
+        self.max_body = 0  # the largest request body the gateways read (set by start, from the export)
         self.process: subprocess.Popen[bytes] | None = None
-        self._workdir: tempfile.TemporaryDirectory[str] | None = None
-        self._drain_file: Path | None = None
-        self._shm_prefix = "refusion-triton-unstarted-"
+        self.upstream: Upstream | None = None
+        self._gateways: list[HttpGateway | GrpcGateway] = []
+        self._calls: TritonCalls | None = None
+        self._workdir: Path | None = None
+        self._relay: _Relay | None = None
+        self._stopping = False
+        self._watchdog: threading.Thread | None = None
+        self._wake: tuple[int, int] | None = None  # wakes the watchdog when Triton is stopped
 
     @property
     def url(self) -> str:
         return self.ports.local_http
 
+    @property
+    def failure(self) -> str | None:
+        """Why the server stopped by itself (the model's stub died), if it did."""
+        return self.health.failure
+
     def start(self, ready_timeout_s: float = 600.0) -> TritonServer:
-        check_export(self.model_dir, self.settings)
+        self.max_body = body_limit(check_export(self.model_dir, self.settings))
         install = TritonInstall.find()
-        self._workdir = tempfile.TemporaryDirectory(prefix="refusion-triton-")
-        root = Path(self._workdir.name)
-        self._drain_file = root / "drain"
-        self._shm_prefix = f"{root.name}-"
-        settings = replace(self.settings, drain_file=str(self._drain_file))
-        repository, backends = write_repository(root, self.model_name, settings, install)
-        command = [str(install.server), f"--model-repository={repository}", f"--backend-directory={backends}",
-                   f"--http-port={self.ports.http}", f"--grpc-port={self.ports.grpc}",
-                   f"--metrics-port={self.ports.metrics}", f"--http-address={self.ports.address}",
-                   f"--grpc-address={self.ports.address}", f"--metrics-address={self.ports.address}",
-                   f"--exit-timeout-secs={self.drain_timeout_s + _EXIT_MARGIN_S}", "--pinned-memory-pool-byte-size=0",
-                   f"--log-info={str(self.verbose).lower()}",
-                   # Its shared-memory regions named after our work directory, so cleanup finds what a crash left.
-                   f"--backend-config=python,shm-region-prefix-name={self._shm_prefix}"]
-        # A session of its own: a terminal's Ctrl-C reaches us, and we stop the server in order.
-        self.process = subprocess.Popen(command, env=server_env(install), stdout=self.log, stderr=self.log,
-                                        start_new_session=True)
+        lifetime.remove_stale()
         try:
-            self._wait_ready(ready_timeout_s)
+            self._open_gateways(self.max_body)  # a taken port fails here, before Triton starts
+            for attempt in range(_START_TRIES):
+                try:
+                    self._start_triton(install, ready_timeout_s)
+                    break
+                except _PortTaken:
+                    self._end_triton()
+                    if attempt == _START_TRIES - 1:
+                        raise RefusionError("tritonserver found its loopback ports taken at each of "
+                                            f"{_START_TRIES} tries; free some ports, then start again.") from None
+            from refusion.serve.triton.upstream import TritonCalls
+
+            assert self.upstream is not None
+            self._calls = TritonCalls(self.upstream)
+            for gateway in self._gateways:
+                gateway.start(self._calls)
+            self.health.started = True
         except BaseException:
             self.stop()
             raise
         return self
 
+    def _open_gateways(self, max_body: int) -> None:
+        from refusion.serve.triton.grpc_gateway import GrpcGateway  # grpcio: the serve extra
+
+        http_port, grpc_port, metrics_port = free_ports(3)
+        upstream = self.upstream = Upstream(http_port, grpc_port, metrics_port, secret=secrets.token_urlsafe(32))
+        api = Gateway(upstream, self.model_name, self.health, self.api_key, max_body)
+        metrics = Gateway(upstream, self.model_name, self.health, self.api_key, max_body, metrics=True)
+        self._gateways = [HttpGateway(self.address, self.ports.http, api),
+                          HttpGateway(self.address, self.ports.metrics, metrics, "--metrics-port")]
+        self._gateways.append(GrpcGateway(self.address, self.ports.grpc, self.model_name, self.health, self.api_key,
+                                          max_body))
+
+    def _start_triton(self, install: TritonInstall, ready_timeout_s: float) -> None:
+        assert self.upstream is not None
+        if self.process is not None:  # a retry: Triton's ports afresh (the gateways share this Upstream)
+            self.upstream.http_port, self.upstream.grpc_port, self.upstream.metrics_port = free_ports(3)
+        self._workdir = Path(tempfile.mkdtemp(prefix=lifetime.WORKDIR_PREFIX))
+        lifetime.claim(self._workdir)
+        settings = replace(self.settings, work_dir=str(self._workdir), launcher_pid=os.getpid())
+        repository, backends = write_repository(self._workdir, self.model_name, settings, install)
+        up = self.upstream
+        restricted = f"{_API_GROUPS}:{up.header}={up.secret}"
+        command = [str(install.server), f"--model-repository={repository}", f"--backend-directory={backends}",
+                   f"--http-port={up.http_port}", f"--grpc-port={up.grpc_port}", f"--metrics-port={up.metrics_port}",
+                   f"--http-address={up.host}", f"--grpc-address={up.host}", f"--metrics-address={up.host}",
+                   f"--http-restricted-api={restricted}", f"--grpc-restricted-protocol={restricted}",
+                   f"--exit-timeout-secs={_EXIT_MARGIN_S}", "--pinned-memory-pool-byte-size=0",
+                   f"--allow-gpu-metrics={str(_GPU_PRESENT).lower()}", f"--log-info={str(self.verbose).lower()}",
+                   # Its shared-memory regions named after our work directory, so cleanup finds what a crash left.
+                   f"--backend-config=python,shm-region-prefix-name={self._workdir.name}-"]
+        # A session of its own: a terminal's Ctrl-C reaches us, and we stop the server in order. Killed with us.
+        self.process = subprocess.Popen(lifetime.exec_with_parent(command), env=server_env(install),
+                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+        self._relay = _Relay(self.process, self.log, self.verbose)
+        self._wait_ready(ready_timeout_s)
+        self._relay.release()
+        self._wake = os.pipe()
+        self._watchdog = threading.Thread(target=self._watch, args=(lifetime.stubs(self.process.pid),),
+                                          name="refusion-stub-watchdog", daemon=True)
+        self._watchdog.start()
+
     def _wait_ready(self, timeout_s: float) -> None:
-        assert self.process is not None
+        assert self.process is not None and self._relay is not None and self._workdir is not None
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
+                self._relay.join()
+                error_file = self._workdir / "load-error"
+                if error_file.is_file():  # our own message in place of Triton's report of the failed load
+                    raise RefusionError(error_file.read_text())
+                if "already in use" in self._relay.held_text():
+                    raise _PortTaken
+                self._relay.release()
                 raise RefusionError(f"tritonserver exited with code {self.process.returncode} before the model "
-                                    f"{self.model_name!r} was ready; its log says why (run with --verbose for more).")
-            if self.ready():
+                                    f"{self.model_name!r} was ready; its log above says why (--verbose for more).")
+            if self._upstream_ready():
                 return
             time.sleep(0.2)
+        self._relay.release()
         raise RefusionError(f"the model {self.model_name!r} was not ready after {timeout_s:.0f} s.")
 
-    def ready(self) -> bool:
+    def _upstream_ready(self) -> bool:
+        assert self.upstream is not None
+        request = urllib.request.Request(f"http://{self.upstream.host}:{self.upstream.http_port}/v2/health/ready",
+                                         headers={self.upstream.header: self.upstream.secret})
         try:
-            with urllib.request.urlopen(f"{self.url}/v2/health/ready", timeout=2) as response:
+            with urllib.request.urlopen(request, timeout=2) as response:
                 return response.status == 200
         except (urllib.error.URLError, OSError):
             return False
 
+    def ready(self) -> bool:
+        """What the gateways' readiness says: the model loaded, its stub alive, no drain begun."""
+        return self.health.ready
+
+    def _watch(self, stubs: list[int]) -> None:
+        """Wait for a stub to die; then readiness fails, and the server stops (a supervisor restarts it)."""
+        assert self._wake is not None and self.process is not None
+        pidfds = {}
+        for pid in stubs:
+            try:
+                pidfds[os.pidfd_open(pid)] = pid
+            except OSError:  # died already
+                pidfds[os.open("/dev/null", os.O_RDONLY)] = pid
+        readable, _, _ = select.select([*pidfds, self._wake[0]], [], [])
+        dead = [pidfds[fd] for fd in readable if fd in pidfds]
+        for fd in pidfds:
+            os.close(fd)
+        # A stub ends on purpose in a drain, and with tritonserver when that dies (which wait() reports).
+        if dead and not self._stopping and not self.health.draining and self.process.poll() is None:
+            self.health.failure = (f"the model's Python-backend stub (pid {dead[0]}) died (killed, or out of "
+                                   "memory?) and the model cannot serve")
+            self._relay_line(f"error: {self.health.failure}; stopping the server, so that its supervisor "
+                             "restarts it.")
+            self._terminate()
+
+    def _relay_line(self, text: str) -> None:
+        out = self.log if self.log is not None else sys.stderr.buffer
+        out.write(text.encode() + b"\n")
+        out.flush()
+
+    def _terminate(self) -> None:
+        """Stop Triton without a drain (the model cannot answer): SIGTERM, SIGKILL past a few seconds."""
+        assert self.process is not None
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+
     def signal(self, signum: int) -> None:
-        """Pass a signal on; SIGTERM starts the drain first."""
+        """Pass a signal on. SIGTERM drains first: new requests are refused, and tritonserver gets its SIGTERM
+        once nothing is in flight or the drain's deadline (and a margin for the cancelled to answer) has
+        passed; a second SIGTERM stops it at once. (Triton itself would not wait: it counts no request of a
+        decoupled Python model as in flight, and unloads the model, which can then send no response.)"""
         if self.process is None or self.process.poll() is not None:
             return
-        if signum == signal.SIGTERM and self._drain_file is not None and not self._drain_file.exists():
-            partial = self._drain_file.with_suffix(".partial")  # the model never reads half a deadline
-            partial.write_text(str(time.time() + self.drain_timeout_s))
-            partial.rename(self._drain_file)
-        self.process.send_signal(signum)
+        if signum != signal.SIGTERM or self.health.draining:
+            self.process.send_signal(signum)
+            return
+        self.health.draining = True
+        drain_file = ServeSettings(str(self.model_dir), work_dir=str(self._workdir)).drain_file
+        assert drain_file is not None
+        partial = drain_file.with_suffix(".partial")  # the model never reads half a deadline
+        partial.write_text(str(time.time() + self.drain_timeout_s))
+        partial.rename(drain_file)
+        for gateway in self._gateways:
+            if isinstance(gateway, HttpGateway):
+                gateway.drain()
+        threading.Thread(target=self._drain, name="refusion-drain", daemon=True).start()
+
+    def _drain(self) -> None:
+        assert self.process is not None
+        deadline = time.monotonic() + self.drain_timeout_s + _ANSWER_MARGIN_S
+        while self.process.poll() is None and time.monotonic() < deadline and not self._idle():
+            time.sleep(_DRAIN_POLL_S)
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+
+    def _idle(self) -> bool:
+        """No request in flight: none in the HTTP gateway, none the model holds (its metric counts every
+        request from admission to its final response, gRPC ones too)."""
+        if any(g.gateway.in_flight for g in self._gateways if isinstance(g, HttpGateway)):
+            return False
+        assert self.upstream is not None
+        try:
+            with urllib.request.urlopen(f"http://{self.upstream.host}:{self.upstream.metrics_port}/metrics",
+                                        timeout=5) as response:
+                text = response.read().decode()
+        except (urllib.error.URLError, OSError):
+            return True  # no metrics: nothing left to wait for
+        return all(float(line.rsplit(" ", 1)[1]) == 0 for line in text.splitlines()
+                   if line.startswith("refusion_requests_in_flight{"))
 
     def wait(self) -> int:
+        """Until tritonserver exits. Signal handlers run meanwhile: a signal the kernel hands to another thread
+        (gRPC's, the gateways') only wakes the main thread through the wakeup fd, not out of a plain wait."""
         assert self.process is not None
+        if threading.current_thread() is threading.main_thread():
+            pidfd = os.pidfd_open(self.process.pid)
+            wake_r, wake_w = os.pipe()
+            os.set_blocking(wake_w, False)
+            previous = signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
+            try:
+                while self.process.poll() is None:
+                    if wake_r in select.select([pidfd, wake_r], [], [])[0]:
+                        os.read(wake_r, 512)
+            finally:
+                signal.set_wakeup_fd(previous)
+                for fd in (pidfd, wake_r, wake_w):
+                    os.close(fd)
         code = self.process.wait()
         self._cleanup()
         return code
 
     def stop(self, timeout_s: float | None = None) -> int | None:
         """SIGTERM, then wait for the drain (SIGKILL only past the drain timeout and a margin)."""
+        self._stopping = True
         if self.process is None:
+            self._close_gateways()
             return None
         self.signal(signal.SIGTERM)
+        if timeout_s is None:
+            timeout_s = self.drain_timeout_s + _ANSWER_MARGIN_S + 2 * _EXIT_MARGIN_S
         try:
-            self.process.wait(timeout=timeout_s if timeout_s is not None else self.drain_timeout_s + 2 * _EXIT_MARGIN_S)
+            self.process.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
@@ -202,24 +387,94 @@ class TritonServer:
         return code
 
     def _cleanup(self) -> None:
-        """After tritonserver exits: its Python-backend stubs and their shared memory, if it died without
-        stopping them (they share its process group), and the repository."""
+        """After tritonserver exits: what it leaves (`_end_triton`), then the gateways."""
+        self._stopping = True
+        self._end_triton()
+        self._close_gateways()
+
+    def _end_triton(self) -> None:
+        """After tritonserver exits: the watchdog, its Python-backend stubs and their shared memory if it died
+        without stopping them (they share its process group), and the work directory."""
         assert self.process is not None
+        if self._watchdog is not None and self._wake is not None:
+            os.write(self._wake[1], b"x")
+            self._watchdog.join()
+            for fd in self._wake:
+                os.close(fd)
+            self._watchdog = self._wake = None
         try:
             os.killpg(self.process.pid, signal.SIGKILL)
         except ProcessLookupError:  # the group is gone: a clean exit
             pass
-        for region in Path("/dev/shm").glob(f"{self._shm_prefix}*"):
-            region.unlink(missing_ok=True)
+        if self._relay is not None:
+            self._relay.join()
         if self._workdir is not None:
-            self._workdir.cleanup()
+            lifetime.remove_regions(self._workdir.name)
+            shutil.rmtree(self._workdir, ignore_errors=True)
             self._workdir = None
+
+    def _close_gateways(self) -> None:
+        for gateway in self._gateways:
+            gateway.close()
+        self._gateways = []
+        if self._calls is not None:
+            self._calls.close()
+            self._calls = None
 
     def __enter__(self) -> TritonServer:
         return self.start() if self.process is None else self
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+class _PortTaken(Exception):
+    """tritonserver could not bind one of its loopback ports."""
+
+
+class _Relay:
+    """tritonserver's output to `log` (or stderr), line by line. Held back until the model is ready, so
+    that a failed load can be reported by its one line instead of Triton's report; on a machine without a
+    GPU, the lines Triton prints there on every start are dropped."""
+
+    def __init__(self, process: subprocess.Popen[bytes], log: IO[bytes] | None, verbose: bool):
+        assert process.stdout is not None
+        self._source, self._out, self._verbose = process.stdout, log, verbose
+        self._held: list[bytes] | None = []
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._copy, name="refusion-triton-log", daemon=True)
+        self._thread.start()
+
+    def _copy(self) -> None:
+        for line in self._source:
+            if not _GPU_PRESENT and not self._verbose and any(n.encode() in line for n in _CPU_NOISE):
+                continue
+            with self._lock:
+                if self._held is not None:
+                    self._held.append(line)
+                    continue
+            self._write(line)
+
+    def _write(self, data: bytes) -> None:
+        out = self._out if self._out is not None else sys.stderr.buffer
+        try:
+            out.write(data)
+            out.flush()
+        except (OSError, ValueError):  # closed: the output is lost, the server goes on
+            pass
+
+    def held_text(self) -> str:
+        with self._lock:
+            return b"".join(self._held or []).decode(errors="replace")
+
+    def release(self) -> None:
+        """Write what was held, and every line from now on."""
+        with self._lock:
+            held, self._held = self._held or [], None
+        self._write(b"".join(held))
+
+    def join(self) -> None:
+        self._thread.join()
 
 
 def free_ports(n: int = 3) -> list[int]:
@@ -234,12 +489,13 @@ def free_ports(n: int = 3) -> list[int]:
 
 
 def write_repository(root: Path, model_name: str, settings: ServeSettings, install: TritonInstall) -> tuple[Path, Path]:
-    """(model repository, backend directory) under `root`: our model's config.pbtxt and a model.py
-    that imports it, and the Python backend with the stub for this interpreter beside it."""
+    """(model repository, backend directory) under `root`: our model's config.pbtxt, a model.py that imports
+    it and its settings.json, and the Python backend with the stub for this interpreter beside it."""
     model = root / "models" / model_name
     (model / "1").mkdir(parents=True)
-    (model / "config.pbtxt").write_text(config_pbtxt(model_name, settings.to_parameters()))
+    (model / "config.pbtxt").write_text(config_pbtxt(model_name))
     (model / "1" / "model.py").write_text("from refusion.serve.triton.model import TritonPythonModel  # noqa: F401\n")
+    settings.write(model / "1" / SETTINGS_FILE)
     backend = root / "backends" / "python"
     backend.mkdir(parents=True)
     for name in ("libtriton_python.so", "triton_python_backend_utils.py"):
@@ -263,8 +519,9 @@ def server_env(install: TritonInstall) -> dict[str, str]:
     return env
 
 
-def check_export(model_dir: Path, settings: ServeSettings | None = None) -> None:
-    """Fail here, with our message, rather than in Triton's model load: the export, and the runner options."""
+def check_export(model_dir: Path, settings: ServeSettings | None = None) -> int:
+    """Fail here, with our message, rather than in Triton's model load: the export, its tokenizer, and the
+    runner options. The longest prompt in bytes that could fit (the gateways' body limit follows from it)."""
     manifest = ExportManifest.read(model_dir)
     manifest.check_files(False, manifest.tokenizer_files)
     if not manifest.tokenizer_files:
@@ -273,3 +530,4 @@ def check_export(model_dir: Path, settings: ServeSettings | None = None) -> None
     if settings is not None:
         runner_options(manifest, settings.backend, settings.threads, max_requests=settings.max_requests,
                        max_batch=settings.max_batch)
+    return Tokenizer.from_dir(manifest.path).max_text_bytes(manifest.max_positions)

@@ -4,10 +4,13 @@ top_k, top_p, return_log_probs, stream -> text_output, output_log_probs), so gen
 TensorRT-LLM models talk to it. Each input feeds one keyword of Generator.submit.
 
 `read_request` is pure (numpy in, settings out): the Triton model calls it, tests call it directly.
+`read_json` checks an HTTP body against the same table before Triton's parser sees it (the HTTP gateway).
 """
 
 from __future__ import annotations
 
+import difflib
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -83,6 +86,54 @@ def _values(spec: ServedTensor, array: np.ndarray) -> list[Any]:
     return [_scalar(spec, np.asarray([value])) for value in np.asarray(array).reshape(-1)]
 
 
+_JSON_KINDS = {"TYPE_STRING": (str,), "TYPE_BOOL": (bool,), "TYPE_INT32": (int,), "TYPE_INT64": (int,),
+               "TYPE_FP32": (int, float)}
+_INT_BITS = {"TYPE_INT32": 32, "TYPE_INT64": 64}
+_FP32_MAX = float(np.finfo(np.float32).max)
+
+
+def read_json(body: Mapping[str, Any], streaming: bool) -> dict[str, Any]:
+    """An HTTP generate (`streaming` False) or generate_stream body, checked against the inputs: each field one
+    of ours, each value one JSON value of its tensor's type and range (no integer wraps into INT32 on the way),
+    or for a list tensor (stop_words) a list of them. A RefusionError names the field."""
+    for name in body:
+        if name not in INPUT_NAMES:
+            close = difflib.get_close_matches(name, INPUT_NAMES, 1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise RefusionError(f"{name!r} is not an input of this model; {hint}it takes {', '.join(INPUT_NAMES)}.")
+    for spec in INPUTS:
+        if spec.name in body:
+            value = body[spec.name]
+            for item in value if spec.many and isinstance(value, list) else [value]:
+                _check_json(spec, item)
+    if "text_input" not in body:
+        raise RefusionError("text_input is missing: send the prompt as text_input (a string).")
+    if body.get("stream") and not streaming:
+        raise RefusionError('"stream": true needs generate_stream: generate answers with one response; POST to '
+                            ".../generate_stream, or leave stream out.")
+    return dict(body)
+
+
+def _check_json(spec: ServedTensor, value: Any) -> None:
+    kinds = _JSON_KINDS[spec.triton_type]
+    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+        shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:40] + "..."
+        raise RefusionError(f"{spec.name} is a JSON {type(value).__name__} ({shown}); it must be "
+                            f"{_EXPECTED[spec.triton_type]} ({spec.triton_type}): {spec.help}.")
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise RefusionError(f"{spec.name} holds a lone surrogate ({value[e.start]!r} at character {e.start}), "
+                                "which is not text; send UTF-8 text.") from None
+    bits = _INT_BITS.get(spec.triton_type)
+    if bits is not None and not -(1 << (bits - 1)) <= value < 1 << (bits - 1):
+        raise RefusionError(f"{spec.name}={value} does not fit {spec.triton_type} "
+                            f"[{-(1 << (bits - 1))}, {(1 << (bits - 1)) - 1}]: {spec.help}.")
+    if spec.triton_type == "TYPE_FP32" and not (math.isfinite(value) and abs(value) <= _FP32_MAX):
+        raise RefusionError(f"{spec.name}={value} is not a finite float32: {spec.help}.")
+
+
 def _scalar(spec: ServedTensor, array: np.ndarray) -> Any:
     """One value of the declared type (a Triton request is one prompt: the batch is our scheduler's job)."""
     array = np.asarray(array)
@@ -104,25 +155,19 @@ def _scalar(spec: ServedTensor, array: np.ndarray) -> Any:
     return bool(value) if spec.triton_type == "TYPE_BOOL" else int(value)
 
 
-def config_pbtxt(model_name: str, parameters: Mapping[str, str]) -> str:
-    """Triton's model configuration: a decoupled (streaming) Python-backend model with these tensors,
-    no Triton batching (max_batch_size 0: requests reach our scheduler one by one, which batches their
-    forwards step by step), and `parameters` for the model's initialize()."""
+def config_pbtxt(model_name: str) -> str:
+    """Triton's model configuration: a decoupled (streaming) Python-backend model with these tensors, and no
+    Triton batching (max_batch_size 0: requests reach our scheduler one by one, which batches their forwards
+    step by step). No parameters: clients may read this, and the model's settings hold host paths."""
     def tensor(spec: ServedTensor) -> str:
         optional = " optional: true" if spec.optional and spec in INPUTS else ""
         return f'  {{ name: "{spec.name}" data_type: {spec.triton_type} dims: [ -1 ]{optional} }}'
 
-    params = "\n".join(f'parameters {{ key: "{k}" value: {{ string_value: "{_escape(v)}" }} }}'
-                       for k, v in parameters.items())
     return "\n".join([
         f'name: "{model_name}"', 'backend: "python"', "max_batch_size: 0",
         "model_transaction_policy { decoupled: true }",
         "input [", ",\n".join(tensor(s) for s in INPUTS), "]",
         "output [", ",\n".join(tensor(s) for s in OUTPUTS), "]",
         "instance_group [ { count: 1 kind: KIND_CPU } ]",  # one Generator; its engine thread runs every request
-        params, "",
+        "",
     ])
-
-
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace('"', '\\"')

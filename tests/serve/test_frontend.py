@@ -1,7 +1,7 @@
 """The serving frontend seam without any server: admission and the queue limit, the drain, cancellation of
 requests whose client went away, answering to the end (pieces, result, the request's own error, a bug),
-the metrics' values. A request is live from submit until its final response, so nothing here waits on
-how fast the model decodes."""
+the status of each error, the metrics' values. A request holds its place from admission until its final
+response, so nothing here waits on how fast the model decodes."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 
 from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.generator import Generator
-from refusion.serve.frontend import Final, Frontend, ServeRequest
+from refusion.serve.frontend import Final, Frontend, ServeRequest, Status, decode
 
 pytest.importorskip("onnxruntime")
 
@@ -31,26 +31,38 @@ def _answer(frontend: Frontend, request, stream: bool) -> tuple[list[str], list[
     return pieces, finals
 
 
+def _submit(frontend: Frontend, job: ServeRequest, handle: str):
+    assert frontend.admit() is None
+    return frontend.submit(job, handle)
+
+
 def test_requests_past_the_limit_are_refused_until_one_has_its_final_response(gen):
     frontend: Frontend[str] = Frontend(gen, max_queue=1)
-    assert frontend.limit == 2 and frontend.refusal() is None
-    first = frontend.submit(JOB, "a")
+    assert frontend.limit == 2
+    first = _submit(frontend, JOB, "a")
+    assert frontend.admit() is None  # admitted (still tokenizing, say): it holds its place
+    assert frontend.metrics().requests_in_flight == 2
+    assert frontend.admit() == Final(error="the server holds 2 requests, its limit (1 running + 1 queued, "
+                                           "--max-queue); retry later or add instances.",
+                                     status=Status.RESOURCE_EXHAUSTED)
     second = frontend.submit(JOB, "b")
-    assert frontend.refusal() == ("the server holds 2 requests, its limit (1 running + 1 queued, --max-queue); "
-                                  "retry later or add instances.")
     pieces, finals = _answer(frontend, first, stream=True)
-    assert frontend.refusal() is None
+    assert frontend.admit() is None  # its place is free again
+    third = frontend.submit(JOB, "c")
     assert len(finals) == 1 and finals[0].result is not None and not finals[0].error
     assert "".join(pieces) == finals[0].result.text  # streamed pieces add up to the answer
-    _, finals = _answer(frontend, second, stream=False)
-    assert finals[0].result is not None and finals[0].result.text == first.result().text
+    for request in (second, third):
+        _, finals = _answer(frontend, request, stream=False)
+        assert finals[0].result is not None and finals[0].result.text == first.result().text
+    assert frontend.metrics().requests_in_flight == 0
 
 
 def test_bad_settings_raise_at_submit_and_nothing_is_held(gen):
     frontend: Frontend[str] = Frontend(gen, max_queue=0)
+    assert frontend.admit() is None
     with pytest.raises(RefusionError, match="slot_threshold=2.0 is outside"):
         frontend.submit(ServeRequest("hi", settings={"slot_threshold": 2.0}), "a")
-    assert frontend.refusal() is None
+    assert frontend.admit() is None and frontend.metrics().requests_in_flight == 1  # the place was given back
 
 
 def test_a_failed_request_gets_its_error_and_a_bug_an_internal_one(gen):
@@ -69,13 +81,23 @@ def test_a_failed_request_gets_its_error_and_a_bug_an_internal_one(gen):
     assert finals[0].internal and finals[0].error == "internal error: KeyError: 'oops'"
 
 
+def test_an_error_crosses_a_wire_of_messages_with_its_status():
+    for status in Status:
+        assert decode(Final(error="x: y", status=status).coded()) == (status, "x: y")
+    assert decode("Stub process 'refusion_0_0' is not healthy.") == (None, "Stub process 'refusion_0_0' is not healthy.")
+    assert decode("NOT_A_STATUS: z") == (None, "NOT_A_STATUS: z")
+    assert [s.value for s in Status] == [400, 429, 503, 500]
+
+
 def test_gone_clients_are_cancelled_and_a_drain_refuses_then_cancels_everything(gen):
     frontend: Frontend[str] = Frontend(gen, max_queue=4)
-    kept, gone = frontend.submit(JOB, "kept"), frontend.submit(JOB, "gone")
+    kept, gone = _submit(frontend, JOB, "kept"), _submit(frontend, JOB, "gone")
     frontend.cancel_gone(lambda handle: handle == "gone")
     assert gone.cancelled and not kept.cancelled
     frontend.drain(time.time() + 3600)
-    assert frontend.refusal() == "the server is shutting down; send the request to another instance."
+    shutting = Final(error="the server is shutting down; send the request to another instance.",
+                     status=Status.UNAVAILABLE)
+    assert frontend.admit() == shutting
     frontend.cancel_gone(lambda handle: False)
     assert not kept.cancelled  # before the deadline, requests run on
     frontend.drain(time.time() - 1)  # the first deadline stays
@@ -90,10 +112,11 @@ def test_gone_clients_are_cancelled_and_a_drain_refuses_then_cancels_everything(
 
 def test_close_cancels_what_is_live_and_refuses_new_requests(gen):
     frontend: Frontend[str] = Frontend(gen, max_queue=4)
-    request = frontend.submit(JOB, "a")
+    request = _submit(frontend, JOB, "a")
     frontend.close(timeout_s=0)  # no responder here: returns at its timeout
     assert request.cancelled
-    assert frontend.refusal() == "the server is shutting down; send the request to another instance."
+    assert frontend.admit() is not None and frontend.admit().status is Status.UNAVAILABLE
     request.result()
-    metrics = frontend.metrics()
-    assert metrics.requests_in_flight == 0 and metrics.kv_regions_in_use == 0
+    assert frontend.metrics().kv_regions_in_use == 0
+    _answer(frontend, request, stream=False)
+    assert frontend.metrics().requests_in_flight == 0

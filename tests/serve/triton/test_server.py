@@ -1,15 +1,14 @@
-"""Triton serving end to end: a real tritonserver on loopback, HTTP generate and generate_stream,
-gRPC streaming, concurrency, malformed requests, client disconnects, overload and SIGTERM."""
+"""Triton serving end to end: a real tritonserver behind the gateways, HTTP generate and generate_stream,
+gRPC streaming, concurrency, malformed requests, client disconnects, timeouts, overload and SIGTERM. Every
+request that must be in flight is held there by the gate (tests/serve/triton/gate.py), not by slowness."""
 
 from __future__ import annotations
 
 import http.client
 import json
-import os
 import queue
 import signal
-import subprocess
-import sys
+import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -21,7 +20,8 @@ import pytest
 from refusion.runtime.generator import Generator
 from refusion.serve.triton.client import stream_events
 from refusion.serve.triton.launcher import free_ports
-from tests.serve.triton.server import LONG, MODEL, metric, post, wait_idle
+from tests.serve.triton.gate import Gate
+from tests.serve.triton.server import LONG, MODEL, get, metric, post, start_cli, wait_idle, wait_until
 
 pytestmark = pytest.mark.slow
 SHORT = {"max_tokens": 32, "slot_size": 4, "serial_num_blocks": 2}
@@ -29,9 +29,9 @@ PROMPTS = ["sort: 3 1 2", "hello", "count to five", "a b c", "1 2 3"]
 
 
 @pytest.fixture(scope="module")
-def alone(slow_export):
+def alone(served_export):
     """What Generator.generate gives each prompt at the same settings: the oracle."""
-    with Generator.from_dir(slow_export, backend="ort-cpu", threads=1) as gen:
+    with Generator.from_dir(served_export, backend="ort-cpu", threads=1) as gen:
         def run(prompt: str, **settings) -> tuple[list[int], str]:
             result = gen.generate(prompt, **settings)
             return result.token_ids, result.text
@@ -69,6 +69,29 @@ def test_http_stop_words_log_probs_and_cached_prompt_tokens(server, alone):
         cut = post(url, {"text_input": prompt, **SHORT, "stop_words": [stop, "never in it"]})[1]
         assert cut["finish_reason"] == "stop" and cut["text_output"] == text[: text.index(stop)]
 
+
+@pytest.mark.parametrize("path, body", [
+    ("generate", {"text_input": "hi", "max_tokens": 1, "mode": "ar"}),  # one token: Triton writes a number
+    ("generate", {"text_input": "hi", "max_tokens": 8, "mode": "ar", "return_log_probs": True,
+                  "stop_words": ["never in it", "nor this"]}),
+    ("generate", {"text_input": "héllo ✓", **SHORT}),
+    ("generate_stream", {"text_input": "count to five", "stream": True, **SHORT}),
+])
+def test_the_gateway_answers_byte_for_byte_as_tritons_own_endpoint_would(server, path, body):
+    """Clients see no difference: the same request to Triton's own port (with the launcher's secret) gets the
+    same bytes. (The prompts are shorter than a prefix-cache block: neither answer reuses the other's KV.)"""
+    def answer(port: int, headers: dict) -> tuple[int, bytes]:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+        try:
+            conn.request("POST", f"/v2/models/{MODEL}/{path}", json.dumps(body), headers)
+            response = conn.getresponse()
+            return response.status, response.read()
+        finally:
+            conn.close()
+
+    direct = answer(server.upstream.http_port, {server.upstream.header: server.upstream.secret})
+    assert direct[0] == 200, direct
+    assert answer(server.ports.http, {}) == direct
 
 def test_http_generate_stream_sends_pieces_then_a_final_response(server, alone):
     events = sse(server, {"text_input": "count to five", "stream": True, **SHORT})
@@ -169,93 +192,156 @@ def test_a_wrong_dtype_is_refused_naming_the_tensor(server):
     assert server.ready()
 
 
-def test_a_client_that_disconnects_mid_stream_is_cancelled_and_its_kv_freed(server):
+def _held(gate: Gate, start, released: int = 0):
+    """Start a request (`start()`) with the gate closed, let `released` forwards through, and return once the
+    next one is held: the request is in flight and stays there until the gate opens."""
+    held = gate.hold()
+    result = start()
+    gate.release(released)
+    gate.wait_for("held", held + 1 + released)
+    return result
+
+
+def _raw_post(server, path: str, body: dict) -> socket.socket:
+    """A request sent on a raw socket, its answer left unread."""
+    sock = socket.create_connection(("127.0.0.1", server.ports.http))
+    data = json.dumps(body).encode()
+    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+    return sock
+
+
+def test_a_client_that_disconnects_mid_stream_is_cancelled_and_its_kv_freed(server, gate):
     wait_idle(server)
-    # HTTP: read the first event, then close the connection.
+    cancelled = gate.count("cancel")
+    # HTTP: read the first event (two forwards let through: the prompt's and a token's), then hang up.
     conn = http.client.HTTPConnection("127.0.0.1", server.ports.http, timeout=60)
-    conn.request("POST", f"/v2/models/{MODEL}/generate_stream",
-                 json.dumps({"text_input": "hello", "stream": True, **LONG}))
-    response = conn.getresponse()
-    assert response.readline().startswith(b"data: ")
-    deadline = time.monotonic() + 2  # the gauge is refreshed every 50 ms
-    while metric(server, "refusion_kv_slots_in_use") != 1:
-        assert time.monotonic() < deadline, "the streaming request holds no KV region"
-        time.sleep(0.02)
-    t0 = time.monotonic()
+    _held(gate, lambda: conn.request("POST", f"/v2/models/{MODEL}/generate_stream",
+                                     json.dumps({"text_input": "hello", "stream": True, **LONG})), released=2)
+    assert conn.getresponse().readline().startswith(b"data: ")
+    wait_until(lambda: metric(server, "refusion_kv_slots_in_use") == 1, "the streaming request holds a KV region")
     conn.close()
+    gate.wait_for("cancel", cancelled + 1)  # cancelled while its forward was still held: not decoded to the end
+    gate.open()
     wait_idle(server)
     # gRPC: cancel the stream after the first response.
-    assert len(grpc_stream(server, "hello", LONG, cancel_after=1)) == 1
+    held = gate.hold()
+    with ThreadPoolExecutor(1) as pool:
+        got = pool.submit(grpc_stream, server, "hello", LONG, cancel_after=1)
+        gate.release(2)
+        gate.wait_for("held", held + 3)
+        gate.wait_for("cancel", cancelled + 2)
+        gate.open()
+        assert len(got.result(timeout=60)) == 1
     wait_idle(server)
-    # Both ended well before the ~3 s each would have taken to finish.
-    assert time.monotonic() - t0 < 2.5
 
 
-def test_timeout_s_ends_a_request_with_what_had_settled(server):
-    status, body = post(f"{server.url}/v2/models/{MODEL}/generate", {"text_input": "hello", "timeout_s": 0.3, **LONG})
+def test_a_client_that_disconnects_from_generate_is_cancelled_too(server, gate):
+    wait_idle(server)
+    cancelled = gate.count("cancel")
+    sock = _held(gate, lambda: _raw_post(server, f"/v2/models/{MODEL}/generate", {"text_input": "hello", **LONG}))
+    sock.close()  # before any answer: generate sends nothing until the end
+    gate.wait_for("cancel", cancelled + 1)
+    gate.open()
+    wait_idle(server)
+
+
+def test_timeout_s_ends_a_request_with_what_had_settled(server, gate):
+    timeout_s = 0.5
+    with ThreadPoolExecutor(1) as pool:
+        pending = _held(gate, lambda: pool.submit(post, f"{server.url}/v2/models/{MODEL}/generate",
+                                                  {"text_input": "hello", "timeout_s": timeout_s, **LONG}), released=3)
+        passed = time.monotonic() + timeout_s  # the deadline (set when the request was submitted) is behind us then
+        wait_until(lambda: time.monotonic() > passed, "the deadline passes")
+        gate.open()
+        status, body = pending.result(timeout=60)
     assert status == 200 and body["finish_reason"] == "timeout"
     assert 0 < len(body["token_ids"]) < LONG["max_tokens"]
 
 
-def start_cli(export, ports: list[int], *args: str) -> subprocess.Popen:
-    http_port, grpc_port, metrics_port = ports
-    process = subprocess.Popen(
-        [sys.executable, "-m", "refusion.tools.run_cli", "serve", str(export), "--address", "127.0.0.1",
-         "--http-port", str(http_port), "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port),
-         "--backend", "ort-cpu", "--threads", "1", *args],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    for line in process.stdout:
-        if line.startswith(b"ready:"):
-            return process
-    raise AssertionError(f"the server did not start (exit code {process.wait()})")
-
-
-def test_overload_past_the_queue_limit_is_rejected_at_once(slow_export):
+@pytest.fixture
+def cli_gate(tmp_path) -> Gate:
     pytest.importorskip("pytriton")
+    return Gate(tmp_path / "gate")
+
+
+def test_overload_past_the_queue_limit_is_refused_at_once_with_429(served_export, cli_gate):
     ports = free_ports()
-    process = start_cli(slow_export, ports, "--max-requests", "1", "--max-batch", "1", "--max-queue", "1")
-    url = f"http://127.0.0.1:{ports[0]}/v2/models/{MODEL}/generate"
+    process = start_cli(served_export, ports, cli_gate, "--max-requests", "1", "--max-batch", "1",
+                        "--max-queue", "1")
+    server = SimpleNamespace(url=f"http://127.0.0.1:{ports[0]}", ports=SimpleNamespace(metrics=ports[2]))
+    url = f"{server.url}/v2/models/{MODEL}/generate"
     try:
-        t0 = time.monotonic()
-        with ThreadPoolExecutor(4) as pool:
-            answers = list(pool.map(lambda _: post(url, {"text_input": "hello", "timeout_s": 1.5, **LONG}), range(4)))
-        statuses = sorted(status for status, _ in answers)
-        assert statuses.count(200) == 2 and statuses.count(400) == 2, answers  # 1 running + 1 queued; 2 refused
-        refused = [body["error"] for status, body in answers if status != 200]
-        assert all("limit" in e and "--max-queue" in e for e in refused)
-        assert time.monotonic() - t0 < 10  # the refused ones did not wait for the others
+        with ThreadPoolExecutor(2) as pool:
+            running = _held(cli_gate, lambda: pool.submit(post, url, {"text_input": "hello", **LONG}))
+            queued = pool.submit(post, url, {"text_input": "hello", **LONG})
+            wait_until(lambda: metric(server, "refusion_requests_in_flight") == 2, "the second request is queued")
+            # 1 running + 1 queued: more are refused while both are held, so they did not wait for them.
+            for _ in range(2):
+                status, body = post(url, {"text_input": "hello", **LONG})
+                assert status == 429 and "limit" in body["error"] and "--max-queue" in body["error"], body
+            # A gRPC stream's error carries only a message: its kind is the message's first word.
+            assert _grpc_error(ports[1], "hello").startswith("RESOURCE_EXHAUSTED: the server holds 2 requests")
+            cli_gate.open()
+            assert [f.result(timeout=60)[0] for f in (running, queued)] == [200, 200]
     finally:
+        cli_gate.open()
         process.send_signal(signal.SIGTERM)
         process.wait(timeout=60)
 
 
-def test_sigterm_drains_in_flight_requests_and_stops_cleanly(slow_export):
-    pytest.importorskip("pytriton")
+def _grpc_error(port: int, prompt: str) -> str:
+    """The error message a one-request gRPC stream gets (the request must be refused)."""
+    grpcclient = pytest.importorskip("tritonclient.grpc")
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
+    responses: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: responses.put(error))
+    try:
+        text = grpcclient.InferInput("text_input", [1], "BYTES")
+        text.set_data_from_numpy(np.array([prompt.encode()], dtype=np.object_))
+        client.async_stream_infer(MODEL, [text])
+        error = responses.get(timeout=60)
+        assert error is not None, "the request was not refused"
+        return error.message()
+    finally:
+        client.stop_stream()
+        client.close()
+
+
+def test_sigterm_drains_in_flight_requests_and_exits_0_with_idle_connections_open(served_export, cli_gate):
     ports = free_ports()
-    process = start_cli(slow_export, ports, "--drain-timeout", "20")
-    url = f"http://127.0.0.1:{ports[0]}/v2/models/{MODEL}/generate"
+    process = start_cli(served_export, ports, cli_gate, "--drain-timeout", "300")
+    base = f"http://127.0.0.1:{ports[0]}"
+    idle = http.client.HTTPConnection("127.0.0.1", ports[0], timeout=60)  # a kept-alive connection, left idle
+    idle.request("GET", "/v2/health/ready")
+    assert idle.getresponse().read() == b""
     with ThreadPoolExecutor(1) as pool:
-        pending = pool.submit(post, url, {"text_input": "hello", **LONG})
-        time.sleep(0.5)  # the request is decoding
-        t0 = time.monotonic()
+        pending = _held(cli_gate, lambda: pool.submit(post, f"{base}/v2/models/{MODEL}/generate",
+                                                      {"text_input": "hello", **LONG}))
         process.send_signal(signal.SIGTERM)
+        wait_until(lambda: get(f"{base}/v2/health/ready")[0] == 503, "readiness fails once draining")
+        status, body = post(f"{base}/v2/models/{MODEL}/generate", {"text_input": "hi", "max_tokens": 8})
+        assert status == 503 and "shutting down" in body["error"]
+        cli_gate.open()  # the request in flight finishes inside the drain
         status, body = pending.result(timeout=60)
-    assert process.wait(timeout=60) == 0
-    assert status == 200 and body["finish_reason"] == "length"  # it finished inside the drain
-    assert time.monotonic() - t0 < 20
+    assert status == 200 and body["finish_reason"] in ("length", "eos")
+    assert process.wait(timeout=120) == 0
     output = process.stdout.read().decode()
     assert "SIGTERM: draining" in output and "stopped (tritonserver exit code 0)" in output
+    assert "error" not in output.lower()
 
 
-def test_past_the_drain_timeout_requests_are_cancelled_with_a_final_response(slow_export):
-    pytest.importorskip("pytriton")
+def test_past_the_drain_timeout_requests_are_cancelled_with_a_final_response(served_export, cli_gate):
     ports = free_ports()
-    process = start_cli(slow_export, ports, "--drain-timeout", "1")
+    process = start_cli(served_export, ports, cli_gate, "--drain-timeout", "1")
     server = SimpleNamespace(url=f"http://127.0.0.1:{ports[0]}")
     with ThreadPoolExecutor(1) as pool:
-        pending = pool.submit(sse, server, {"text_input": "hello", "stream": True, **LONG})
-        time.sleep(0.5)
+        # Three forwards through: what they settle is streamed before the drain.
+        pending = _held(cli_gate, lambda: pool.submit(sse, server, {"text_input": "hello", "stream": True, **LONG}),
+                        released=3)
         process.send_signal(signal.SIGTERM)
+        cli_gate.wait_for("cancel", 1)  # the drain's deadline passed with the request still held
+        cli_gate.open()
         events = pending.result(timeout=60)
     assert process.wait(timeout=60) == 0
     final = events[-1]
@@ -281,7 +367,7 @@ def test_the_client_command_prints_the_answer_streamed_or_whole(server, alone):
     from refusion.tools.run_cli import cli
 
     ids, text = alone("count to five", **SHORT)
-    args = ["client", "count to five", "--url", server.url, "--gen-length", "32", "--slot-size", "4",
+    args = ["client", "count to five", "--url", server.url, "--max-tokens", "32", "--slot-size", "4",
             "--serial-blocks", "2"]
     for extra in ([], ["--stream"]):
         result = CliRunner().invoke(cli, args + extra)

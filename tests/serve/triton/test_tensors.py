@@ -14,8 +14,8 @@ from click.testing import CliRunner
 from refusion.runtime.core.errors import RefusionError
 from refusion.serve.triton import launcher
 from refusion.serve.triton.launcher import Ports, TritonInstall, TritonServer
-from refusion.serve.triton.settings import ServeSettings
-from refusion.serve.triton.tensors import INPUTS, OUTPUTS, config_pbtxt, read_request
+from refusion.serve.triton.settings import SETTINGS_FILE, ServeSettings
+from refusion.serve.triton.tensors import INPUTS, OUTPUTS, config_pbtxt, read_json, read_request
 from refusion.tools.run_cli import cli
 
 
@@ -70,24 +70,61 @@ def test_the_config_is_a_valid_triton_model_config():
     from google.protobuf import text_format
     from tritonclient.grpc import model_config_pb2
 
-    parameters = ServeSettings('/models/a "quoted" dir', "ort-cpu", threads=2, max_queue=5).to_parameters()
-    config = text_format.Parse(config_pbtxt("refusion", parameters), model_config_pb2.ModelConfig())
+    config = text_format.Parse(config_pbtxt("refusion"), model_config_pb2.ModelConfig())
     assert config.backend == "python" and config.max_batch_size == 0
     assert config.model_transaction_policy.decoupled
     assert [i.name for i in config.input] == [s.name for s in INPUTS]
     assert [i.name for i in config.input if not i.optional] == ["text_input"]
     assert [o.name for o in config.output] == [s.name for s in OUTPUTS]
-    read = ServeSettings.from_parameters({k: v.string_value for k, v in config.parameters.items()})
-    assert read == ServeSettings('/models/a "quoted" dir', "ort-cpu", threads=2, max_queue=5)
+    assert not config.parameters  # clients may read the config: no host path in it
 
 
-def test_settings_refuse_bad_values():
-    with pytest.raises(RefusionError, match="threads='two' is not an integer"):
-        ServeSettings.from_parameters({"model_dir": "x", "threads": "two"})
-    with pytest.raises(RefusionError, match="no model_dir"):
-        ServeSettings.from_parameters({})
-    with pytest.raises(RefusionError, match="max_queue=-1"):
-        ServeSettings("x", max_queue=-1)
+def test_settings_travel_in_a_file_beside_the_model(tmp_path):
+    settings = ServeSettings('/models/a "quoted" dir', "ort-cpu", threads=2, max_queue=5, work_dir="/w",
+                             launcher_pid=7)
+    settings.write(tmp_path / SETTINGS_FILE)
+    assert ServeSettings.read(tmp_path / SETTINGS_FILE) == settings
+    assert settings.drain_file == Path("/w/drain")
+
+
+@pytest.mark.parametrize("text, message", [
+    ("{", "cannot be read"), ("[]", "not a settings file"), ('{"threads": 2}', "not a settings file"),
+    ('{"model_dir": "x", "colour": 1}', "not a settings file"), ('{"model_dir": "x", "max_queue": -1}', "max_queue=-1"),
+])
+def test_settings_refuse_a_bad_file(tmp_path, text, message):
+    (tmp_path / SETTINGS_FILE).write_text(text)
+    with pytest.raises(RefusionError, match=message):
+        ServeSettings.read(tmp_path / SETTINGS_FILE)
+
+
+def test_a_json_body_is_read_against_the_tensors():
+    body = {"text_input": "hi", "max_tokens": 8, "stream": True, "slot_threshold": 0.5, "seed": 2**40, "mode": "ar"}
+    assert read_json(body, streaming=True) == body
+    assert read_json({"text_input": "hi", "temperature": 1}, streaming=False)["temperature"] == 1
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"text_input": "hi", "max_token": 5}, "'max_token' is not an input of this model; did you mean 'max_tokens'?"),
+    ({"text_input": "hi", "foo": 1}, "'foo' is not an input of this model; it takes text_input, max_tokens"),
+    ({"max_tokens": 5}, "text_input is missing"),
+    ({"text_input": "hi", "stream": True}, '"stream": true needs generate_stream'),
+    ({"text_input": "hi", "max_tokens": 2**31}, r"max_tokens=2147483648 does not fit TYPE_INT32 \[-2147483648, 2147483647\]"),
+    ({"text_input": "hi", "seed": 2**64 - 1}, "seed=18446744073709551615 does not fit TYPE_INT64"),
+    ({"text_input": "hi", "max_tokens": "64"}, "max_tokens is a JSON str"),
+    ({"text_input": "hi", "max_tokens": 64.5}, "max_tokens is a JSON float"),
+    ({"text_input": "hi", "max_tokens": True}, "max_tokens is a JSON bool"),
+    ({"text_input": "hi", "chat": "yes"}, "chat is a JSON str"),
+    ({"text_input": "hi", "chat": 1}, "chat is a JSON int"),
+    ({"text_input": None}, "text_input is a JSON NoneType"),
+    ({"text_input": 5}, "text_input is a JSON int"),
+    ({"text_input": {"a": 1}}, "text_input is a JSON dict"),
+    ({"text_input": ["hi"]}, "text_input is a JSON list"),
+    ({"text_input": "hi", "temperature": 1e39}, r"temperature=1e\+39 is not a finite float32"),
+    ({"text_input": "a\udcffb"}, "text_input holds a lone surrogate"),
+])
+def test_a_bad_json_body_is_refused_naming_the_field(body, message):
+    with pytest.raises(RefusionError, match=message):
+        read_json(body, streaming=False)
 
 
 @pytest.mark.parametrize("make, message", [
@@ -136,15 +173,16 @@ def test_the_repository_holds_our_model_and_the_stub(tmp_path):
     install.stub.write_text("stub")
     models, backends = launcher.write_repository(tmp_path / "root", "m", ServeSettings("/e"), install)
     assert "from refusion.serve.triton.model import TritonPythonModel" in (models / "m" / "1" / "model.py").read_text()
-    assert 'key: "model_dir"' in (models / "m" / "config.pbtxt").read_text()
+    assert "/e" not in (models / "m" / "config.pbtxt").read_text()
+    assert ServeSettings.read(models / "m" / "1" / SETTINGS_FILE) == ServeSettings("/e")
     assert (backends / "python" / "triton_python_backend_stub").read_text() == "stub"
     assert json.dumps(sorted(p.name for p in (backends / "python").iterdir())) == json.dumps(
         ["libtriton_python.so", "triton_python_backend_stub", "triton_python_backend_utils.py"])
 
 
-def test_runner_options_are_checked_before_triton_starts(slow_export, monkeypatch):
+def test_runner_options_are_checked_before_triton_starts(served_export, monkeypatch):
     monkeypatch.setattr(TritonInstall, "find", lambda: pytest.fail("Triton looked up before the options were checked"))
-    result = CliRunner().invoke(cli, ["serve", str(slow_export), "--backend", "ort-cpu", "--max-requests", "4",
+    result = CliRunner().invoke(cli, ["serve", str(served_export), "--backend", "ort-cpu", "--max-requests", "4",
                                       "--max-batch", "32"])
     assert result.exit_code == 1
     assert result.output == "error: max_batch=32 exceeds max_requests=4: a forward packs requests in flight; " \

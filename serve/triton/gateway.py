@@ -1,0 +1,417 @@
+"""The HTTP server clients reach. Triton's own HTTP port is bound to loopback behind it and answers only
+requests that carry the launcher's secret header, so Triton's JSON parser, shared-memory, repository,
+logging, trace and statistics APIs are out of every client's reach.
+
+What it serves (docs/serving.md, "Security and limits"):
+- POST /v2/models/MODEL/generate and /generate_stream: the body read within the size and nesting limits and
+  checked against the served tensors (serve/triton/tensors.py read_json), then sent on to Triton over gRPC
+  (serve/triton/upstream.py), so that a client that disconnects cancels its request, streaming or not.
+  Errors get the HTTP status of their kind (serve/frontend.py Status).
+- GET /v2/health/live, /v2/health/ready, /v2/models/MODEL/ready: the truth (the stub alive, not draining);
+  no key needed, for load balancers.
+- GET /v2 and /v2/models/MODEL: Triton's metadata. On the metrics port, GET /metrics.
+Everything else is 404. With an API key, every request but health needs `Authorization: Bearer KEY`.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import re
+import select
+import socket
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import TYPE_CHECKING, Any
+
+from refusion.runtime.core.errors import RefusionError
+from refusion.serve.frontend import Status, decode
+from refusion.serve.security import authorized, read_json_object
+from refusion.serve.triton.tensors import read_json
+
+if TYPE_CHECKING:
+    from refusion.serve.triton.upstream import TritonCalls
+
+IDLE_TIMEOUT_S = 30  # a client silent this long (between requests, or mid-request) is disconnected
+MAX_CONNECTIONS = 1024  # more are answered 503 at once; each open connection holds a thread
+DISCARD_LIMIT = 64 << 20  # a body over the limit but under this is read and dropped, so its client sees the 413
+_MODEL_PATH = re.compile(r"/v2/models/([^/]+)(?:/versions/[^/]+)?(/.*)?")
+
+
+@dataclass
+class Health:
+    """What readiness reports, shared by the gateways and the launcher."""
+
+    started: bool = False
+    draining: bool = False
+    failure: str | None = None  # why the model can no longer serve
+
+    @property
+    def ready(self) -> bool:
+        return self.started and not self.draining and self.failure is None
+
+    @property
+    def reason(self) -> str:
+        if self.failure is not None:
+            return self.failure
+        return "the server is shutting down" if self.draining else "the model is loading"
+
+
+@dataclass
+class Upstream:
+    """Triton on loopback, and the header its restricted APIs expect (the gateways share one: a retried
+    start moves Triton to other ports)."""
+
+    http_port: int
+    grpc_port: int
+    metrics_port: int
+    secret: str
+    host: str = "127.0.0.1"
+    header: str = "x-refusion-gateway"
+
+    def connection(self, port: int) -> http.client.HTTPConnection:
+        return http.client.HTTPConnection(self.host, port, timeout=None)
+
+
+@dataclass
+class Gateway:
+    """What a handler needs to know: the upstream, the model's name, the limits, the key, the health."""
+
+    upstream: Upstream
+    model: str
+    health: Health
+    api_key: str | None
+    max_body: int
+    metrics: bool = False  # the metrics port: GET /metrics only
+    calls: TritonCalls | None = None  # set once Triton is ready
+    in_flight: int = 0  # generate / generate_stream requests being answered
+    idle: dict[socket.socket, bool] = field(default_factory=dict)  # open connections: idle between requests?
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class HttpGateway:
+    """One listening port (the API or the metrics), bound at construction so a taken port fails early."""
+
+    def __init__(self, address: str, port: int, gateway: Gateway, flag: str = "--http-port"):
+        _Server.address_family = socket.AF_INET6 if ":" in address else socket.AF_INET
+        try:
+            self.server = _Server((address, port), _Handler)
+        except OSError as e:
+            raise RefusionError(_bind_error(flag, address, port, e)) from None
+        self.server.gateway = gateway
+        self.gateway = gateway
+        self._thread: threading.Thread | None = None
+
+    def start(self, calls: TritonCalls) -> None:
+        self.gateway.calls = calls
+        self._thread = threading.Thread(target=self.server.serve_forever, name="refusion-http-gateway", daemon=True)
+        self._thread.start()
+
+    def drain(self) -> None:
+        """Close the connections idle between requests (the draining health refuses new ones; those busy close
+        after their response), so that no keep-alive connection holds the shutdown."""
+        with self.gateway.lock:
+            idle = [conn for conn, is_idle in self.gateway.idle.items() if is_idle]
+        for conn in idle:
+            _shut(conn)
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self.server.shutdown()
+        self.server.server_close()
+        with self.gateway.lock:
+            conns = list(self.gateway.idle)
+        for conn in conns:
+            _shut(conn)
+
+
+def _bind_error(flag: str, address: str, port: int, e: OSError) -> str:
+    if e.errno == 98:  # EADDRINUSE
+        return (f"{flag} {port} on {address} is in use: another server answers there; stop it, or choose another "
+                "port.")
+    if e.errno == 99:  # EADDRNOTAVAIL
+        return f"--address {address} is not an address of this host; give one of its own (or 0.0.0.0 for all)."
+    return f"cannot listen on {address}:{port} for {flag} ({e.strerror})."
+
+
+def _shut(conn: socket.socket) -> None:
+    try:
+        conn.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+
+
+class _Server(ThreadingHTTPServer):
+    """One thread per connection, up to MAX_CONNECTIONS."""
+
+    daemon_threads = True
+    request_queue_size = socket.SOMAXCONN  # connections not yet accepted (the default 5 resets bursts of clients)
+    gateway: Gateway
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        with self.gateway.lock:
+            full = len(self.gateway.idle) >= MAX_CONNECTIONS
+            if not full:
+                self.gateway.idle[request] = True
+        if full:
+            body = b'{"error":"the server holds its limit of open connections; retry later."}'
+            try:
+                request.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                                b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+            except OSError:
+                pass
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def shutdown_request(self, request: Any) -> None:
+        with self.gateway.lock:
+            self.gateway.idle.pop(request, None)
+        super().shutdown_request(request)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        pass  # a client gone mid-answer (the only error a handler lets out): its request was cancelled
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"  # keep-alive
+    server_version = "refusion"
+    timeout = IDLE_TIMEOUT_S
+    server: _Server
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
+        pass  # Triton's log and the metrics say what happened; no line per request
+
+    @property
+    def gateway(self) -> Gateway:
+        return self.server.gateway
+
+    def _busy(self, busy: bool) -> None:
+        with self.gateway.lock:
+            if self.connection in self.gateway.idle:
+                self.gateway.idle[self.connection] = not busy
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        self._route("GET")
+
+    def do_POST(self) -> None:  # noqa: N802
+        self._route("POST")
+
+    def _route(self, method: str) -> None:
+        self._busy(True)
+        try:
+            self._serve(method, self.path.split("?", 1)[0])
+        except OSError:  # the client went away (or stopped reading) mid-answer
+            self.close_connection = True
+        finally:
+            if self.gateway.health.draining:
+                self.close_connection = True
+            self._busy(False)
+
+    def _serve(self, method: str, path: str) -> None:
+        g = self.gateway
+        if g.metrics:
+            if (method, path) != ("GET", "/metrics"):
+                return self._error(404, f"{path} is not served here: the metrics port serves GET /metrics.")
+            if self._authorized():
+                self._forward_get(g.upstream.metrics_port, "/metrics")
+            return None
+        match = _MODEL_PATH.fullmatch(path)
+        model, rest = (match.group(1), match.group(2) or "") if match else (None, "")
+        if method == "GET" and (path in ("/v2/health/ready", "/v2/health/live") or (model == g.model and rest == "/ready")):
+            live = path == "/v2/health/live" and g.health.failure is None
+            if g.health.ready or live:
+                return self._reply(200, b"")
+            return self._error(503, f"not ready: {g.health.reason}.")
+        if model is not None and model != g.model:
+            return self._error(404, f"no model {model!r} here; this server serves {g.model!r}.")
+        if method == "POST" and rest in ("/generate", "/generate_stream"):
+            if self._authorized():
+                self._generate(streaming=rest == "/generate_stream")
+            return None
+        if method == "GET" and (path == "/v2" or (model is not None and rest == "")):
+            if self._authorized():
+                self._forward_get(g.upstream.http_port, path)
+            return None
+        return self._error(404, f"{method} {path} is not served here: this server answers generate, generate_stream, "
+                                "health, readiness and metadata (docs/serving.md).")
+
+    # -- the pieces of an answer ------------------------------------------------------------
+    def _authorized(self) -> bool:
+        if authorized(self.headers.get("Authorization"), self.gateway.api_key):
+            return True
+        self._error(401, "this server needs its API key: send the header Authorization: Bearer KEY.",
+                    {"WWW-Authenticate": "Bearer"})
+        return False
+
+    def _reply(self, status: int, body: bytes, content_type: str = "application/json",
+               headers: dict[str, str] | None = None) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
+        if self.close_connection or self.gateway.health.draining:
+            self.send_header("Connection", "close")
+            self.close_connection = True
+        self.end_headers()
+        self.wfile.write(body)
+
+    def _error(self, status: int, message: str, headers: dict[str, str] | None = None) -> None:
+        self._reply(status, _json({"error": message}), headers=headers)
+
+    def handle_expect_100(self) -> bool:
+        """A client that asks before sending its body (curl does) learns of a refusal before it sends it."""
+        if self._body_refusal() is not None:
+            return True  # no 100 Continue: _body answers the refusal
+        return super().handle_expect_100()
+
+    def _body_refusal(self) -> tuple[int, str] | None:
+        if "Transfer-Encoding" in self.headers:
+            return 411, "send the body with a Content-Length (chunked bodies are not taken)."
+        length = self._length()
+        if length is None:
+            return 411, "send the body with a Content-Length."
+        if length > self.gateway.max_body:
+            return 413, (f"the body is {length} bytes, over this server's limit of {self.gateway.max_body} "
+                         "(no prompt that long fits the model's positions).")
+        return None
+
+    def _length(self) -> int | None:
+        try:
+            length = int(self.headers.get("Content-Length", ""))
+        except ValueError:
+            return None
+        return length if length >= 0 else None
+
+    def _body(self) -> bytes | None:
+        """The request's body within the limit, or None once an error has been answered."""
+        refusal = self._body_refusal()
+        if refusal is None:
+            return self.rfile.read(self._length() or 0)
+        length = self._length()
+        if length is not None and length <= DISCARD_LIMIT and self.headers.get("Expect", "").lower() != "100-continue":
+            while length > 0:  # read and dropped: a client that sends it all, then reads, sees the 413
+                length -= len(self.rfile.read(min(1 << 16, length)) or b"\0" * length)
+        else:
+            self.close_connection = True
+        self._error(*refusal)
+        return None
+
+    def _forward_get(self, port: int, path: str) -> None:
+        conn = self.gateway.upstream.connection(port)
+        try:
+            conn.request("GET", path, headers={self.gateway.upstream.header: self.gateway.upstream.secret})
+            response = conn.getresponse()
+            self._reply(response.status, response.read(), response.getheader("Content-Type") or "text/plain")
+        except OSError as e:
+            self._error(503, f"the model server does not answer ({e}); it is stopping or has stopped.")
+        finally:
+            conn.close()
+
+    # -- generate and generate_stream ---------------------------------------------------------
+    def _generate(self, streaming: bool) -> None:
+        g = self.gateway
+        if g.health.draining or g.health.failure is not None or g.calls is None:
+            return self._error(503, f"{g.health.reason}; send the request to another instance.")
+        raw = self._body()
+        if raw is None:
+            return None
+        try:
+            body = read_json(read_json_object(raw), streaming)
+        except RefusionError as e:
+            return self._error(400, str(e))
+        with g.lock:
+            g.in_flight += 1
+        try:
+            generation = g.calls.generation(g.model, body)
+            try:
+                with _Hangup(self.connection, generation.cancel) as hangup:
+                    self._relay(generation, streaming, hangup)
+            finally:
+                generation.close()
+        finally:
+            with g.lock:
+                g.in_flight -= 1
+
+    def _relay(self, events: Any, streaming: bool, hangup: _Hangup) -> None:
+        """The request's events to the client: as they come (streaming) or the final one as the answer."""
+        started = False
+        for event in events:
+            if "error" in event:
+                status, message = _status(event["error"])
+                if not started:
+                    return self._error(status, message)
+                return self._chunk(b"data: " + _json({"error": message}) + b"\n\n", last=True)
+            if not streaming:
+                if "finish_reason" in event:
+                    return self._reply(200, _json(event))
+                continue
+            if not started:
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.send_header("Cache-Control", "no-cache")
+                self.send_header("Transfer-Encoding", "chunked")
+                self.end_headers()
+                started = True
+            final = "finish_reason" in event
+            self._chunk(b"data: " + _json(event) + b"\n\n", last=final)
+            if final:
+                return None
+        if hangup.gone:
+            self.close_connection = True
+            return None
+        message = "the model server ended the request without a final response; it is stopping or has stopped."
+        if not started:
+            return self._error(503, message)
+        return self._chunk(b"data: " + _json({"error": message}) + b"\n\n", last=True)
+
+    def _chunk(self, data: bytes, last: bool = False) -> None:
+        self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data) + (b"0\r\n\r\n" if last else b""))
+
+
+def _json(value: dict[str, Any]) -> bytes:
+    """JSON as Triton's HTTP endpoints write it (compact, keys sorted, UTF-8), so clients see no difference."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def _status(message: str) -> tuple[int, str]:
+    """An upstream error's HTTP status and its message: ours carry their kind (frontend.Final.coded); Triton's
+    own (a stub that is not healthy, say) are the server's failure."""
+    status, text = decode(message)
+    return (status or Status.UNAVAILABLE).value, text
+
+
+class _Hangup:
+    """While a request is answered: watch its client's socket, and when the client closes it, cancel the
+    request (the model frees its KV region within a forward)."""
+
+    def __init__(self, client: socket.socket, cancel: Callable[[], None]):
+        self.client, self.cancel = client, cancel
+        self.gone = False
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._thread = threading.Thread(target=self._watch, name="refusion-hangup", daemon=True)
+
+    def __enter__(self) -> _Hangup:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._wake_w.send(b"x")
+        self._thread.join()
+        self._wake_r.close()
+        self._wake_w.close()
+
+    def _watch(self) -> None:
+        readable, _, _ = select.select([self.client, self._wake_r], [], [])
+        if self._wake_r in readable:
+            return
+        try:
+            closed = self.client.recv(1, socket.MSG_PEEK) == b""
+        except OSError:
+            closed = True
+        if closed:  # (data instead: the client sent its next request early; it is still there)
+            self.gone = True
+            self.cancel()
