@@ -10,6 +10,7 @@ import json
 import os
 import platform
 import pstats
+import subprocess
 import threading
 import time
 from collections.abc import Callable
@@ -68,6 +69,15 @@ def answer_ids(ids: list[int], eos_id: int) -> list[int]:
 def through_eos(ids: list[int], eos_id: int) -> list[int]:
     """The tokens counted for speed: through the first EOS (all of them when there is none)."""
     return ids[: ids.index(eos_id) + 1] if eos_id in ids else list(ids)
+
+
+def cpu_model() -> str:
+    """lscpu's model name (what a report names the CPU by), else the platform's processor."""
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return platform.processor() or platform.machine()
+    return next((line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name")), "?")
 
 
 def host_info(modules: tuple[str, ...] = ("onnxruntime", "torch", "transformers", "numpy")) -> dict[str, Any]:

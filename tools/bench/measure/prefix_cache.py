@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -33,7 +31,7 @@ from refusion.runtime.decode.masks import causal_after
 from refusion.runtime.generator import Generator
 from refusion.runtime.prefix_cache import BLOCK_TOKENS, DEFAULT_MB, PrefixCache
 from refusion.runtime.request import SettledText
-from refusion.tools.bench.common import host_info
+from refusion.tools.bench.common import cpu_model, host_info
 
 WORDS = ("robot arm gripper camera frame target object table left right move stop slow fast grasp release "
          "safety limit joint speed torque sensor report state goal plan step wait check clear path obstacle").split()
@@ -44,14 +42,6 @@ CONDITIONS = ("none", "first", "repeated", "different")
 FLOOR_MODE = "ar"  # whose prompts the forward floor takes (one prefill forward, as AR's first token needs)
 RANDOM_SPEC = dict(num_layers=4, hidden_size=1024, num_heads=8, kv_heads=4, head_dim=128, intermediate_size=3072,
                    vocab_size=2048)
-
-
-def cpu_model() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return platform.processor() or platform.machine()
-    return next((line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name")), "?")
 
 
 def system_prompt(gen: Generator, rng: np.random.Generator, tokens: int = 200) -> str:
