@@ -116,8 +116,9 @@ class TensorRTCases(CaseRunner):
         if batch > self.runner.max_requests:
             return (f"batch {batch}; this TensorRT runner holds {self.runner.max_requests} request(s) "
                     f"(engines built with --max-batch {self.runner.max_batch})")
-        if select_profile(list(self.runner.engines.engine.profiles), graph, seq, past) is None:
-            return f"seq {seq} over past {past} lies outside the engine's {graph} profiles"
+        heads = feed["head_positions"].shape[1]
+        if select_profile(list(self.runner.engines.engine.profiles), graph, seq, past, 1, heads) is None:
+            return f"seq {seq} over past {past} ({heads} heads) lies outside the engine's {graph} profiles"
         return ""
 
     def __call__(self, graph: GraphName, feed: Feed) -> Outputs:
@@ -131,7 +132,7 @@ class TensorRTCases(CaseRunner):
             runner.kv_from_host(0, {name: feed[name][b : b + 1] for i in range(runner.manifest.num_layers)
                                     for name in (past_key_name(i), past_value_name(i))}, b)
             rows.append(RowFeed(feed["input_ids"][b : b + 1], feed["position_ids"][b : b + 1],
-                                feed["attention_mask"][b : b + 1], past, write_at, b))
+                                feed["attention_mask"][b : b + 1], past, write_at, b, feed["head_positions"][b : b + 1]))
         outs = [out for start in range(0, batch, runner.max_batch)
                 for out in runner.run_batch(graph, rows[start : start + runner.max_batch])]
         if write_at is not None:

@@ -258,9 +258,10 @@ def cases(manifest: ExportManifest, seed: int = 0, prefix: int = 12, block: int 
     """The shared cases, random tokens and past KV from `seed`.
 
     Shapes unlike the export's: batch 1 and 2, past 0 and > 0, several lengths, shuffled
-    position ids, slot rows over a shared past (both graphs each). Then the decode loop's
-    forwards at small sizes: a `prefix`-token prompt, a block of `block` masks, slots of `slot`:
-    prefill + plan, plan, verify, slot rows with private scratch (the infill passes), an AR step.
+    position ids, slot rows over a shared past (both graphs each), heads at every position or at some,
+    out of order and repeated. Then the decode loop's forwards at small sizes, with the heads it reads:
+    a `prefix`-token prompt, a block of `block` masks, slots of `slot`: prefill + plan, plan, verify, slot
+    rows with private scratch (the infill passes), an AR prefill and step.
     """
     if manifest.dtype not in ("float32", "float16"):
         raise RefusionError(f"{manifest.path}: numpy holds no {manifest.dtype} KV to feed; "
@@ -270,12 +271,15 @@ def cases(manifest: ExportManifest, seed: int = 0, prefix: int = 12, block: int 
     vocab = manifest.vocab_size
 
     def case(name: str, graphs: tuple[GraphName, ...], ids: np.ndarray, positions: np.ndarray, mask: np.ndarray,
-             batch: int = 1) -> Case:
+             batch: int = 1, heads: np.ndarray | None = None) -> Case:
+        """`heads`: the head positions (default every position)."""
         seq, past = mask.shape[1], mask.shape[2] - mask.shape[1]
+        at = np.arange(seq) if heads is None else heads
         feed = {
             "input_ids": np.broadcast_to(np.asarray(ids, np.int64), (batch, seq)).copy(),
             "position_ids": np.broadcast_to(np.asarray(positions, np.int64), (batch, seq)).copy(),
             "attention_mask": np.broadcast_to(mask, (batch, seq, past + seq)).copy(),  # writable: torch wants it
+            "head_positions": np.broadcast_to(np.asarray(at, np.int64), (batch, len(at))).copy(),
         }
         for i in range(manifest.num_layers):
             for kv in (past_key_name(i), past_value_name(i)):
@@ -287,7 +291,9 @@ def cases(manifest: ExportManifest, seed: int = 0, prefix: int = 12, block: int 
         name = f"batch {batch} past {past} seq {seq}" + (f" in {rows} rows" if rows > 1 else "")
         ids = rng.integers(0, vocab, (batch, seq))
         positions = rng.permutation(past + seq + 8)[:seq]
-        out.append(case(name, GRAPH_NAMES, ids, positions, rows_over_prefix(past, 0, 0, 0, rows, seq // rows), batch))
+        heads = rng.integers(0, seq, seq) if batch == 1 and past else None  # unordered, repeated
+        out.append(case(name, GRAPH_NAMES, ids, positions, rows_over_prefix(past, 0, 0, 0, rows, seq // rows), batch,
+                        heads))
     w = min(slot, block // 2)  # two slot rows of w tokens fit in one block
     accepted = w // 2  # each row's private tokens in scratch
     verify = min(slot, block)
@@ -295,7 +301,9 @@ def cases(manifest: ExportManifest, seed: int = 0, prefix: int = 12, block: int 
     after = np.arange(prefix, prefix + max(block, verify, 2 * w))
     out += [
         case("prefill+plan", ("infiller",), np.concatenate([rng.integers(0, vocab, prefix), mask_ids]),
-             np.arange(prefix + block), causal_after(0, prefix + block)),
+             np.arange(prefix + block), causal_after(0, prefix + block), heads=np.arange(prefix, prefix + block)),
+        case("ar prefill", ("infiller",), rng.integers(0, vocab, prefix), np.arange(prefix), causal_after(0, prefix),
+             heads=np.array([prefix - 1])),
         case("plan", ("planner",), mask_ids, after[:block], causal_after(prefix, block)),
         case("verify", ("infiller",), rng.integers(0, vocab, verify), after[:verify], causal_after(prefix, verify)),
         case("ar step", ("infiller",), rng.integers(0, vocab, 1), after[:1], causal_after(prefix, 1)),

@@ -155,7 +155,9 @@ class Qwen3(nn.Module):
         position_ids: torch.Tensor,
         attention_mask: torch.Tensor,
         past: list[tuple[torch.Tensor, torch.Tensor]],
+        head_positions: torch.Tensor | None = None,
     ) -> dict[str, torch.Tensor]:
+        """The contract's outputs; the heads at `head_positions` [b, heads] (None: every position)."""
         x = self.embed_tokens(input_ids)
         cos, sin = rotary_tables(position_ids, self.dims, x.dtype)
         bias = torch.where(attention_mask[:, None], 0.0, torch.finfo(torch.float32).min)
@@ -163,13 +165,15 @@ class Qwen3(nn.Module):
         for i, layer in enumerate(self.layers):
             x, k, v = layer(x, cos, sin, bias, *past[i])
             out[f"present.{i}.key"], out[f"present.{i}.value"] = k, v
-        logits = self.lm_head(self.norm(x)).float()
+        b, s = input_ids.shape
+        at = torch.arange(s).expand(b, s) if head_positions is None else head_positions
+        logits = self.lm_head(self.norm(x[torch.arange(b)[:, None], at])).float()  # [b, heads, vocab]
         probs = torch.softmax(logits, dim=-1)
         out["logits"] = logits
         out["argmax_ids"] = logits.argmax(-1)
         out["argmax_probs"] = probs.gather(-1, out["argmax_ids"][..., None])[..., 0]
-        prev = torch.cat([probs[:, :1], probs[:, :-1]], dim=1)  # upstream's shifted reading
-        out["input_probs"] = prev.gather(-1, input_ids[..., None])[..., 0]
+        next_ids = torch.cat([input_ids[:, 1:], input_ids[:, -1:]], dim=1).gather(1, at)  # the token after each head
+        out["input_probs"] = probs.gather(-1, next_ids[..., None])[..., 0]
         out["top_logprobs"], out["top_ids"] = torch.log_softmax(logits, dim=-1).topk(self.candidates, dim=-1)
         return out
 

@@ -84,7 +84,7 @@ class _Builder:
 def build_graph(
     spec: GraphSpec, dims: ModelDims, dtype: str, initializers: dict[str, TensorProto]
 ) -> onnx.ModelProto:
-    """One graph of the contract: embed, decoder layers with explicit KV, fused heads."""
+    """One graph of the contract: embed, decoder layers with explicit KV, heads at the head positions."""
     g = _Builder(initializers)
     onnx_dtype = core_dtype(dtype).onnx
     wants = {t.name for t in spec.outputs}
@@ -92,7 +92,7 @@ def build_graph(
     d = dims.head_dim
 
     x = g.op("Gather", "model.embed_tokens.weight", "input_ids")  # [b, s, hidden]
-    cos, sin = _rotary(g, dims, onnx_dtype)
+    rope = _Rotary(g, dims, onnx_dtype)
     # Additive attention bias from the boolean mask: [b, 1, 1, s, total]
     mask5 = g.op("Unsqueeze", "attention_mask", g.ints(1, 2))
     zero, neg = g.const(np.array(0.0, np.float32)), g.const(np.array(np.finfo(np.float32).min, np.float32))
@@ -105,19 +105,21 @@ def build_graph(
         # The infiller's new keys and values are its present outputs, named where they are made.
         infill = f"present.{i}.key" in wants
         present_k, present_v = (f"present.{i}.key", f"present.{i}.value") if infill else (None, None)
-        q = g.op("Reshape", g.linear(h, p + "self_attn.q_proj.weight"), g.ints(0, 0, dims.num_heads, d))
+        # q straight to its grouped shape [b, s, kv, rep, d]: q_norm and RoPE act on the last axis alone
+        q = g.op("Reshape", g.linear(h, p + "self_attn.q_proj.weight"), g.ints(0, 0, dims.kv_heads, n_rep, d))
         k = g.op("Reshape", g.linear(h, p + "self_attn.k_proj.weight"), g.ints(0, 0, dims.kv_heads, d))
         v = g.op("Reshape", g.linear(h, p + "self_attn.v_proj.weight"), g.ints(0, 0, dims.kv_heads, d),
                  out=present_v)
-        q = _rope(g, _rms_norm(g, q, p + "self_attn.q_norm.weight", dims.rms_norm_eps, onnx_dtype), cos, sin, d)
-        k = _rope(g, _rms_norm(g, k, p + "self_attn.k_norm.weight", dims.rms_norm_eps, onnx_dtype), cos, sin, d,
-                  out=present_k)
+        q = rope.apply(_rms_norm(g, q, p + "self_attn.q_norm.weight", dims.rms_norm_eps, onnx_dtype), grouped=True)
+        k = rope.apply(_rms_norm(g, k, p + "self_attn.k_norm.weight", dims.rms_norm_eps, onnx_dtype), grouped=False,
+                       out=present_k)
         # [b, total, kv, d] -> grouped-query attention through 5-D broadcasting, no KV repeat
         keys = g.op("Concat", f"past_key_values.{i}.key", k, axis=1)
         values = g.op("Concat", f"past_key_values.{i}.value", v, axis=1)
-        q5 = g.op("Transpose", g.op("Reshape", q, g.ints(0, 0, dims.kv_heads, n_rep, d)), perm=[0, 2, 3, 1, 4])
+        q5 = g.op("Transpose", q, perm=[0, 2, 3, 1, 4])  # [b, kv, rep, s, d]
         k5 = g.op("Unsqueeze", g.op("Transpose", keys, perm=[0, 2, 3, 1]), g.ints(2))  # [b, kv, 1, d, total]
         v5 = g.op("Unsqueeze", g.op("Transpose", values, perm=[0, 2, 1, 3]), g.ints(2))  # [b, kv, 1, total, d]
+        # the scale after the MatMul, as torch applies it: onnxruntime fuses the two (FusedMatMul), TensorRT too
         scores = g.op("Mul", _to_f32(g, g.op("MatMul", q5, k5), onnx_dtype), scale)
         probs = g.op("Softmax", g.op("Add", scores, bias), axis=-1)
         attn = g.op("MatMul", _cast(g, probs, onnx_dtype), v5)  # [b, kv, rep, s, d]
@@ -129,9 +131,11 @@ def build_graph(
         act = g.op("Mul", g.op("Mul", gate, g.op("Sigmoid", gate)), up)  # SiLU as Mul+Sigmoid: portable
         x = g.op("Add", x, g.linear(act, p + "mlp.down_proj.weight"))
 
-    h = _rms_norm(g, x, "model.norm.weight", dims.rms_norm_eps, onnx_dtype)
+    # Only the head positions' hidden states go on to the final norm and the vocabulary head: [b, heads, hidden]
+    at = g.op("Expand", g.op("Unsqueeze", "head_positions", g.ints(-1)), g.ints(1, 1, dims.hidden_size))
+    h = _rms_norm(g, g.op("GatherElements", x, at, axis=1), "model.norm.weight", dims.rms_norm_eps, onnx_dtype)
     head = _tied_head(g, h, dims) if dims.tie_word_embeddings else g.linear(h, "lm_head.weight")
-    logits = _to_f32(g, head, onnx_dtype)  # [b, s, vocab] fp32
+    logits = _to_f32(g, head, onnx_dtype)  # [b, heads, vocab] fp32
     if "logits" in wants:
         logits = g.op("Identity", logits, out="logits")
     _heads(g, logits, "input_probs" in wants, spec.output("top_ids").axes[-1])
@@ -149,19 +153,19 @@ def build_graph(
 
 
 def _tied_head(g: _Builder, h: str, dims: ModelDims) -> str:
-    """h [b, s, hidden] times the embedding [vocab, hidden] transposed, as one Gemm(transB=1) over the rows
-    [b x s, hidden]: TensorRT reads the transposed operand in place, so the engine holds the embedding the
+    """h [b, heads, hidden] times the embedding [vocab, hidden] transposed, as one Gemm(transB=1) over the rows
+    [b x heads, hidden]: TensorRT reads the transposed operand in place, so the engine holds the embedding the
     Gather reads once. A Transpose of it into a MatMul would be folded into a second vocab x hidden constant."""
     rows = g.op("Reshape", h, g.ints(-1, dims.hidden_size))
-    logits = g.op("Gemm", rows, "model.embed_tokens.weight", transB=1)  # [b x s, vocab]
-    return g.op("Reshape", logits, g.op("Concat", g.op("Shape", "input_ids"), g.ints(dims.vocab_size), axis=0))
+    logits = g.op("Gemm", rows, "model.embed_tokens.weight", transB=1)  # [b x heads, vocab]
+    return g.op("Reshape", logits, g.op("Concat", g.op("Shape", "head_positions"), g.ints(dims.vocab_size), axis=0))
 
 
 def _heads(g: _Builder, logits: str, verify: bool, candidates: int | str) -> None:
     """argmax id and its probability; the `candidates` most likely ids and their log-probabilities (sampling);
-    with `verify`, the probability of each given token."""
+    with `verify`, the probability of the next fed token. `logits` [b, heads, vocab] are the head positions'."""
     g.op("ArgMax", logits, axis=-1, keepdims=0, out="argmax_ids")
-    top = g.reduce("ReduceMax", logits, -1)  # [b, s, 1]
+    top = g.reduce("ReduceMax", logits, -1)  # [b, heads, 1]
     denom = g.op("ReduceSum", g.op("Exp", g.op("Sub", logits, top)), g.ints(-1), keepdims=1)
     g.op("Squeeze", g.op("Reciprocal", denom), g.ints(-1), out="argmax_probs")
     # TopK, largest first; log softmax of the picked logits: logit - max - log(sum exp(logits - max))
@@ -169,34 +173,36 @@ def _heads(g: _Builder, logits: str, verify: bool, candidates: int | str) -> Non
     g.op("Sub", g.op("Sub", values, top), g.op("Log", denom), out="top_logprobs")
     if not verify:
         return
-    # p(token j | before j) = softmax(logits[j-1])[ids[j]]; position 0 reads its own logits.
-    ids = g.op("Unsqueeze", "input_ids", g.ints(-1))  # [b, s, 1]
-    next_ids = g.op("Concat", g.op("Slice", ids, g.ints(1), g.ints(2**62), g.ints(1)),
-                    g.op("Slice", ids, g.ints(-1), g.ints(2**62), g.ints(1)), axis=1)
-    def prob_of(token_ids: str) -> str:  # [b, s, 1]
-        picked = g.op("GatherElements", logits, token_ids, axis=-1)
-        return g.op("Div", g.op("Exp", g.op("Sub", picked, top)), denom)
-    first = g.op("Slice", prob_of(ids), g.ints(0), g.ints(1), g.ints(1))
-    shifted = g.op("Slice", prob_of(next_ids), g.ints(0), g.ints(-1), g.ints(1))
-    g.op("Squeeze", g.op("Concat", first, shifted, axis=1), g.ints(-1), out="input_probs")
+    # p(input_ids[h + 1] | h) at each head position h; the last position reads its own token (h + 1 clamped).
+    next_ids = g.op("Concat", g.op("Slice", "input_ids", g.ints(1), g.ints(2**62), g.ints(1)),
+                    g.op("Slice", "input_ids", g.ints(-1), g.ints(2**62), g.ints(1)), axis=1)  # [b, s]
+    wanted = g.op("Unsqueeze", g.op("GatherElements", next_ids, "head_positions", axis=1), g.ints(-1))
+    picked = g.op("GatherElements", logits, wanted, axis=-1)  # [b, heads, 1]
+    g.op("Squeeze", g.op("Div", g.op("Exp", g.op("Sub", picked, top)), denom), g.ints(-1), out="input_probs")
 
 
-def _rotary(g: _Builder, dims: ModelDims, dtype: int) -> tuple[str, str]:
-    """cos/sin tables [b, s, 1, d] from position_ids, computed in fp32 as HF does."""
-    half = dims.head_dim // 2
-    inv_freq = 1.0 / (dims.rope_theta ** (np.arange(0, dims.head_dim, 2, dtype=np.int64).astype(np.float32) / dims.head_dim))
-    pos = g.op("Unsqueeze", g.op("Cast", "position_ids", to=TensorProto.FLOAT), g.ints(-1))  # [b, s, 1]
-    freqs = g.op("Mul", pos, g.const(inv_freq.astype(np.float32).reshape(1, 1, half)))
-    emb = g.op("Unsqueeze", g.op("Concat", freqs, freqs, axis=-1), g.ints(2))
-    return _cast(g, g.op("Cos", emb), dtype), _cast(g, g.op("Sin", emb), dtype)
+class _Rotary:
+    """RoPE with its tables computed once per forward, in fp32 as HF does: cos and a sign-folded sin, so each
+    use is x * cos + x[..., half-swapped] * sin_signed (one Gather for rotate-half, not Slice/Slice/Neg/Concat)."""
 
+    def __init__(self, g: _Builder, dims: ModelDims, dtype: int):
+        d, half = dims.head_dim, dims.head_dim // 2
+        inv_freq = 1.0 / (dims.rope_theta ** (np.arange(0, d, 2, dtype=np.int64).astype(np.float32) / d))
+        pos = g.op("Unsqueeze", g.op("Cast", "position_ids", to=TensorProto.FLOAT), g.ints(-1))  # [b, s, 1]
+        freqs = g.op("Mul", pos, g.const(inv_freq.astype(np.float32).reshape(1, 1, half)))
+        emb = g.op("Concat", freqs, freqs, axis=-1)  # [b, s, d]
+        cos, sin = g.op("Cos", emb), g.op("Mul", g.op("Sin", emb), g.const(np.repeat(np.float32([-1, 1]), half)))
+        self.g = g
+        self.swap = g.const(np.concatenate([np.arange(half, d), np.arange(half)]).astype(np.int64))
+        # keys [b, s, kv, d]: tables [b, s, 1, d]; grouped queries [b, s, kv, rep, d]: [b, s, 1, 1, d]
+        self.heads = tuple(_cast(g, g.op("Unsqueeze", t, g.ints(2)), dtype) for t in (cos, sin))
+        self.grouped = tuple(_cast(g, g.op("Unsqueeze", t, g.ints(2, 3)), dtype) for t in (cos, sin))
 
-def _rope(g: _Builder, x: str, cos: str, sin: str, head_dim: int, out: str | None = None) -> str:
-    half = head_dim // 2
-    x1 = g.op("Slice", x, g.ints(0), g.ints(half), g.ints(-1))
-    x2 = g.op("Slice", x, g.ints(half), g.ints(head_dim), g.ints(-1))
-    rotated = g.op("Concat", g.op("Neg", x2), x1, axis=-1)
-    return g.op("Add", g.op("Mul", x, cos), g.op("Mul", rotated, sin), out=out)
+    def apply(self, x: str, grouped: bool, out: str | None = None) -> str:
+        """RoPE of keys [b, s, kv, d], or of grouped queries [b, s, kv, rep, d]."""
+        g = self.g
+        cos, sin = self.grouped if grouped else self.heads
+        return g.op("Add", g.op("Mul", x, cos), g.op("Mul", g.op("Gather", x, self.swap, axis=-1), sin), out=out)
 
 
 def _rms_norm(g: _Builder, x: str, weight: str, eps: float, dtype: int) -> str:

@@ -119,7 +119,8 @@ class TorchRunner(CaseRunner):
             self._model = Qwen3.from_export(m.dims, map_weights(m), m.dtype, m.candidates)
         t = torch.from_numpy
         past = [(t(feed[past_key_name(i)]), t(feed[past_value_name(i)])) for i in range(m.num_layers)]
-        out = self._model(t(feed["input_ids"]), t(feed["position_ids"]), t(feed["attention_mask"]), past)
+        out = self._model(t(feed["input_ids"]), t(feed["position_ids"]), t(feed["attention_mask"]), past,
+                          t(feed["head_positions"]))
         return {name: (v.float() if v.is_floating_point() else v).numpy() for name, v in out.items()}
 
     def close(self) -> None:

@@ -49,7 +49,8 @@ def _need_export_extra() -> None:
 @click.option("--dtype", type=click.Choice(["fp32", "fp16", "bf16"]), default="fp32", show_default=True,
               help="Weight and KV dtype of the graphs.")
 @click.option("--force", is_flag=True, help="Replace OUTPUT if it exists.")
-@click.option("--logits", is_flag=True, help="Also output full [batch, seq, vocab] fp32 logits (for debugging).")
+@click.option("--logits", is_flag=True,
+              help="Also output full [batch, heads, vocab] fp32 logits at the head positions (for debugging).")
 @click.option("--candidates", type=int, default=DEFAULT_CANDIDATES, show_default=True,
               help="Top-K candidates (ids and log-probabilities) the graphs emit at each position for sampling: "
                    "requests' top_k may not exceed it (at most the vocabulary).")

@@ -8,6 +8,10 @@ KV tensors are sequence-major, `[batch, seq, kv_heads, head_dim]`: with batch 1 
 committed prefix of a preallocated cache is then one contiguous block, so feeding it as
 past is a view, and a forward's present KV can be written straight into its slot.
 
+`head_positions[b, j]` is the index (into seq) of the j-th position whose vocabulary heads the
+forward computes: only the positions the decode step reads (a prefill reads none of its prompt's),
+so the vocabulary head's vocab x hidden MatMul runs on those rows alone.
+
 `attention_mask[b, i, t]` is True when new token i may attend to token t of
 `concat(past, new)`. One boolean input expresses every mask the decode loop needs:
 causal plan and verify passes over the committed prefix, and n independent slot rows
@@ -23,8 +27,9 @@ Axis = str | int
 GraphName = Literal["planner", "infiller"]
 GRAPH_NAMES: tuple[GraphName, ...] = ("planner", "infiller")
 
-# Symbolic axes. `total_seq` is past_seq + seq; the name carries no arithmetic.
-BATCH, SEQ, PAST_SEQ, TOTAL_SEQ = "batch", "seq", "past_seq", "total_seq"
+# Symbolic axes. `total_seq` is past_seq + seq; the name carries no arithmetic. `heads`: positions whose
+# vocabulary heads are computed (head_positions), at most seq.
+BATCH, SEQ, PAST_SEQ, TOTAL_SEQ, HEADS = "batch", "seq", "past_seq", "total_seq", "heads"
 
 
 @dataclass(frozen=True)
@@ -107,27 +112,30 @@ def graph_specs(
         TensorSpec("input_ids", "int64", (BATCH, SEQ)),
         TensorSpec("position_ids", "int64", (BATCH, SEQ)),
         TensorSpec("attention_mask", "bool", (BATCH, SEQ, TOTAL_SEQ)),
+        TensorSpec("head_positions", "int64", (BATCH, HEADS)),
     ]
     presents: list[TensorSpec] = []
     for i in range(num_layers):
         for past, present in ((past_key_name(i), present_key_name(i)), (past_value_name(i), present_value_name(i))):
             inputs.append(TensorSpec(past, kv_dtype, (BATCH, PAST_SEQ, kv_heads, head_dim)))
             presents.append(TensorSpec(present, kv_dtype, (BATCH, SEQ, kv_heads, head_dim)))
-    # Heads fused into the graphs: nothing of vocabulary size leaves by default.
+    # Heads fused into the graphs, computed at the head positions only: nothing of vocabulary size leaves by
+    # default, and no vocabulary head runs where nothing reads it.
     heads = [
-        # argmax over the vocabulary at each position and its softmax probability; at a
+        # argmax over the vocabulary at each head position and its softmax probability; at a
         # mask token this is the planner's draft, at a real token the greedy next token.
-        TensorSpec("argmax_ids", "int64", (BATCH, SEQ)),
-        TensorSpec("argmax_probs", "float32", (BATCH, SEQ)),
+        TensorSpec("argmax_ids", "int64", (BATCH, HEADS)),
+        TensorSpec("argmax_probs", "float32", (BATCH, HEADS)),
         # what sampling needs, without the vocabulary: the K most likely tokens at each position, most likely
         # first, and their log-probabilities under the whole vocabulary's softmax (untempered)
-        TensorSpec("top_ids", "int64", (BATCH, SEQ, candidates)),
-        TensorSpec("top_logprobs", "float32", (BATCH, SEQ, candidates)),
+        TensorSpec("top_ids", "int64", (BATCH, HEADS, candidates)),
+        TensorSpec("top_logprobs", "float32", (BATCH, HEADS, candidates)),
     ]
-    # Verification: probability of input token j under the logits of position j-1;
-    # position 0 uses its own logits (upstream's convention; the loop never reads it).
-    verify = [TensorSpec("input_probs", "float32", (BATCH, SEQ))]
-    debug = [TensorSpec("logits", "float32", (BATCH, SEQ, vocab_size))] if logits else []
+    # Verification: at head position h, the probability of the next fed token, input_ids[h + 1], under h's
+    # logits (at the last position, h + 1 clamped to it: its own token). The verification of token j reads
+    # the head at j - 1 (runtime/decode/forwards.py).
+    verify = [TensorSpec("input_probs", "float32", (BATCH, HEADS))]
+    debug = [TensorSpec("logits", "float32", (BATCH, HEADS, vocab_size))] if logits else []
     return {
         "planner": GraphSpec("planner", tuple(inputs), tuple(heads + debug)),
         "infiller": GraphSpec("infiller", tuple(inputs), tuple(heads + verify + presents + debug)),

@@ -31,7 +31,8 @@ from refusion.runtime.core.quantization import INT4_OPSET, Quantization, weight_
 MANIFEST_NAME = "refusion.json"
 PENDING_NAME = "refusion.pending.json"
 FORMAT = "refusion-onnx"
-FORMAT_VERSION = 4  # 3: the quantization section; 4: the top-K sampling outputs (graphs.*.candidates)
+FORMAT_VERSION = 5  # 3: the quantization section; 4: the top-K sampling outputs (graphs.*.candidates); 5: heads at
+# head_positions only, input_probs as the next token's probability, the lean graphs
 REEXPORT = "re-export with `refusion-export onnx CHECKPOINT --output DIR --force`"
 WEIGHTS_LAYOUT = "linear weights [in, out]"
 _SECTIONS = ("model", "dtype", "quantization", "tokens", "defaults", "graphs", "weights", "tokenizer", "files")

@@ -29,6 +29,7 @@ from typing import Any
 from refusion.runtime.core.contract import (
     BATCH,
     GRAPH_NAMES,
+    HEADS,
     PAST_SEQ,
     SEQ,
     TOTAL_SEQ,
@@ -154,10 +155,18 @@ class ProfileSpec:
     seq: Range
     past: Range
     batch: Range = (1, 1, 1)  # rows; format v2 engines were all batch 1
+    heads: Range | None = None  # head positions a forward computes; None: 1 up to seq (engines built before them)
 
-    def contains(self, seq: int, past: int, batch: int = 1) -> bool:
+    @property
+    def head_range(self) -> Range:
+        """The head positions' range: at most a block, whatever the seq (a prefill reads only its masks'), so
+        TensorRT sizes the vocabulary head's activations for a block, not for the prompt."""
+        return self.heads if self.heads is not None else (1, self.seq[1], self.seq[2])
+
+    def contains(self, seq: int, past: int, batch: int = 1, heads: int = 1) -> bool:
+        h = self.head_range
         return (self.seq[0] <= seq <= self.seq[2] and self.past[0] <= past <= self.past[2]
-                and self.batch[0] <= batch <= self.batch[2])
+                and self.batch[0] <= batch <= self.batch[2] and h[0] <= heads <= h[2])
 
     def shapes(self, spec: GraphSpec) -> dict[str, ShapeRange]:
         """min/opt/max shape of each input of `spec`, from its symbolic axes."""
@@ -172,7 +181,7 @@ class ProfileSpec:
         if isinstance(axis, int):
             return axis, axis, axis
         s, p = self.seq, self.past
-        ranges: dict[str, Range] = {BATCH: self.batch, SEQ: s, PAST_SEQ: p,
+        ranges: dict[str, Range] = {BATCH: self.batch, SEQ: s, PAST_SEQ: p, HEADS: self.head_range,
                                     TOTAL_SEQ: (s[0] + p[0], s[1] + p[1], s[2] + p[2])}
         if axis not in ranges:
             raise RefusionError(f"graph axis {axis!r} has no profile rule; the export is newer than this builder.")
@@ -180,44 +189,47 @@ class ProfileSpec:
 
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "graph": self.graph, "seq": list(self.seq), "past": list(self.past),
-                "batch": list(self.batch)}
+                "batch": list(self.batch), "heads": list(self.head_range)}
 
     @staticmethod
     def from_json(d: dict[str, Any]) -> ProfileSpec:
         """A profile as engines.json records it; one without "batch" (format v2) is batch 1."""
         seq, past = (tuple(int(x) for x in d[key]) for key in ("seq", "past"))
         batch = tuple(int(x) for x in d.get("batch", (1, 1, 1)))
-        if len(seq) != 3 or len(past) != 3 or len(batch) != 3:
-            raise ValueError(f"profile {d.get('name')!r}: seq, past and batch need min, opt, max")
+        heads = tuple(int(x) for x in d["heads"]) if "heads" in d else None
+        if len(seq) != 3 or len(past) != 3 or len(batch) != 3 or (heads is not None and len(heads) != 3):
+            raise ValueError(f"profile {d.get('name')!r}: seq, past, batch and heads need min, opt, max")
         if not 1 <= batch[0] <= batch[1] <= batch[2]:
             raise ValueError(f"profile {d.get('name')!r}: batch {list(batch)} is not 1 <= min <= opt <= max")
         if d["graph"] not in GRAPH_NAMES:
             raise ValueError(f"profile {d.get('name')!r}: graph {d['graph']!r} is not one of {GRAPH_NAMES}")
         return ProfileSpec(d["name"], d["graph"], (seq[0], seq[1], seq[2]), (past[0], past[1], past[2]),
-                           (batch[0], batch[1], batch[2]))
+                           (batch[0], batch[1], batch[2]), None if heads is None else (heads[0], heads[1], heads[2]))
 
 
 def engine_profiles(limits: DecodeLimits) -> list[ProfileSpec]:
     """The profiles of the one engine, in TensorRT's order. Opt is the typical decode shape: a
     mid-length request halfway through its generation; the planner's typical call plans a whole
     block, the infiller's verifies one slot; half the batch (requests in flight, half loaded).
-    Prefill stays at batch 1 (module docstring)."""
+    Prefill stays at batch 1 (module docstring). Every profile computes at most a block of heads: what a
+    forward reads (the prefill's masks, a verified block, AR's one token)."""
     p, g, b, k = limits.max_prompt, limits.gen_length, limits.block_length, limits.slot_size
     past_max = p + g + b  # infill scratch after a full prefix: the largest past of any box
     past_opt = p // 2 + g // 2
     n = limits.max_batch
     rows = (1, (n + 1) // 2, n)
     return [
-        ProfileSpec("prefill", "infiller", (1, p // 2 + b, p + b), (0, 0, 0)),
-        ProfileSpec("decode", "infiller", (1, min(k, b), b), (0, past_opt, past_max), rows),
-        ProfileSpec("plan", "planner", (1, b, b), (0, past_opt, past_max), rows),
+        ProfileSpec("prefill", "infiller", (1, p // 2 + b, p + b), (0, 0, 0), heads=(1, b, b)),
+        ProfileSpec("decode", "infiller", (1, min(k, b), b), (0, past_opt, past_max), rows, (1, min(k, b), b)),
+        ProfileSpec("plan", "planner", (1, b, b), (0, past_opt, past_max), rows, (1, b, b)),
     ]
 
 
-def select_profile(profiles: list[ProfileSpec], graph: GraphName, seq: int, past: int, batch: int = 1) -> int | None:
-    """Index of the first profile serving `graph` that holds (seq, past, batch); most specific first."""
+def select_profile(profiles: list[ProfileSpec], graph: GraphName, seq: int, past: int, batch: int = 1,
+                   heads: int = 1) -> int | None:
+    """Index of the first profile serving `graph` that holds (seq, past, batch, heads); most specific first."""
     return next((i for i, prof in enumerate(profiles)
-                 if prof.graph == graph and prof.contains(seq, past, batch)), None)
+                 if prof.graph == graph and prof.contains(seq, past, batch, heads)), None)
 
 
 def box_profile(profiles: list[ProfileSpec], box: Box) -> int | None:

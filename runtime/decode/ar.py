@@ -40,11 +40,13 @@ def ar_steps(tokens: Tokens, params: DecodeParams, trace: DecodeTrace) -> StepMa
     answer: list[int] = []
     for step in range(1, gen_len + 1):
         c = cache.length
-        out = yield from fwd.run(kind, "infiller", ids, pos, masks.causal_after(c, len(ids)), c, c)
+        # the next token is read at the last position alone: a prefill runs one vocabulary head
+        out = yield from fwd.run(kind, "infiller", ids, pos, masks.causal_after(c, len(ids)), c, c,
+                                 np.array([len(ids) - 1]))
         cache.commit(len(ids))
         if step == 1:
             yield PrefixKV(tuple(tokens.prompt))
-        token, prob = fwd.draft({k: v[:, -1:] for k, v in out.items()}, sample=True)
+        token, prob = fwd.draft(out, sample=True)
         ids, pos, kind = token.astype(np.int64), np.array([p0 + step - 1]), "decode"
         answer.append(int(token[0]))
         trace.tpf_sum += 1.0

@@ -29,11 +29,23 @@ class Forwards:
         self.rng = np.random.default_rng(params.seed) if params.temperature > 0 else None
 
     def run(self, kind: str, graph: GraphName, ids: np.ndarray, pos: np.ndarray, mask: np.ndarray, past: int,
-            write_at: int | None = None) -> Calls[Outputs]:
+            write_at: int | None = None, heads: np.ndarray | None = None) -> Calls[Outputs]:
+        """One forward; the heads at `heads` (indices into ids; default every position)."""
         self.trace.forwards[kind] += 1
-        out = yield Forward(kind, graph, ids[None].astype(np.int64), pos[None].astype(np.int64), mask, past, write_at)
+        at = np.arange(len(ids)) if heads is None else heads
+        out = yield Forward(kind, graph, ids[None].astype(np.int64), pos[None].astype(np.int64), mask, past, write_at,
+                            at[None].astype(np.int64))
         assert out is not None  # the driver sends every Forward's outputs back
         return out
+
+    def verified(self, kind: str, ids: np.ndarray, pos: np.ndarray, mask: np.ndarray, past: int,
+                 write_at: int) -> Calls[np.ndarray]:
+        """An infiller pass whose reading is each token's probability given those before it: token j's is the
+        head at j - 1's next-token probability, so the heads run at [0, seq - 1) alone. Token 0 has none in
+        this pass; it reads 1.0, as the loop accepts every slot's (and window's) first token whatever it reads."""
+        heads = np.arange(max(len(ids) - 1, 1))  # a single token still computes one head, its reading unused
+        out = yield from self.run(kind, "infiller", ids, pos, mask, past, write_at, heads)
+        return np.concatenate([np.ones(1, np.float32), out["input_probs"][0][: len(ids) - 1]])
 
     def draft(self, out: Outputs, sample: bool) -> Drafts:
         """(token ids, softmax probability of each) from a forward's heads: the argmax, or with temperature > 0
@@ -50,9 +62,11 @@ class Forwards:
         c = self.cache.length
         ids = np.concatenate([prompt[c:], masks_ids])
         pos = np.concatenate([np.arange(c, len(prompt)), mask_pos])
-        out = yield from self.run("prefill_plan", "infiller", ids, pos, masks.causal_after(c, len(ids)), c, c)
-        self.cache.commit(len(prompt) - c)
-        return self.draft({k: v[:, len(prompt) - c:] for k, v in out.items()}, sample=True)
+        fed = len(prompt) - c  # the prompt's positions read nothing: only the masks' heads run
+        out = yield from self.run("prefill_plan", "infiller", ids, pos, masks.causal_after(c, len(ids)), c, c,
+                                  np.arange(fed, len(ids)))
+        self.cache.commit(fed)
+        return self.draft(out, sample=True)
 
     def plan(self, masks_ids: np.ndarray, mask_pos: np.ndarray) -> Calls[Drafts]:
         c = self.cache.length
@@ -62,8 +76,7 @@ class Forwards:
     def verify(self, ids: np.ndarray, pos: np.ndarray) -> Calls[np.ndarray]:
         """Drafted slots after the prefix, causally; their KV lands right after the prefix."""
         c = self.cache.length
-        out = yield from self.run("verify", "infiller", ids, pos, masks.causal_after(c, len(ids)), c, c)
-        return out["input_probs"][0]
+        return (yield from self.verified("verify", ids, pos, masks.causal_after(c, len(ids)), c, c))
 
     def infill_draft(self, rows: np.ndarray, pos: np.ndarray, a: int, scratch_rows: int) -> Calls[Drafts]:
         """Every row's window [a, k) drafted (planner): ids and their probabilities, [n, k - a] each."""
@@ -78,10 +91,10 @@ class Forwards:
         mask, past = self._rows_mask(a, scratch_rows, n, window)
         # First pass: the windows are whole rows, written in place; later: staged, then moved.
         write_at = self.cache.length if a == 0 else self.cache.staging(scratch_rows, self.params.slot_size)
-        out = yield from self.run("infill_verify", "infiller", rows.reshape(-1), pos.reshape(-1), mask, past, write_at)
+        probs = yield from self.verified("infill_verify", rows.reshape(-1), pos.reshape(-1), mask, past, write_at)
         if a:
             yield from self.cache.place_windows(scratch_rows, n, self.params.slot_size, a, window)
-        return out["input_probs"][0].reshape(n, window)
+        return probs.reshape(n, window)
 
     def _rows_mask(self, a: int, scratch_rows: int, n: int, window: int) -> tuple[np.ndarray, int]:
         """The parallel infill mask of n rows' windows over the prefix (and the rows' scratch), and its past."""

@@ -111,12 +111,13 @@ def llada_steps(tokens: Tokens, params: DiffusionParams, trace: DecodeTrace) -> 
             ids = np.concatenate([prompt_arr, span[order]])
             pos = np.concatenate([pos_ids[:p0], pos_ids[p0:][order]])
             trace.forwards[FORWARD_KIND] += 1
-            out = yield Forward(FORWARD_KIND, "planner", ids[None], pos[None], mask, 0, None)
+            heads = np.arange(p0, len(ids))[None]  # the generation's positions; the prompt's read nothing
+            out = yield Forward(FORWARD_KIND, "planner", ids[None], pos[None], mask, 0, None, heads)
             assert out is not None  # every Forward gets its outputs back
             draft = np.empty(gen, dtype=np.int64)
             conf = np.empty(gen, dtype=np.float32)
-            draft[order] = out["argmax_ids"][0, p0:]
-            conf[order] = out["argmax_probs"][0, p0:]
+            draft[order] = out["argmax_ids"][0]
+            conf[order] = out["argmax_probs"][0]
             candidates = np.flatnonzero(is_masked[lo:hi]) + lo
             if count and candidates.size:
                 best = candidates[np.argsort(-conf[candidates], kind="stable")[:count]]

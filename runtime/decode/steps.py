@@ -21,7 +21,8 @@ from refusion.runtime.core.contract import GraphName
 @dataclass(frozen=True)
 class Forward:
     """One forward of `graph`: tokens at their positions over KV [0, past) of the request; the
-    infiller writes its new tokens' KV at [write_at, write_at + seq)."""
+    infiller writes its new tokens' KV at [write_at, write_at + seq). The vocabulary heads run at `heads`
+    alone (indices into seq, the positions the step reads), so its outputs hold one row per head."""
 
     kind: str  # what the loop uses it for: prefill_plan, plan, verify, infill_draft, ...
     graph: GraphName
@@ -30,6 +31,7 @@ class Forward:
     attention_mask: np.ndarray  # bool [1, seq, past + seq]
     past: int
     write_at: int | None
+    heads: np.ndarray  # int64 [1, heads]
 
 
 @dataclass(frozen=True)

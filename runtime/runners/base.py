@@ -16,7 +16,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import TracebackType
 from typing import TYPE_CHECKING
 
@@ -136,24 +136,29 @@ class Runner(ABC):
         past_length: int,
         write_at: int | None = None,
         region: int = 0,
+        heads: np.ndarray | None = None,
     ) -> dict[str, np.ndarray]:
         """One forward of `graph` over KV tokens [0, past_length) of `region`.
 
         The infiller writes its new tokens' KV to [write_at, write_at + seq); the planner
-        keeps none. Returns the graph's other outputs on the host.
+        keeps none. Returns the graph's other outputs on the host, at the head positions `heads`
+        (int64 [1, heads], indices into seq; default every position).
         """
-        return self.run_batch(graph, [RowFeed(input_ids, position_ids, attention_mask, past_length, write_at, region)])[0]
+        row = RowFeed(input_ids, position_ids, attention_mask, past_length, write_at, region, heads)
+        return self.run_batch(graph, [row])[0]
 
     def run_batch(self, graph: GraphName, rows: list[RowFeed]) -> list[dict[str, np.ndarray]]:
         """Forwards of `graph` for several requests, each over its own region; packed into one call
         where the backend can (max_batch), else one by one. Outputs per row, as `run` gives them."""
         self._require_active()
+        rows = [row.with_heads() for row in rows]
         for row in rows:
             self._check_row(graph, row)
         t0 = time.perf_counter()
         if len(rows) == 1:
             r = rows[0]
-            out = [self._run(graph, r.input_ids, r.position_ids, r.attention_mask, r.past, r.write_at, r.region)]
+            out = [self._run(graph, r.input_ids, r.position_ids, r.attention_mask, r.past, r.write_at, r.region,
+                             r.heads_at)]
         elif len(rows) <= self.max_batch:
             out = self._run_batch(graph, rows)
         else:
@@ -179,6 +184,12 @@ class Runner(ABC):
     def _check_row(self, graph: GraphName, row: RowFeed) -> None:
         self._check_region(row.region)
         seq = self._check_feed(graph, row.input_ids, row.position_ids, row.attention_mask, row.past, row.region)
+        heads = row.heads_at
+        if heads.ndim != 2 or heads.shape[0] != 1 or not 1 <= heads.shape[1] <= seq or heads.dtype != np.int64:
+            raise RefusionError(f"heads must be int64 [1, n] with 1 <= n <= seq ({seq}); got {heads.dtype} "
+                                f"{list(heads.shape)}.")
+        if heads.min() < 0 or heads.max() >= seq:
+            raise RefusionError(f"head positions {heads[0].tolist()} must index the {seq} tokens fed, 0..{seq - 1}.")
         write_at = row.write_at
         if (graph == "infiller") != (write_at is not None):
             raise RefusionError(f"write_at={write_at!r}: the infiller needs a KV write offset and the planner takes none.")
@@ -252,7 +263,7 @@ class Runner(ABC):
     @abstractmethod
     def _run(
         self, graph: GraphName, input_ids: np.ndarray, position_ids: np.ndarray,
-        attention_mask: np.ndarray, past_length: int, write_at: int | None, region: int,
+        attention_mask: np.ndarray, past_length: int, write_at: int | None, region: int, heads: np.ndarray,
     ) -> dict[str, np.ndarray]: ...
 
     def _run_batch(self, graph: GraphName, rows: list[RowFeed]) -> list[dict[str, np.ndarray]]:
@@ -262,11 +273,12 @@ class Runner(ABC):
 
 @dataclass(frozen=True)
 class PackedRows:
-    """Rows as one batch's feed: `past` and `seq` are the longest row's."""
+    """Rows as one batch's feed: `past`, `seq` and the head count are the longest row's."""
 
     input_ids: np.ndarray  # [rows, seq] int64
     position_ids: np.ndarray  # [rows, seq] int64
     attention_mask: np.ndarray  # [rows, seq, past + seq] bool
+    heads: np.ndarray  # [rows, heads] int64
     seq: int
     past: int
 
@@ -276,26 +288,32 @@ def pack_rows(rows: list[RowFeed]) -> PackedRows:
     (columns [0, row past)) and its own tokens (columns [past, past + row seq)). Padding is attended
     by no real token, so no row sees another's; a padding token attends to itself alone, so no mask
     row is all False (its softmax would be NaN once the mask bias is rounded to half precision, and
-    the NaN would reach the row's real tokens through the padding's KV in the next layer)."""
+    the NaN would reach the row's real tokens through the padding's KV in the next layer). Head positions
+    are padded with position 0, whose heads no row reads (each row's outputs are its first heads). Ids are padded
+    with the row's last token, so its last position's input_probs reads its own token there as alone (the next
+    token's probability, clamped to the last fed)."""
     batch = len(rows)
     seq, past = max(r.input_ids.shape[1] for r in rows), max(r.past for r in rows)
     ids = np.zeros((batch, seq), np.int64)
     pos = np.zeros((batch, seq), np.int64)
     mask = np.zeros((batch, seq, past + seq), bool)
+    heads = np.zeros((batch, max(r.head_count for r in rows)), np.int64)
     pad = np.arange(seq)
     for b, r in enumerate(rows):
         s, p = r.input_ids.shape[1], r.past
-        ids[b, :s], pos[b, :s] = r.input_ids[0], r.position_ids[0]
+        ids[b, :s], ids[b, s:], pos[b, :s] = r.input_ids[0], r.input_ids[0, -1], r.position_ids[0]
         mask[b, :s, :p] = r.attention_mask[0, :, :p]
         mask[b, :s, past : past + s] = r.attention_mask[0, :, p:]
         mask[b, pad[s:], past + pad[s:]] = True
-    return PackedRows(ids, pos, mask, seq, past)
+        heads[b, : r.head_count] = r.heads_at[0]
+    return PackedRows(ids, pos, mask, heads, seq, past)
 
 
 @dataclass(frozen=True)
 class RowFeed:
     """One request's forward in a batch: its feed ([1, seq] ids and positions, [1, seq, past + seq]
-    mask) over KV [0, past) of its region, writing present at write_at (infiller)."""
+    mask) over KV [0, past) of its region, writing present at write_at (infiller), its heads at `heads` ([1, n]
+    indices into seq; None: every position)."""
 
     input_ids: np.ndarray
     position_ids: np.ndarray
@@ -303,4 +321,21 @@ class RowFeed:
     past: int
     write_at: int | None
     region: int
+    heads: np.ndarray | None = None
+
+    @property
+    def heads_at(self) -> np.ndarray:
+        """The head positions, [1, n] int64."""
+        assert self.heads is not None  # Runner.run_batch fills them in (with_heads) before anything reads them
+        return self.heads
+
+    @property
+    def head_count(self) -> int:
+        return self.heads_at.shape[1]
+
+    def with_heads(self) -> RowFeed:
+        """This row with its head positions given: every position when None."""
+        if self.heads is not None:
+            return self
+        return replace(self, heads=np.arange(self.input_ids.shape[1], dtype=np.int64)[None])
 

@@ -1,8 +1,9 @@
 """onnxruntime Runners: CPU (the fallback everywhere) and CUDA (IO binding, KV stays on the device).
 
 One session of the infiller graph serves both roles, so the weights are resident once, prepacked
-(docs/runtime.md, "Weights in memory"). On the CPU the past is fed as views of the KV cache and only
-the new tokens' present KV is copied in; on CUDA, IO binding keeps past and present on the device.
+(docs/runtime.md, "Weights in memory"). A forward of one request goes through IO binding on both: the past
+is bound as the region's first tokens and the present is written by onnxruntime straight into the region at
+write_at (host arrays on the CPU, the device KV pool on CUDA), so no KV is copied in or out.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import numpy as np
 from refusion.runtime.core.contract import (
     GRAPH_NAMES,
     GraphName,
+    kv_names,
     past_key_name,
     past_value_name,
     present_key_name,
@@ -37,10 +39,11 @@ class OrtRunner(Runner):
     Holds `max_requests` KV regions (host arrays, grown on demand) and packs up to `max_batch`
     requests' forwards into one call as batch rows: each row's past is copied from its region
     into a [batch, longest past] tensor and padded, its mask keeps it to its own past and
-    tokens. One row alone runs on views of its region, copying nothing."""
+    tokens. One row alone binds its region in place (IO binding), copying nothing."""
 
     name = "ort-cpu"
     provider = "CPUExecutionProvider"
+    device = "cpu"  # IO binding's device type for the KV buffers
 
     def __init__(self, manifest: ExportManifest, threads: int | None = None, low_memory: bool = False,
                  verify: bool = False, max_requests: int = 1, max_batch: int = 1):
@@ -76,6 +79,8 @@ class OrtRunner(Runner):
             self._outputs[graph] = [t.name for t in self.manifest.graphs[graph].outputs
                                     if not t.name.startswith("present.")]
         self._presents = [name(i) for i in range(self.manifest.num_layers) for name in (present_key_name, present_value_name)]
+        self._past_names = kv_names(self.manifest.num_layers, past=True)  # the order of `_caches`
+        self._present_names = kv_names(self.manifest.num_layers, past=False)
 
     def _deactivate(self) -> None:
         self.sessions.clear()
@@ -101,22 +106,32 @@ class OrtRunner(Runner):
         for source, target in zip(sources, self.keys[dst_region] + self.values[dst_region]):
             target[:, dst : dst + length] = source[:, src : src + length]
 
-    def _run(self, graph, input_ids, position_ids, attention_mask, past_length, write_at, region):
-        feed = {"input_ids": input_ids, "position_ids": position_ids, "attention_mask": attention_mask}
-        keys, values = self.keys[region], self.values[region]
-        for i in range(self.manifest.num_layers):  # contiguous views of the cache: no copy
-            feed[past_key_name(i)] = keys[i][:, :past_length]
-            feed[past_value_name(i)] = values[i][:, :past_length]
-        outputs = self._session_run(graph, feed, write_at is not None)
-        if write_at is not None:  # only the new tokens' KV is copied into its region
-            self._keep_present(graph, outputs, 0, input_ids.shape[1], region, write_at)
-        return {name: outputs[name] for name in self._outputs[graph]}
+    def _caches(self, region: int) -> list[int]:
+        """Addresses of a region's K buffers then its V buffers, by layer (the order of kv_names)."""
+        return [buf.ctypes.data for buf in self.keys[region] + self.values[region]]
+
+    @property
+    def _token_bytes(self) -> int:
+        return self.kv_bytes_per_token // (2 * self.manifest.num_layers)  # one token's K (or V) in one layer
+
+    def _run(self, graph, input_ids, position_ids, attention_mask, past_length, write_at, region, heads):
+        """Past bound as the region's first past_length tokens, present bound at write_at: both in place."""
+        m, t, seq = self.manifest, self._token_bytes, input_ids.shape[1]
+        binding, wanted = self._binding(graph, input_ids, position_ids, attention_mask, heads)
+        kv = [m.kv_heads, m.head_dim]
+        caches = self._caches(region)
+        for name, ptr in zip(self._past_names, caches):
+            binding.bind_input(name, self.device, 0, self.dtype, [1, past_length, *kv], ptr)
+        if write_at is not None:
+            for name, ptr in zip(self._present_names, caches):
+                binding.bind_output(name, self.device, 0, self.dtype, [1, seq, *kv], ptr + write_at * t)
+        return self._run_bound(graph, binding, wanted)
 
     def _run_batch(self, graph, rows):
         m, batch, packed = self.manifest, len(rows), pack_rows(rows)
         past = packed.past
         feed = {"input_ids": packed.input_ids, "position_ids": packed.position_ids,
-                "attention_mask": packed.attention_mask}
+                "attention_mask": packed.attention_mask, "head_positions": packed.heads}
         shape = (batch, past, m.kv_heads, m.head_dim)
         for i in range(m.num_layers):
             key, value = np.zeros(shape, self.dtype), np.zeros(shape, self.dtype)
@@ -132,7 +147,7 @@ class OrtRunner(Runner):
             s = r.input_ids.shape[1]
             if r.write_at is not None:
                 self._keep_present(graph, outputs, b, s, r.region, r.write_at)
-            results.append({name: outputs[name][b : b + 1, :s] for name in self._outputs[graph]})
+            results.append({name: outputs[name][b : b + 1, : r.head_count] for name in self._outputs[graph]})
         return results
 
     def _session_run(self, graph: GraphName, feed: dict[str, np.ndarray], presents: bool) -> dict[str, np.ndarray]:
@@ -148,6 +163,25 @@ class OrtRunner(Runner):
         for i in range(self.manifest.num_layers):
             self.keys[region][i][0, write_at : write_at + seq] = outputs[present_key_name(i)][row, :seq]
             self.values[region][i][0, write_at : write_at + seq] = outputs[present_value_name(i)][row, :seq]
+
+    def _binding(self, graph: GraphName, ids: np.ndarray, pos: np.ndarray, mask: np.ndarray,
+                 heads: np.ndarray) -> tuple[Any, list[str]]:
+        """A fresh IO binding with the feed on the host and the heads to come back to it."""
+        binding = self.sessions[graph].io_binding()
+        binding.bind_cpu_input("input_ids", ids)
+        binding.bind_cpu_input("position_ids", pos)
+        binding.bind_cpu_input("attention_mask", np.ascontiguousarray(mask))
+        binding.bind_cpu_input("head_positions", np.ascontiguousarray(heads))
+        wanted = self._outputs[graph]
+        for name in wanted:  # bound first, so they come first in get_outputs()
+            binding.bind_output(name, "cpu")
+        return binding, wanted
+
+    def _run_bound(self, graph: GraphName, binding: Any, wanted: list[str]) -> dict[str, np.ndarray]:
+        with self._in_backend(graph):
+            self.sessions[graph].run_with_iobinding(binding)
+        outputs = binding.get_outputs()
+        return {name: outputs[j].numpy() for j, name in enumerate(wanted)}
 
 
 class OrtCudaRunner(OrtRunner):
@@ -201,22 +235,15 @@ class OrtCudaRunner(OrtRunner):
     def _copy_kv(self, src_region: int, src: int, dst_region: int, dst: int, length: int) -> None:
         self._kv.copy(src_region, src, dst_region, dst, length)
 
-    def _run(self, graph, input_ids, position_ids, attention_mask, past_length, write_at, region):
-        m, t, seq = self.manifest, self._kv.token_bytes, input_ids.shape[1]
-        binding, wanted = self._binding(graph, input_ids, position_ids, attention_mask)
-        kv = [m.kv_heads, m.head_dim]
-        caches = self._kv.addresses(region)
-        for name, ptr in zip(self._kv.past_names, caches):  # past and present as addresses inside the region
-            binding.bind_input(name, self.device, 0, self.dtype, [1, past_length, *kv], ptr)
-        if write_at is not None:
-            for name, ptr in zip(self._kv.present_names, caches):
-                binding.bind_output(name, self.device, 0, self.dtype, [1, seq, *kv], ptr + write_at * t)
-        return self._run_bound(graph, binding, wanted)
+    def _caches(self, region: int) -> list[int]:
+        """The device addresses of the region's caches (the pool keeps kv_names' order), 256-byte aligned."""
+        return self._kv.addresses(region)
 
     def _run_batch(self, graph, rows):
         m, t, batch, packed = self.manifest, self._kv.token_bytes, len(rows), pack_rows(rows)
         seq, past, kv = packed.seq, packed.past, [m.kv_heads, m.head_dim]
-        binding, wanted = self._binding(graph, packed.input_ids, packed.position_ids, packed.attention_mask)
+        binding, wanted = self._binding(graph, packed.input_ids, packed.position_ids, packed.attention_mask,
+                                        packed.heads)
         stride = batch * past * t  # one cache's rows, each padded to the longest past
         gathered = self._scratch.get("past", self._kv.caches * stride, zeroed=True)
         self._count_copies(graph, self._kv.gather(rows, past, gathered, stride, self._stream))  # one copy a row
@@ -233,25 +260,8 @@ class OrtCudaRunner(OrtRunner):
         if presents is not None:
             self._count_copies(graph, self._kv.scatter(rows, seq, presents, present_stride, self._stream))
         self._stream.synchronize()  # the regions are whole before the next forward reads them
-        return [{name: array[b : b + 1, : r.input_ids.shape[1]] for name, array in outputs.items()}
+        return [{name: array[b : b + 1, : r.head_count] for name, array in outputs.items()}
                 for b, r in enumerate(rows)]
-
-    def _binding(self, graph: GraphName, ids: np.ndarray, pos: np.ndarray, mask: np.ndarray) -> tuple[Any, list[str]]:
-        """A fresh IO binding with the feed on the host and the heads to come back to it."""
-        binding = self.sessions[graph].io_binding()
-        binding.bind_cpu_input("input_ids", ids)
-        binding.bind_cpu_input("position_ids", pos)
-        binding.bind_cpu_input("attention_mask", np.ascontiguousarray(mask))
-        wanted = self._outputs[graph]
-        for name in wanted:  # bound first, so they come first in get_outputs()
-            binding.bind_output(name, "cpu")
-        return binding, wanted
-
-    def _run_bound(self, graph: GraphName, binding: Any, wanted: list[str]) -> dict[str, np.ndarray]:
-        with self._in_backend(graph):
-            self.sessions[graph].run_with_iobinding(binding)
-        outputs = binding.get_outputs()
-        return {name: outputs[j].numpy() for j, name in enumerate(wanted)}
 
 
 def check_onnxruntime_cuda() -> None:

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from refusion.runtime.core.contract import BATCH, SEQ, GraphName, past_key_name
+from refusion.runtime.core.contract import BATCH, HEADS, SEQ, GraphName, past_key_name
 from refusion.runtime.core.dtypes import dtype, from_trt
 from refusion.runtime.core.engines_manifest import ENGINE_GRAPH, EngineManifest, Target
 from refusion.runtime.core.errors import RefusionError
@@ -111,7 +111,7 @@ class TensorRTRunner(Runner):
         self._contexts: list[tensorrt.IExecutionContext] = []  # one per profile
         self._activations: DeviceBuffer | None = None
         self._empty: DeviceBuffer | None = None  # where empty tensors (a prefill's past) are bound
-        self._shapes_checked: set[tuple[int, int, int]] = set()  # (profile, batch, seq): no output depends on past
+        self._shapes_checked: set[tuple[int, int, int, int]] = set()  # (profile, batch, seq, heads): none on past
         self._pool: DeviceKVPool | None = None  # every request's KV, while active
         self._scratch: ScratchBuffers | None = None  # ids, positions, mask, heads, present staging, batch past
         self._host: HostBuffer | None = None  # the heads, on the host (pinned)
@@ -192,10 +192,10 @@ class TensorRTRunner(Runner):
 
     def _check_profiles(self, engine: tensorrt.ICudaEngine) -> None:
         """Each profile's ranges in the engine must be those engines.json records (the runner picks profiles by
-        them; the manifest is not hashed, so an edit would surface only as refused shapes, later). The ids
-        and the first layer's past carry every free axis: batch, seq and past."""
+        them; the manifest is not hashed, so an edit would surface only as refused shapes, later). The ids,
+        the head positions and the first layer's past carry every free axis: batch, seq, heads and past."""
         spec = self.manifest.graphs[ENGINE_GRAPH]
-        names = ("input_ids", past_key_name(0))
+        names = ("input_ids", "head_positions", past_key_name(0))
         for index, profile in enumerate(self.engines.engine.profiles):
             recorded = profile.shapes(spec)
             for name in names:
@@ -277,29 +277,29 @@ class TensorRTRunner(Runner):
         return self._pool
 
     # -- forwards ----------------------------------------------------------------------------
-    def _run(self, graph: GraphName, input_ids: np.ndarray, position_ids: np.ndarray,
-             attention_mask: np.ndarray, past_length: int, write_at: int | None, region: int) -> dict[str, np.ndarray]:
+    def _run(self, graph: GraphName, input_ids: np.ndarray, position_ids: np.ndarray, attention_mask: np.ndarray,
+             past_length: int, write_at: int | None, region: int, heads: np.ndarray) -> dict[str, np.ndarray]:
         """One request's forward: past bound in place in its region, present written straight into it."""
-        seq = input_ids.shape[1]
-        if select_profile(list(self.engines.engine.profiles), graph, seq, past_length) is None:
+        seq, count = input_ids.shape[1], heads.shape[1]
+        if select_profile(list(self.engines.engine.profiles), graph, seq, past_length, 1, count) is None:
             chunk = self._chunk(graph, input_ids, attention_mask, past_length, write_at)
             if chunk:
-                return self._run_chunked(chunk, input_ids, position_ids, past_length, region)
-        index = self._profile(graph, seq, past_length)  # before any device work
+                return self._run_chunked(chunk, input_ids, position_ids, past_length, region, heads)
+        index = self._profile(graph, seq, past_length, count)  # before any device work
         context = self._contexts[index]
-        self._bind_feed(context, input_ids, position_ids, attention_mask)
+        self._bind_feed(context, input_ids, position_ids, attention_mask, heads)
         m, caches = self.manifest, self._kv.addresses(region)
         kv_shape = (1, past_length, m.kv_heads, m.head_dim)
         for name, cache in zip(self._kv.past_names, caches):  # the region's first past_length tokens, in place
             self._bind_input(context, name, cache, kv_shape)
-        heads = self._bind_heads(context, index, 1, seq)
+        outputs = self._bind_heads(context, index, 1, seq, count)
         staging = self._bind_presents(context, seq, write_at, caches)
         with self._in_backend(graph):  # the stream's work is waited for when the heads come back
             self._execute(context, graph, 1, seq, past_length)
             if staging is not None and write_at is not None:  # every cache's new tokens: one copy
                 buf, stride = staging
                 self._count_copies(graph, self._kv.place(region, write_at, buf, seq, 0, stride))
-            return self._fetch(graph, heads)
+            return self._fetch(graph, outputs)
 
     def _chunk(self, graph: GraphName, ids: np.ndarray, mask: np.ndarray, past: int, write_at: int | None) -> int:
         """A prefill over a past (the part of a prompt the prefix cache did not hold) is longer than a decode
@@ -313,14 +313,23 @@ class TensorRTRunner(Runner):
                 if p.graph == graph and p.past[0] <= past and past + seq <= p.past[2] and p.seq[0] == 1]
         return max(fits, default=0)
 
-    def _run_chunked(self, chunk: int, ids: np.ndarray, pos: np.ndarray, past: int,
-                     region: int) -> dict[str, np.ndarray]:
-        parts = []
+    def _run_chunked(self, chunk: int, ids: np.ndarray, pos: np.ndarray, past: int, region: int,
+                     heads: np.ndarray) -> dict[str, np.ndarray]:
+        """Each chunk computes the heads that fall in it (a chunk without any, one at its last token that nothing
+        reads: a forward computes at least one); they are put back in the order asked."""
+        out: dict[str, np.ndarray] = {}
+        at = heads[0]
         for start in range(0, ids.shape[1], chunk):
             n = min(chunk, ids.shape[1] - start)
-            parts.append(self._run("infiller", ids[:, start:start + n], pos[:, start:start + n],
-                                   causal_after(past + start, n), past + start, past + start, region))
-        return {name: np.concatenate([part[name] for part in parts], axis=1) for name in parts[0]}
+            mine = np.flatnonzero((at >= start) & (at < start + n))
+            local = (at[mine] - start if mine.size else np.array([n - 1]))[None].astype(np.int64)
+            part = self._run("infiller", ids[:, start:start + n], pos[:, start:start + n],
+                             causal_after(past + start, n), past + start, past + start, region, local)
+            for name, array in part.items():
+                if name not in out:
+                    out[name] = np.empty((1, at.size, *array.shape[2:]), array.dtype)
+                out[name][:, mine] = array[:, : mine.size]
+        return out
 
     def _run_batch(self, graph: GraphName, rows: list[RowFeed]) -> list[dict[str, np.ndarray]]:
         """Rows grouped by the profile each needs alone, packed up to that profile's batch range: the
@@ -331,15 +340,16 @@ class TensorRTRunner(Runner):
         profiles = list(self.engines.engine.profiles)
         for i, row in enumerate(rows):  # every row checked before any device work
             seq = row.input_ids.shape[1]
-            if (select_profile(profiles, graph, seq, row.past) is None
+            if (select_profile(profiles, graph, seq, row.past, 1, row.head_count) is None
                     and self._chunk(graph, row.input_ids, row.attention_mask, row.past, row.write_at)):
                 alone.append(i)
             else:
-                groups.setdefault(self._profile(graph, seq, row.past), []).append(i)
+                groups.setdefault(self._profile(graph, seq, row.past, row.head_count), []).append(i)
         out: dict[int, dict[str, np.ndarray]] = {}
         for i in alone:
             r = rows[i]
-            out[i] = self._run(graph, r.input_ids, r.position_ids, r.attention_mask, r.past, r.write_at, r.region)
+            out[i] = self._run(graph, r.input_ids, r.position_ids, r.attention_mask, r.past, r.write_at, r.region,
+                               r.heads_at)
         for index, members in groups.items():
             width = self.engines.engine.profiles[index].batch[2]
             for start in range(0, len(members), width):
@@ -347,7 +357,7 @@ class TensorRTRunner(Runner):
                 if len(chunk) == 1:
                     r = rows[chunk[0]]
                     out[chunk[0]] = self._run(graph, r.input_ids, r.position_ids, r.attention_mask, r.past,
-                                              r.write_at, r.region)
+                                              r.write_at, r.region, r.heads_at)
                 else:
                     out.update(zip(chunk, self._run_packed(graph, index, [rows[i] for i in chunk])))
         return [out[i] for i in range(len(rows))]
@@ -357,16 +367,16 @@ class TensorRTRunner(Runner):
         packed, batch = pack_rows(rows), len(rows)
         seq, past = packed.seq, packed.past
         context = self._contexts[index]
-        self._bind_feed(context, packed.input_ids, packed.position_ids, packed.attention_mask)
+        self._bind_feed(context, packed.input_ids, packed.position_ids, packed.attention_mask, packed.heads)
         self._gather_past(context, graph, rows, packed)
-        heads = self._bind_heads(context, index, batch, seq)
+        heads = self._bind_heads(context, index, batch, seq, packed.heads.shape[1])
         buf, stride = self._bind_scratch_presents(context, batch * seq)
         with self._in_backend(graph):
             self._execute(context, graph, batch, seq, past)
             # each row's own tokens, one copy a row; padding and planner KV stay behind
             self._count_copies(graph, self._kv.scatter(rows, seq, buf, stride))
             outputs = self._fetch(graph, heads)
-        return [{name: array[b : b + 1, : r.input_ids.shape[1]] for name, array in outputs.items()}
+        return [{name: array[b : b + 1, : r.head_count] for name, array in outputs.items()}
                 for b, r in enumerate(rows)]
 
     def _gather_past(self, context: tensorrt.IExecutionContext, graph: GraphName, rows: list[RowFeed],
@@ -383,35 +393,37 @@ class TensorRTRunner(Runner):
         for j, name in enumerate(self._kv.past_names):
             self._bind_input(context, name, buf.ptr + j * stride, shape)
 
-    def _profile(self, graph: GraphName, seq: int, past: int) -> int:
-        index = select_profile(list(self.engines.engine.profiles), graph, seq, past)
+    def _profile(self, graph: GraphName, seq: int, past: int, heads: int) -> int:
+        index = select_profile(list(self.engines.engine.profiles), graph, seq, past, 1, heads)
         if index is None:
-            raise RefusionError(self._outside_message(graph, seq, past))
+            raise RefusionError(self._outside_message(graph, seq, past, heads))
         return index
 
     def _bind_feed(self, context: tensorrt.IExecutionContext, ids: np.ndarray, pos: np.ndarray,
-                   mask: np.ndarray) -> None:
-        for name, array in (("input_ids", ids), ("position_ids", pos), ("attention_mask", mask)):
+                   mask: np.ndarray, heads: np.ndarray) -> None:
+        feed = (("input_ids", ids), ("position_ids", pos), ("attention_mask", mask), ("head_positions", heads))
+        for name, array in feed:
             buf = self._buffer(name, array.nbytes)
             buf.copy_from_host(array)
             self._bind_input(context, name, buf.ptr, array.shape)
 
-    def _bind_heads(self, context: tensorrt.IExecutionContext, index: int, batch: int,
-                    seq: int) -> dict[str, tuple[tuple[int, ...], Any]]:
+    def _bind_heads(self, context: tensorrt.IExecutionContext, index: int, batch: int, seq: int,
+                    heads: int) -> dict[str, tuple[tuple[int, ...], Any]]:
         """Bind every output but present to its buffer; returns their (shape, host dtype). The output
-        shapes TensorRT infers are checked once per (profile, batch, seq): every output's axes are the
-        batch, the new tokens and fixed sizes (the contract's), so the past, which grows every step, changes
-        none of them, and the set stays as small as the profiles' shapes."""
+        shapes TensorRT infers are checked once per (profile, batch, seq, heads): every output's axes are the
+        batch, the new tokens, the head positions and fixed sizes (the contract's), so the past, which grows
+        every step, changes none of them, and the set stays as small as the profiles' shapes."""
         m = self.manifest
-        outputs = {o.name: (_shape(o.axes, seq, batch), dtype(o.dtype).numpy) for o in m.graphs[ENGINE_GRAPH].outputs}
-        if (index, batch, seq) not in self._shapes_checked:
+        outputs = {o.name: (_shape(o.axes, seq, batch, heads), dtype(o.dtype).numpy)
+                   for o in m.graphs[ENGINE_GRAPH].outputs}
+        if (index, batch, seq, heads) not in self._shapes_checked:
             self._check_output_shapes(context, {name: shape for name, (shape, _) in outputs.items()})
-            self._shapes_checked.add((index, batch, seq))
-        heads = {name: out for name, out in outputs.items() if not name.startswith("present.")}
-        for name, (shape, host) in heads.items():  # a planner forward's input_probs too, never read back
+            self._shapes_checked.add((index, batch, seq, heads))
+        read = {name: out for name, out in outputs.items() if not name.startswith("present.")}
+        for name, (shape, host) in read.items():  # a planner forward's input_probs too, never read back
             nbytes = int(np.prod(shape)) * host.itemsize
             self._bind_output(context, name, self._buffer(name, nbytes).ptr)
-        return heads
+        return read
 
     def _execute(self, context: tensorrt.IExecutionContext, graph: GraphName, batch: int, seq: int, past: int) -> None:
         if not context.execute_async_v3(self._active_stream.handle):
@@ -506,22 +518,24 @@ class TensorRTRunner(Runner):
             raise RefusionError(f"{self.name} runner is not active; call activate() first.")
         return self._stream
 
-    def _outside_message(self, graph: GraphName, seq: int, past: int) -> str:
+    def _outside_message(self, graph: GraphName, seq: int, past: int, heads: int) -> str:
         profiles = [p for p in self.engines.engine.profiles if p.graph == graph]
-        spans = "; ".join(f"{p.name}: seq {p.seq[0]}..{p.seq[2]}, past {p.past[0]}..{p.past[2]}" for p in profiles)
+        spans = "; ".join(f"{p.name}: seq {p.seq[0]}..{p.seq[2]}, past {p.past[0]}..{p.past[2]}, heads "
+                          f"{p.head_range[0]}..{p.head_range[2]}" for p in profiles)
         lim = self.limits
         return (
             f"a {graph} forward of {seq} tokens over {past} past tokens lies outside the engine's {graph} profiles "
-            f"({spans}), "
+            f"({spans}; it computes {heads} heads), "
             f"which come from --max-prompt {lim.max_prompt} --gen-length {lim.gen_length} --max-slots "
             f"{lim.max_slots} x --slot-size {lim.slot_size}. Raise the limit the request exceeds and rebuild: "
             f"{self.engines.rebuild_command}"
         )
 
 
-def _shape(axes: tuple[str | int, ...], seq: int, batch: int) -> tuple[int, ...]:
-    """An output's shape for this forward: `batch` rows, `seq` tokens, fixed trailing dims."""
-    return tuple(batch if a == BATCH else seq if a == SEQ else int(a) for a in axes)
+def _shape(axes: tuple[str | int, ...], seq: int, batch: int, heads: int) -> tuple[int, ...]:
+    """An output's shape for this forward: `batch` rows, `seq` tokens, `heads` head positions, fixed trailing dims."""
+    sizes: dict[str | int, int] = {BATCH: batch, SEQ: seq, HEADS: heads}
+    return tuple(sizes[a] if a in sizes else int(a) for a in axes)
 
 
 def batch_and_requests(engines: EngineManifest, max_requests: int | None, max_batch: int | None) -> tuple[int, int]:

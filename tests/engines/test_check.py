@@ -14,7 +14,7 @@ from refusion.runtime.core.export_manifest import ExportManifest
 from refusion.runtime.core.profiles import DecodeLimits
 from tests.helpers import fake_engines
 
-LOOP = {"prefill+plan", "plan", "verify", "ar step", "slot rows"}
+LOOP = {"prefill+plan", "plan", "verify", "ar prefill", "ar step", "slot rows"}
 
 
 def test_check_passes_on_engines_of_the_export(peaky_export, fakes, tmp_path, monkeypatch):
@@ -29,7 +29,7 @@ def test_check_passes_on_engines_of_the_export(peaky_export, fakes, tmp_path, mo
     assert check.check_engines(engines, report=lines.append)
     assert sorted(set(ran)) == [0, 1, 2] and ran.count(2) == 5  # 3 batch-1 shapes, plan, slot rows
     assert lines[-1].startswith("PASS") and "  result: PASS" in lines
-    assert "12 forwards of 10 cases" in lines[0]  # 16 forwards, less the batch-2 ones
+    assert "13 forwards of 11 cases" in lines[0]  # 17 forwards, less the batch-2 ones
     assert any(line.startswith("  infiller present.*") and line.endswith("ok") for line in lines)
     left_out = [line for line in lines if line.startswith("  left out:")]
     held = "batch 2; this TensorRT runner holds 1 request(s) (engines built with --max-batch 1)"
@@ -49,7 +49,7 @@ def test_check_runs_batch_cases_on_batched_engines(peaky_export, fakes, tmp_path
         (self.profile, self.shapes["input_ids"][0])) or real(self, stream))
     lines: list[str] = []
     assert check.check_engines(fake_engines(peaky_export, tmp_path / "engines", limits), report=lines.append)
-    assert "16 forwards of 10 cases" in lines[0] and not [line for line in lines if line.startswith("  left out:")]
+    assert "17 forwards of 11 cases" in lines[0] and not [line for line in lines if line.startswith("  left out:")]
     assert ran.count((1, 2)) == 1  # the infiller's batch 2 past 6 seq 1, packed; its past-0 case is a prefill
     assert ran.count((2, 2)) == 2  # the planner's two batch-2 cases, packed (its plan profile takes past 0)
     assert max(rows for profile, rows in ran if profile == 0) == 1  # prefills stay batch 1
@@ -61,9 +61,9 @@ def test_check_runs_only_the_cases_inside_the_profiles(peaky_export, fakes, tmp_
     assert check.check_engines(fake_engines(peaky_export, tmp_path / "engines", limits), report=lines.append)
     left_out = [line.removeprefix("  left out: ") for line in lines if line.startswith("  left out:")]
     # the planner takes at most a block; the infiller's prefill profile takes past 0 up to prompt + block
-    assert "batch 1 past 0 seq 5 (planner): seq 5 over past 0 lies outside the engine's planner profiles" in left_out
+    assert "batch 1 past 0 seq 5 (planner): seq 5 over past 0 (5 heads) lies outside the engine's planner profiles" in left_out
     for graph in ("planner", "infiller"):
-        assert (f"batch 1 past 5 seq 6 in 3 rows ({graph}): seq 6 over past 5 lies outside the engine's {graph} "
+        assert (f"batch 1 past 5 seq 6 in 3 rows ({graph}): seq 6 over past 5 (6 heads) lies outside the engine's {graph} "
                 "profiles") in left_out
     assert not LOOP & {line.split(" (")[0] for line in left_out}  # the loop's forwards are sized to the limits
 

@@ -110,6 +110,7 @@ def test_vocabulary_leaves_only_with_logits(export):
 
 
 def test_logits_output_matches_torch(store):
+    """At head positions out of order and repeated, the graphs' logits are torch's at those positions."""
     export = store.export("gqa2", "fp32", logits=True)
     model = Qwen3.from_checkpoint(Checkpoint.open(export.checkpoint))
     d = model.dims
@@ -119,6 +120,7 @@ def test_logits_output_matches_torch(store):
         "input_ids": rng.integers(0, d.vocab_size, (1, seq)),
         "position_ids": np.arange(past, past + seq)[None],
         "attention_mask": np.concatenate([np.ones((seq, past), bool), np.tril(np.ones((seq, seq), bool))], 1)[None],
+        "head_positions": np.array([[2, 0, 2]]),
     }
     for i in range(d.num_layers):
         for kind in ("key", "value"):
@@ -129,5 +131,33 @@ def test_logits_output_matches_torch(store):
     for name in GRAPH_NAMES:
         session = ort.InferenceSession(str(export.path / f"{name}.onnx"), providers=["CPUExecutionProvider"])
         (logits,) = session.run(["logits"], feed)
-        assert logits.shape == (1, seq, d.vocab_size)
-        assert np.abs(logits - want["logits"].numpy()).max() <= 1e-4
+        assert logits.shape == (1, 3, d.vocab_size)
+        assert np.abs(logits - want["logits"].numpy()[:, [2, 0, 2]]).max() <= 1e-4
+
+
+def test_heads_at_some_positions_are_those_of_every_position(store):
+    """A forward's heads at a subset of its positions equal the same forward's heads at every position there;
+    input_probs is the next fed token's probability (the last position's, its own token's)."""
+    export = store.export("gqa2", "fp32", logits=True)
+    m = ExportManifest.load(export.path)
+    rng = np.random.default_rng(5)
+    seq = 6
+    feed = {"input_ids": rng.integers(0, m.vocab_size, (2, seq)), "position_ids": np.tile(np.arange(seq), (2, 1)),
+            "attention_mask": np.tile(np.tril(np.ones((seq, seq), bool)), (2, 1, 1))}
+    for i in range(m.num_layers):
+        for kind in ("key", "value"):
+            feed[f"past_key_values.{i}.{kind}"] = np.zeros((2, 0, m.kv_heads, m.head_dim), np.float32)
+    session = ort.InferenceSession(str(export.path / "infiller.onnx"), providers=["CPUExecutionProvider"])
+    names = [o.name for o in session.get_outputs() if not o.name.startswith("present.")]
+    every = dict(zip(names, session.run(names, feed | {"head_positions": np.tile(np.arange(seq), (2, 1))})))
+    some = np.array([[5, 1], [0, 0]])
+    got = dict(zip(names, session.run(names, feed | {"head_positions": some})))
+    rows = np.arange(2)[:, None]
+    for name in names:
+        assert got[name].shape[:2] == (2, 2)
+        np.testing.assert_allclose(got[name], every[name][rows, some], rtol=1e-5, atol=1e-6)
+    probs = np.exp(every["logits"] - every["logits"].max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    following = np.concatenate([feed["input_ids"][:, 1:], feed["input_ids"][:, -1:]], axis=1)
+    want = np.take_along_axis(probs, following[..., None], -1)[..., 0]
+    np.testing.assert_allclose(every["input_probs"], want, rtol=1e-4, atol=1e-6)

@@ -109,9 +109,9 @@ def test_kv_memory_is_prefix_plus_slots_never_a_copy_per_slot(gen):
     pasts: list[tuple[int, int]] = []
     original = runner._run
 
-    def spy(graph, ids, pos, mask, past_length, write_at, region):
+    def spy(graph, ids, pos, mask, past_length, write_at, region, heads):
         pasts.append((past_length, ids.shape[1]))
-        return original(graph, ids, pos, mask, past_length, write_at, region)
+        return original(graph, ids, pos, mask, past_length, write_at, region, heads)
 
     runner._run = spy
     tracemalloc.start()

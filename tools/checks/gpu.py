@@ -174,7 +174,8 @@ def one_engine(export: Path, engines: Path) -> bool:
 def long_positions(export16: Path, export32: Path, engines: Path) -> bool:
     """The fp16 engines against onnxruntime on the fp32 export at the top of the engines' range:
     a prefill of the longest prompt plus a block, and a block over the longest past, the last
-    token at position max_prompt + gen_length + block - 1 (random tokens and past KV)."""
+    token at position max_prompt + gen_length + block - 1 (random tokens and past KV), the heads where the loop
+    reads them (the prefill's at its block, the block's at every token)."""
     from refusion.engines.check import TensorRTCases
     from refusion.export.compare import Case, OrtSessions, Tolerance, compare_runners
     from refusion.runtime.core.contract import GRAPH_NAMES, past_key_name, past_value_name
@@ -191,7 +192,8 @@ def long_positions(export16: Path, export32: Path, engines: Path) -> bool:
     def case(name: str, graphs: tuple[GraphName, ...], past: int, seq: int) -> Case:
         feed = {"input_ids": rng.integers(0, m.vocab_size, (1, seq)).astype(np.int64),
                 "position_ids": np.arange(past, past + seq, dtype=np.int64)[None],
-                "attention_mask": causal_after(past, seq)}
+                "attention_mask": causal_after(past, seq),
+                "head_positions": np.arange(max(seq - b, 0), seq, dtype=np.int64)[None]}
         for i in range(m.num_layers):
             for kv in (past_key_name(i), past_value_name(i)):
                 feed[kv] = rng.standard_normal((1, past, m.kv_heads, m.head_dim)).astype(np.float16)
@@ -304,8 +306,9 @@ def _first_difference(a: list[int], b: list[int]) -> int:
 
 
 def latency(engines: Path, repeats: int = 50) -> None:
-    """Median wall time per forward at the profiles' typical shapes (a tiny model: launch-bound); the
-    planner's includes the present KV and input_probs it writes to scratch."""
+    """Median wall time per forward at the profiles' typical shapes (a tiny model: launch-bound), each with
+    the heads the loop reads (a ReFusion prefill: its block; AR's: one); the planner's includes the present
+    KV and input_probs it writes to scratch."""
     from refusion.runtime.core.profiles import DecodeLimits
     from refusion.runtime.runners.tensorrt import TensorRTRunner
 
@@ -315,25 +318,28 @@ def latency(engines: Path, repeats: int = 50) -> None:
         runner.allocate_kv(limits.kv_capacity)
         prompt, block, k = 48, limits.block_length, limits.slot_size
 
-        def forward(graph: GraphName, seq: int, past: int, write_at: int | None) -> float:
+        def forward(graph: GraphName, seq: int, past: int, write_at: int | None, heads: int) -> float:
             ids = np.zeros((1, seq), dtype=np.int64)
             pos = np.arange(past, past + seq, dtype=np.int64)[None]
             mask = np.ones((1, seq, past + seq), dtype=bool)
+            at = np.arange(seq - heads, seq, dtype=np.int64)[None]
             times = []
             for _ in range(repeats + 5):
                 t0 = time.perf_counter()
-                runner.run(graph, ids, pos, mask, past, write_at)
+                runner.run(graph, ids, pos, mask, past, write_at, heads=at)
                 times.append(time.perf_counter() - t0)
             return statistics.median(times[5:]) * 1e3
 
-        shapes: tuple[tuple[str, GraphName, int, int, int | None], ...] = (
-            ("infiller prefill (prompt + block)", "infiller", prompt + block, 0, 0),
-            ("planner plan (a block, plan profile)", "planner", block, prompt, None),
-            ("infiller verify (one slot)", "infiller", k, prompt, prompt),
-            ("infiller AR step", "infiller", 1, prompt, prompt),
+        shapes: tuple[tuple[str, GraphName, int, int, int | None, int], ...] = (
+            ("infiller prefill (prompt + block)", "infiller", prompt + block, 0, 0, block),
+            ("infiller AR prefill (one head)", "infiller", prompt, 0, 0, 1),
+            ("planner plan (a block, plan profile)", "planner", block, prompt, None, block),
+            ("infiller verify (one slot)", "infiller", k, prompt, prompt, k),
+            ("infiller AR step", "infiller", 1, prompt, prompt, 1),
         )
-        for name, graph, seq, past, at in shapes:
-            print(f"latency: {name:36s} seq {seq:3d} past {past:3d}: {forward(graph, seq, past, at):7.3f} ms")
+        for name, graph, seq, past, at, heads in shapes:
+            ms = forward(graph, seq, past, at, heads)
+            print(f"latency: {name:36s} seq {seq:3d} past {past:3d}: {ms:7.3f} ms")
         packed_latency(runner, limits, prompt, repeats)
 
 

@@ -14,8 +14,9 @@ embeddings, norms and lm_head fp16), in bytes:
   with context c = past + s, of max(layer + attention, heads), where
   layer = s (2 hidden + q + 2 kv + 3 intermediate) x 2 (one layer's fp16 intermediates: TensorRT
   reuses activation memory across layers), attention = heads x s x c x (4 + 4 + 2) (fp32 scores,
-  fp32 softmax, fp16 probabilities), heads = s x vocab x (2 + 4 + 4) (fp16 logits, fp32 logits,
-  fp32 exp): the graphs compute the vocabulary heads at every position fed;
+  fp32 softmax, fp16 probabilities), heads = h x vocab x (2 + 4 + 4) (fp16 logits, fp32 logits,
+  fp32 exp) at the profile's largest count h of head positions: the graphs compute the vocabulary
+  heads only where the step reads them, at most a block (a prefill: its masks; AR: one token);
 - fits: weights + KV + activations + headroom <= the device's memory, the headroom (OS,
   CUDA context, TensorRT runtime; Jetson memory is shared with the CPU) an assumption, 3 GiB
   by default.
@@ -72,18 +73,18 @@ def kv_bytes(dims: ModelDims, limits: DecodeLimits) -> int:
     return limits.kv_capacity * dims.num_layers * 2 * dims.kv_size * HALF
 
 
-def forward_activations(dims: ModelDims, seq: int, past: int) -> int:
+def forward_activations(dims: ModelDims, seq: int, past: int, head_positions: int) -> int:
     context = past + seq
     layer = seq * (2 * dims.hidden_size + dims.q_size + 2 * dims.kv_size + 3 * dims.intermediate_size) * HALF
     attention = dims.num_heads * seq * context * (4 + 4 + HALF)
-    heads = seq * dims.vocab_size * (HALF + 4 + 4)
+    heads = head_positions * dims.vocab_size * (HALF + 4 + 4)
     return max(layer + attention, heads)
 
 
 def activation_bytes(dims: ModelDims, limits: DecodeLimits) -> tuple[int, str]:
     """The largest profile's activations, and that profile's name (the first, on a tie)."""
-    return max(((forward_activations(dims, p.seq[2], p.past[2]), p.name) for p in engine_profiles(limits)),
-               key=lambda found: found[0])
+    return max(((forward_activations(dims, p.seq[2], p.past[2], p.head_range[2]), p.name)
+                for p in engine_profiles(limits)), key=lambda found: found[0])
 
 
 def memory(dims: ModelDims, limits: DecodeLimits, block_size: int) -> list[Memory]:

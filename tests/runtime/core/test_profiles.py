@@ -80,6 +80,20 @@ def test_select_profile_picks_by_role_and_prefers_prefill_without_past():
     assert select_profile(profiles, "planner", 129, 0) is None  # the prefill profile holds it, not the role
 
 
+def test_profiles_compute_at_most_a_block_of_heads():
+    """A prefill reads its block of masks (or AR's one token), never its prompt's positions: the engine's
+    vocabulary head is sized for a block whatever the prompt."""
+    profiles = engine_profiles(DecodeLimits())
+    assert [p.head_range for p in profiles] == [(1, 128, 128), (1, 32, 128), (1, 128, 128)]
+    assert select_profile(profiles, "infiller", 2000, 0, heads=128) == 0
+    assert select_profile(profiles, "infiller", 2000, 0, heads=129) is None
+    assert profiles[0].shapes(graph_specs(2, 2, 8, 50, "float16", False)["infiller"])["head_positions"] == (
+        (1, 1), (1, 128), (1, 128))
+    assert ProfileSpec.from_json(profiles[0].to_json()) == profiles[0]
+    old = {k: v for k, v in profiles[0].to_json().items() if k != "heads"}  # an engine built before head positions
+    assert ProfileSpec.from_json(old).head_range == (1, 1024 + 128, 2048 + 128)
+
+
 def test_profiles_round_trip_with_their_role():
     for profile in engine_profiles(DecodeLimits()):
         assert ProfileSpec.from_json(profile.to_json()) == profile

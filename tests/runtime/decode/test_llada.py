@@ -26,13 +26,15 @@ def runner(peaky_export):
 
 @pytest.fixture
 def calls(runner):
-    """Every forward the runner runs: (graph, seq, past, write_at, positions, ids, the argmax probabilities)."""
+    """Every forward the runner runs: (graph, seq, past, write_at, positions, ids, the argmax probabilities at its
+    heads, the head positions)."""
     seen = []
     inner = runner._run
 
-    def run(graph, ids, pos, mask, past, write_at, region):
-        out = inner(graph, ids, pos, mask, past, write_at, region)
-        seen.append((graph, ids.shape[1], past, write_at, pos[0].tolist(), ids[0].tolist(), out["argmax_probs"][0]))
+    def run(graph, ids, pos, mask, past, write_at, region, heads):
+        out = inner(graph, ids, pos, mask, past, write_at, region, heads)
+        seen.append((graph, ids.shape[1], past, write_at, pos[0].tolist(), ids[0].tolist(), out["argmax_probs"][0],
+                     heads[0].tolist()))
         return out
 
     runner._run = run
@@ -57,6 +59,7 @@ def test_diffusion_fills_every_position_and_counts_every_forward(runner, calls, 
     assert res.stats.forward_count == steps == len(calls) == res.stats.forwards[FORWARD_KIND]
     # every step: the planner (no KV kept) over prompt + the whole span, no past, positions in order
     assert all(c[:5] == ("planner", len(PROMPT) + GEN, 0, None, list(range(len(PROMPT) + GEN))) for c in calls)
+    assert all(c[7] == list(range(len(PROMPT), len(PROMPT) + GEN)) for c in calls)  # the prompt's heads never run
     assert res.stats.tpf == pytest.approx(GEN / steps)
     assert res.stats.tokens == GEN  # no EOS (-1): every position counts
     assert 0 < res.stats.engine_seconds <= res.stats.wall_seconds
@@ -72,7 +75,7 @@ def test_diffusion_commits_the_most_confident_masks_in_block_order(runner, calls
         assert masked.sum() == GEN - t and len(filled) == 1  # exactly one mask filled per step
         block = slice(0, 8) if t < 8 else slice(8, 16)
         candidates = np.flatnonzero(masked[block]) + block.start
-        assert filled[0] == candidates[np.argmax(calls[t][6][len(PROMPT):][candidates])]
+        assert filled[0] == candidates[np.argmax(calls[t][6][candidates])]
 
 
 def test_diffusion_early_exit_keeps_the_answer_and_saves_forwards(runner):

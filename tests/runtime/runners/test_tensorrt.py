@@ -183,19 +183,26 @@ def test_engine_that_does_not_match_refusion_json_is_refused(peaky_export, expor
 
 
 def test_profile_ranges_are_checked_against_engines_json_at_load(peaky_export, fakes, tmp_path):
-    """engines.json is not hashed: an edited profile range (same count of profiles) is refused at load, naming
-    the profile and both ranges, instead of surfacing later as TensorRT refusing shapes."""
+    """engines.json is not hashed: an edited profile range (same count of profiles; past, or heads) is refused at
+    load, naming the profile and both ranges, instead of surfacing later as TensorRT refusing shapes."""
     import json
 
     engines = fake_engines(peaky_export, tmp_path / "engines")
     with TensorRTRunner.from_dir(engines):
         pass
     raw = json.loads((engines / "engines.json").read_text())
+    original = dict(raw["engine"]["profiles"][1])
     raw["engine"]["profiles"][1]["past"] = [0, 20, 200]
     (engines / "engines.json").write_text(json.dumps(raw))
     with pytest.raises(RefusionError, match=r"profile 1 \(decode\) takes past_key_values.0.key from \[1, 0, 2, 16\] "
                                             r"to \[1, 112, 2, 16\] \(opt \[1, 40, 2, 16\]\), but engines.json records "
                                             r"\[1, 0, 2, 16\] to \[1, 200, 2, 16\] \(opt \[1, 20, 2, 16\]\).*Rebuild"):
+        TensorRTRunner.from_dir(engines).activate()
+    raw["engine"]["profiles"][1]["past"] = original["past"]
+    raw["engine"]["profiles"][1]["heads"] = [1, 2, 3]  # the heads range: head_positions carries it
+    (engines / "engines.json").write_text(json.dumps(raw))
+    with pytest.raises(RefusionError, match=r"profile 1 \(decode\) takes head_positions from \[1, 1\] to "
+                                            rf"\[1, {original['heads'][2]}\].*but engines.json records \[1, 1\] to \[1, 3\]"):
         TensorRTRunner.from_dir(engines).activate()
     assert fakes[1].allocations == {}
 
@@ -248,6 +255,9 @@ def test_output_shapes_are_checked_once_per_shape_and_refused_when_wrong(peaky_e
             trt.run("infiller", np.zeros((1, 3), np.int64), np.arange(past, past + 3)[None],
                     np.ones((1, 3, past + 3), bool), past, past)
         assert trt._contexts[1].shape_queries == 1
+        trt.run("infiller", np.zeros((1, 3), np.int64), np.arange(10, 13)[None], np.ones((1, 3, 13), bool), 10, 10,
+                heads=np.array([[2]]))  # the outputs' shapes do depend on the head count
+        assert trt._contexts[1].shape_queries == 2
         real = _Context.get_tensor_shape
         monkeypatch.setattr(_Context, "get_tensor_shape",
                             lambda self, name: (1, 99) if name == "argmax_probs" else real(self, name))

@@ -35,7 +35,8 @@ def test_memory_of_a_tiny_export(tiny, capsys):
     assert fp16.kv == int4.kv == 112 * 2 * 2 * 2 * 16 * 2 == 28672
     # decode profile at its largest: seq 32 over past 16 + 64 + 32 = 112, context 144:
     # layer 32 x (128 + 64 + 64 + 288) x 2 = 34816, attention 4 x 32 x 144 x 10 = 184320 (heads 32 x 384 x 10 less);
-    # the prefill's 48 tokens: 48 x 384 x 10 = 184320 < 219136
+    # the prefill's 48 tokens compute the heads of a block, 32 x 384 x 10 = 122880, and its layers
+    # 48 x 544 x 2 + 4 x 48 x 48 x 10 = 144384 < 219136
     assert (fp16.activations, fp16.activations_profile) == (34816 + 184320, "decode")
     assert jetson_memory.main([str(tiny), "--max-prompt", "16", "--gen-length", "64", "--slot-size", "4",
                                "--serial-blocks", "2", "--block-size", "32"]) == 0

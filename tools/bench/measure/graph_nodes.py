@@ -1,0 +1,105 @@
+"""Node counts of exports' infiller graphs, as written and after onnxruntime's optimizations, and the time of one
+infiller forward of each (1 and 16 tokens over a past, interleaved, median, one thread). Exports of other format
+versions are read too (the feed is built from the session's own inputs), so an export made at an older commit
+can be set beside a new one. Writes results/graph-nodes/nodes.json and results/graph-nodes/nodes.md.
+
+    python -m refusion.tools.bench.measure.graph_nodes LABEL=EXPORT_DIR...
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+
+from refusion.runtime.decode.masks import causal_after
+from refusion.tools.bench.common import cpu_model, host_info
+
+PAST, SEQS, REPEATS = 64, (1, 16), 200
+OUT = Path("results/graph-nodes")  # from the checkout's root
+
+
+def _feed(session: Any, seq: int, heads: int) -> dict[str, np.ndarray]:
+    """Random ids over a random past; the heads (when the graph takes them) at the last `heads` positions."""
+    rng = np.random.default_rng(0)
+    feed: dict[str, np.ndarray] = {}
+    for i in session.get_inputs():
+        if i.name == "input_ids":
+            feed[i.name] = rng.integers(0, 100, (1, seq))
+        elif i.name == "position_ids":
+            feed[i.name] = np.arange(PAST, PAST + seq)[None]
+        elif i.name == "attention_mask":
+            feed[i.name] = causal_after(PAST, seq)
+        elif i.name == "head_positions":
+            feed[i.name] = np.arange(seq - heads, seq)[None]
+        else:  # past KV [1, past, kv_heads, head_dim]
+            feed[i.name] = rng.standard_normal((1, PAST, *i.shape[2:])).astype(np.float32)
+    return feed
+
+
+def _optimized_nodes(path: Path) -> Counter:
+    import onnxruntime as ort
+
+    with tempfile.TemporaryDirectory() as tmp:
+        options = ort.SessionOptions()
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        options.optimized_model_filepath = str(Path(tmp) / "optimized.onnx")
+        options.add_session_config_entry("session.optimized_model_external_initializers_file_name", "weights.data")
+        ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        return Counter(n.op_type for n in onnx.load(options.optimized_model_filepath, load_external_data=False).graph.node)
+
+
+def main() -> None:
+    import onnxruntime as ort
+
+    exports = dict(arg.split("=", 1) for arg in sys.argv[1:])
+    result: dict[str, Any] = {"host": host_info(("onnxruntime",)) | {"cpu": cpu_model()}, "past": PAST, "repeats": REPEATS, "exports": {}}
+    sessions = {}
+    for label, directory in exports.items():
+        path = Path(directory) / "infiller.onnx"
+        written = Counter(n.op_type for n in onnx.load(str(path), load_external_data=False).graph.node)
+        optimized = _optimized_nodes(path)
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = options.inter_op_num_threads = 1
+        sessions[label] = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        result["exports"][label] = {"dir": directory, "nodes": sum(written.values()),
+                                    "nodes_optimized": sum(optimized.values()), "ops": dict(written.most_common()),
+                                    "ops_optimized": dict(optimized.most_common())}
+    # (seq, heads): a 1-token step; 16 tokens with every head (a verify pass) and with one (a prefill's)
+    shapes = [(1, 1), (16, 16), (16, 1)]
+    times: dict[str, dict[str, list[float]]] = {label: {f"{s}/{h}": [] for s, h in shapes} for label in sessions}
+    feeds = {label: {f"{s}/{h}": _feed(sess, s, h) for s, h in shapes} for label, sess in sessions.items()}
+    for _ in range(REPEATS):
+        for key in times[next(iter(times))]:
+            for label, sess in sessions.items():
+                t0 = time.perf_counter()
+                sess.run(None, feeds[label][key])
+                times[label][key].append(time.perf_counter() - t0)
+    for label, per in times.items():
+        result["exports"][label]["forward_ms_median"] = {f"seq/heads {k}": round(statistics.median(v) * 1e3, 4)
+                                                         for k, v in per.items()}
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "nodes.json").write_text(json.dumps(result, indent=1) + "\n")
+    rows = ["| export | nodes | after onnxruntime's fusions | " + " | ".join(f"ms, seq/heads {s}/{h}" for s, h in shapes)
+            + " |", "|---|---|---|" + "---|" * len(shapes)]
+    for label, e in result["exports"].items():
+        ms = " | ".join(f"{v:.3f}" for v in e["forward_ms_median"].values())
+        rows.append(f"| {label} | {e['nodes']} | {e['nodes_optimized']} | {ms} |")
+    cpu = result["host"].get("cpu", "")
+    md = (f"# Infiller graph nodes\n\nCPU: {cpu}; onnxruntime {result['host'].get('onnxruntime')}; one thread, past "
+          f"{PAST}, median of {REPEATS} interleaved runs (every output fetched). Written by "
+          "`python -m refusion.tools.bench.measure.graph_nodes`.\n\n" + "\n".join(rows) + "\n")
+    (OUT / "nodes.md").write_text(md)
+    print(md)
+
+
+if __name__ == "__main__":
+    main()
