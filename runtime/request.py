@@ -105,7 +105,8 @@ class Request:
         # the scheduler's: only its thread touches these
         self.region: int | None = None  # its KV region on the runner while it runs
         self.inbox: Outputs | None = None  # its last forward's outputs, for the next step
-        self.started = 0.0
+        self.started = 0.0  # time.perf_counter() when the scheduler started it (a KV region taken)
+        self.first_commit_at: float | None = None  # time.perf_counter() of its first commit (servers' TTFT)
         self.runner_seconds = 0.0
         self.cached_tokens = 0  # prompt tokens whose KV came from the prefix cache
 
@@ -248,6 +249,8 @@ class Request:
             return None
 
     def add_commit(self, commit: Commit) -> None:
+        if self.first_commit_at is None:
+            self.first_commit_at = time.perf_counter()
         with self._changed:
             self.commits.append(commit)
             self._changed.notify_all()

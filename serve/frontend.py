@@ -2,17 +2,19 @@
 and the queue limit, the drain, the values the metrics report, answering a request to its end, and the
 status of every error (serve/security.py holds the shared limits and the key).
 
-A frontend (Triton's model, serve/triton/model.py) only translates: its wire format to a ServeRequest, a
-`Final` and the streamed pieces back to its responses, its own way of noticing a client that went away.
-Per request: `admit()` (a refusal, or a place taken), then `submit()` (it tokenizes: call it off the thread
-that receives requests, so a long prompt holds up no other), then `respond()`.
+A frontend (Triton's model, serve/triton/model.py; the OpenAI-compatible server, serve/openai/) only
+translates: its wire format to a ServeRequest, a `Final` and the streamed pieces back to its responses, its
+own way of noticing a client that went away. Per request: `admit()` (a refusal, or a place taken), then
+`submit()` (it tokenizes: call it off the thread that receives requests, so a long prompt holds up no other),
+then `respond()` from a thread or `answer()` from asyncio.
 """
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Generic, TypeVar
@@ -26,11 +28,13 @@ Handle = TypeVar("Handle")  # the frontend's own object for a request (Triton's 
 
 @dataclass(frozen=True)
 class ServeRequest:
-    prompt: str
+    prompt: str | None  # the text; or None, and one of messages and prompt_ids
     stream: bool = False
     chat: bool = False
     timeout_s: float | None = None
-    settings: dict[str, Any] = field(default_factory=dict)  # decode settings given; the rest: the export's
+    settings: dict[str, Any] = field(default_factory=dict)  # Generator.submit's keywords given; the rest: the export's
+    messages: list[dict[str, str]] | None = None  # a conversation, through the export's chat template
+    prompt_ids: list[int] | None = None  # token ids, fed as they are
 
 
 @dataclass(frozen=True)
@@ -77,14 +81,18 @@ class Frontend(Generic[Handle]):
     """One Generator behind a request limit: `max_requests` running plus `max_queue` waiting. A request is
     live from `submit` until `respond` has handed over its final response."""
 
-    def __init__(self, gen: Generator, max_queue: int):
-        self.gen, self.max_queue = gen, max_queue
+    def __init__(self, gen: Generator, max_queue: int,
+                 on_end: Callable[[Request, Handle, Final], None] | None = None):
+        """`on_end(request, handle, final)` is called once per submitted request when it has ended and given
+        its place back, whether or not its client was still there (a frontend's metrics)."""
+        self.gen, self.max_queue, self.on_end = gen, max_queue, on_end
         self.limit = gen.runner.max_requests + max_queue
         self.drain_deadline: float | None = None  # time.time() at which what still runs is cancelled
         self._live: dict[Request, Handle] = {}
         self._admitted = 0  # admitted, not yet submitted
         self._lock = threading.Condition()
         self._closed = False
+        self._releasing: set[asyncio.Task[None]] = set()  # answer()'s waits for requests whose client left
 
     def admit(self) -> Final | None:
         """Take a place for a new request, or the refusal its client gets (retryable: the server is full or
@@ -111,7 +119,8 @@ class Frontend(Generic[Handle]):
         `respond` ends it."""
         try:
             # Tokenizing and submitting stay outside the lock that cancellation and final responses take.
-            request = self.gen.submit(job.prompt, chat=job.chat, timeout_s=job.timeout_s, **job.settings)
+            request = self.gen.submit(job.prompt, messages=job.messages, prompt_ids=job.prompt_ids, chat=job.chat,
+                                      timeout_s=job.timeout_s, **job.settings)
         except BaseException:
             with self._lock:
                 self._admitted -= 1
@@ -130,14 +139,50 @@ class Frontend(Generic[Handle]):
                 for text in request:
                     piece(text)
             outcome = Final(request.result())
-        except RefusionError as e:  # it failed alone (e.g. over a runner's limit), with its own error
-            outcome = Final(error=str(e))
-        except Exception as e:  # noqa: BLE001 - a bug: the client still gets a final response
-            outcome = Final(error=f"internal error: {type(e).__name__}: {e}", status=Status.INTERNAL)
+        except Exception as e:  # noqa: BLE001 - the request's own error, or a bug: either way a final response
+            outcome = _failed(e)
+        self._release(request, lambda: final(outcome), outcome)
+
+    async def answer(self, request: Request, stream: bool) -> AsyncGenerator[str | Final, None]:
+        """`respond` for asyncio: each piece of settled text when streaming, then the Final. Closing the
+        iterator before the Final (a client that went away) cancels the request; it gives its place back once
+        it has ended, within a forward."""
+        outcome: Final | None = None
+        try:
+            try:
+                if stream:
+                    async for text in request:
+                        yield text
+                outcome = Final(await request.aresult())
+            except Exception as e:  # noqa: BLE001 - the request's own error, or a bug: either way a final response
+                outcome = _failed(e)
+            yield outcome
+        finally:
+            if outcome is not None and request.done:
+                self._release(request, lambda: None, outcome)
+            else:
+                request.cancel()
+                # Awaited in a task of its own: the one closing this iterator may itself be cancelled.
+                task = asyncio.get_running_loop().create_task(self._release_at_end(request))
+                self._releasing.add(task)
+                task.add_done_callback(self._releasing.discard)
+
+    async def _release_at_end(self, request: Request) -> None:
+        try:
+            outcome = Final(await request.aresult())
+        except Exception as e:  # noqa: BLE001 - as in answer()
+            outcome = _failed(e)
+        self._release(request, lambda: None, outcome)
+
+    def _release(self, request: Request, final: Callable[[], None], outcome: Final) -> None:
+        """Send the final response (under the lock that `cancel_gone` takes), give the request's place back,
+        then tell `on_end`."""
         with self._lock:
-            final(outcome)
-            self._live.pop(request, None)
+            final()
+            handle = self._live.pop(request, _GONE)
             self._lock.notify_all()
+        if handle is not _GONE and self.on_end is not None:
+            self.on_end(request, handle, outcome)
 
     def cancel_gone(self, gone: Callable[[Handle], bool]) -> None:
         """Cancel the requests whose handle says the client went away; every one once the drain's deadline
@@ -165,3 +210,12 @@ class Frontend(Generic[Handle]):
             for request in self._live:
                 request.cancel()
             self._lock.wait_for(lambda: not self._live, timeout=timeout_s)
+
+
+_GONE: Any = object()  # a request no longer live
+
+
+def _failed(error: Exception) -> Final:
+    if isinstance(error, RefusionError):  # it failed alone (e.g. over a runner's limit), with its own error
+        return Final(error=str(error))
+    return Final(error=f"internal error: {type(error).__name__}: {error}", status=Status.INTERNAL)  # a bug
