@@ -1,0 +1,231 @@
+"""The OpenAI-compatible routes, a FastAPI app over serve/frontend.py's seam (one Generator).
+
+    GET  /v1/models, /v1/models/{model}
+    POST /v1/chat/completions, /v1/completions     (stream: server-sent events ending in `data: [DONE]`)
+    GET  /health                                   (200 ready / 503 draining, with queue and KV state)
+    GET  /metrics                                  (Prometheus text)
+
+Every answer that is not a completion is OpenAI's error JSON with its HTTP status: a bad body or field 400
+naming it, an unknown model or path 404, a body too large 413 or too slow 408, the server full 429 with
+Retry-After, draining 503; a bug is a 500 whose body names only its type (the traceback goes to the log).
+A request is read whole within the body limits before anything runs, and its client going away cancels it
+(streaming or not): its KV region is free within a forward.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI
+from starlette.exceptions import HTTPException
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive
+
+from refusion.runtime.core.errors import RefusionError
+from refusion.runtime.request import Request as Generation
+from refusion.serve.frontend import Final, Frontend, Status
+from refusion.serve.openai.metrics import CONTENT_TYPE, Arrival, ServerMetrics
+from refusion.serve.openai.responses import ApiError, Reply, answer_logprobs, error_body, sse
+from refusion.serve.openai.schema import CHAT, COMPLETIONS, ApiRequest, parse_json, read_request
+
+log = logging.getLogger("refusion.serve.openai")
+DISCARD_FACTOR = 8  # a body over the limit is read and dropped up to this many times it, so its client sees the 413
+
+
+@dataclass(frozen=True)
+class AppConfig:
+    model: str  # the name clients send as "model"
+    max_body: int  # bytes of a request body
+    body_timeout_s: float  # for the whole body to arrive after the headers
+    retry_after_s: int = 1  # what a 429 tells its client
+
+
+def create_app(frontend: Frontend[Arrival], metrics: ServerMetrics, config: AppConfig) -> FastAPI:
+    app = FastAPI(title="refusion", docs_url=None, redoc_url=None, openapi_url=None)
+    gen = frontend.gen
+    tokenizer = gen.tokenizer
+
+    def token_text(token_id: int) -> str:
+        return tokenizer.decode([token_id]) if tokenizer is not None else str(token_id)
+
+    def refused(status: int, body: dict[str, Any], headers: dict[str, str] | None = None) -> JSONResponse:
+        metrics.refused.labels(str(status)).inc()
+        return JSONResponse(body, status, headers)
+
+    @app.exception_handler(ApiError)
+    async def api_error(_: Request, e: ApiError) -> Response:
+        return refused(e.status, e.body(), e.headers)
+
+    @app.exception_handler(RefusionError)
+    async def refusion_error(_: Request, e: RefusionError) -> Response:  # the runtime's refusal of a setting
+        return refused(400, error_body(400, str(e), _param(str(e))))
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, e: HTTPException) -> Response:
+        message = (f"no route {request.method} {request.url.path}; the API is /v1/models, /v1/chat/completions, "
+                   "/v1/completions, /health, /metrics." if e.status_code in (404, 405) else str(e.detail))
+        return refused(e.status_code, error_body(e.status_code, message), getattr(e, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def bug(_: Request, e: Exception) -> Response:
+        log.exception("internal error")
+        return refused(500, error_body(500, f"internal error ({type(e).__name__}); the server's log has its traceback."))
+
+    @app.get("/health")
+    async def health() -> Response:
+        m = frontend.metrics()
+        draining = frontend.drain_deadline is not None
+        cache = gen.prefix_cache
+        body = {"status": "draining" if draining else "ready", "model": config.model,
+                "requests_in_flight": m.requests_in_flight, "kv_regions_in_use": m.kv_regions_in_use,
+                "kv_regions": gen.runner.max_requests, "max_queue": frontend.max_queue,
+                "prefix_cache": {"blocks": cache.blocks, "bytes": cache.reserved_bytes,
+                                 "hit_tokens": cache.stats.hit_tokens} if cache is not None else None}
+        return JSONResponse(body, 503 if draining else 200)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    def model_card() -> dict[str, Any]:
+        return {"id": config.model, "object": "model", "created": 0, "owned_by": "refusion",
+                "max_model_len": gen.manifest.max_positions}
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        return JSONResponse({"object": "list", "data": [model_card()]})
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str) -> Response:
+        if model != config.model:
+            raise ApiError(404, f"the model {model!r} does not exist here; this server serves {config.model!r}.",
+                           "model", "model_not_found")
+        return JSONResponse(model_card())
+
+    async def complete(endpoint: str, http: Request) -> Response:
+        arrival = Arrival(endpoint)
+        api = read_request(endpoint, parse_json(await _read_body(http, config)), config.model)
+        refusal = frontend.admit()
+        if refusal is not None:
+            full = refusal.status is Status.RESOURCE_EXHAUSTED
+            raise ApiError(refusal.status.value, refusal.error, code="server_full" if full else "server_unavailable",
+                           headers={"Retry-After": str(config.retry_after_s)} if full else {})
+        # Tokenized off the event loop, so that a long prompt holds up no other request.
+        generation = await run_in_threadpool(frontend.submit, api.job, arrival)
+        reply = Reply(endpoint, config.model)
+        if api.job.stream:
+            return StreamingResponse(_events(frontend, generation, api, reply), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        final = await _until_end_or_gone(frontend, generation, http.receive)
+        if final is None:
+            return Response(status_code=499)  # nobody reads it
+        if final.result is None:
+            raise ApiError(final.status.value, final.error)
+        logprobs = (answer_logprobs(final.result, gen.manifest.eos_token_id, token_text, reply.chat)
+                    if api.logprobs else None)
+        return JSONResponse(reply.completion(final.result, logprobs, api.token_ids))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(http: Request) -> Response:
+        return await complete(CHAT, http)
+
+    @app.post("/v1/completions")
+    async def completions(http: Request) -> Response:
+        return await complete(COMPLETIONS, http)
+
+    return app
+
+
+async def _read_body(http: Request, config: AppConfig) -> bytes:
+    """The whole body, within the size limit (413) and the time limit (408)."""
+    limit = config.max_body
+    too_large = ApiError(413, f"the body is over {limit} bytes, the limit of this server (its prompts fit the model's "
+                              "positions); send a shorter prompt.", code="request_too_large")
+    declared = http.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit * DISCARD_FACTOR:
+        raise too_large  # not read at all: the connection closes after the answer
+
+    async def read() -> bytes:
+        chunks, size = [], 0
+        async for chunk in http.stream():
+            size += len(chunk)
+            if size <= limit:
+                chunks.append(chunk)
+            elif size > limit * DISCARD_FACTOR:
+                break
+        if size > limit:
+            raise too_large
+        return b"".join(chunks)
+
+    try:
+        return await asyncio.wait_for(read(), config.body_timeout_s)
+    except asyncio.TimeoutError:
+        raise ApiError(408, f"the body did not arrive within {config.body_timeout_s:g} s of the headers; send it "
+                            "whole.", code="request_timeout") from None
+    except ClientDisconnect:
+        raise ApiError(400, "the client went away before its body arrived.") from None
+
+
+async def _until_end_or_gone(frontend: Frontend[Arrival], generation: Generation,
+                             receive: Receive) -> Final | None:
+    """The request's Final, or None once its client has disconnected (the request is cancelled then)."""
+    answers = frontend.answer(generation, stream=False)
+    ending = asyncio.ensure_future(anext(answers))
+    gone = asyncio.ensure_future(_disconnect(receive))
+    try:
+        await asyncio.wait({ending, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if not ending.done():
+        ending.cancel()  # the answer's iterator cancels the request as it closes
+        with contextlib.suppress(asyncio.CancelledError):
+            await ending
+        await answers.aclose()
+        return None
+    final = ending.result()
+    await answers.aclose()
+    assert isinstance(final, Final), "a non-streaming answer yields only its Final"
+    return final
+
+
+async def _disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _events(frontend: Frontend[Arrival], generation: Generation, api: ApiRequest, reply: Reply
+                  ) -> AsyncIterator[bytes]:
+    """The stream: (chat) the role, each piece of settled text, the finish reason, (include_usage) the usage,
+    then [DONE]; an error after the stream began is an error event. Closed early (its client disconnected),
+    the answer's iterator cancels the request."""
+    usage = api.include_usage
+    answers = frontend.answer(generation, stream=True)
+    try:
+        if reply.chat:
+            yield sse(reply.chunk(first=True, include_usage=usage))
+        async for item in answers:
+            if isinstance(item, str):
+                yield sse(reply.chunk(item, include_usage=usage))
+            elif item.result is not None:
+                ids = item.result.token_ids if api.token_ids else None
+                yield sse(reply.chunk(finish_reason=item.result.finish_reason, include_usage=usage, token_ids=ids))
+                if usage:
+                    yield sse(reply.usage_chunk(item.result))
+            else:
+                yield sse(error_body(item.status.value, item.error))
+        yield sse("[DONE]")
+    finally:
+        await answers.aclose()
+
+
+def _param(message: str) -> str | None:
+    """The field a runtime message names first (`temperature=-1.0 must be ...`)."""
+    head = message.split("=", 1)[0]
+    return head if head.isidentifier() and "=" in message else None

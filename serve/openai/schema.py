@@ -1,0 +1,285 @@
+"""The OpenAI request fields the server takes, declared once as data (docs/serving.md's table is checked
+against FIELDS), and a request body read against them.
+
+Every field is OpenAI's, or one of ReFusion's own settings taken as an extra body field (`refusion=True`;
+the openai client sends them with `extra_body={...}`). Each feeds one keyword of Generator.submit, or asks
+for what the server does anyway (`only`: n=1, presence_penalty=0). A field that is unknown, unsupported, of
+the wrong JSON type or outside `only` is an ApiError 400 that names it; null counts as left out. Nothing
+from a request is evaluated: messages fill the export's own chat template as plain strings.
+
+`read_request` is pure (a parsed body in, a ServeRequest and what the reply needs out): the app calls it,
+the tests call it directly.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from refusion.runtime.decode import MODES
+from refusion.serve.frontend import ServeRequest
+from refusion.serve.openai.responses import ApiError
+
+Kind = Literal["string", "bool", "int", "number", "strings", "ints", "object"]
+CHAT, COMPLETIONS = "chat", "completions"
+BOTH = (CHAT, COMPLETIONS)
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}  # OpenAI's -> template's
+
+
+@dataclass(frozen=True)
+class ApiField:
+    name: str
+    kind: Kind
+    help: str
+    keyword: str | None = None  # the Generator.submit keyword it feeds
+    endpoints: tuple[str, ...] = BOTH
+    only: tuple[Any, ...] | None = None  # the only values taken: what the server does anyway
+    refusion: bool = False  # ReFusion's own, an extra body field beside OpenAI's
+
+
+FIELDS = (
+    ApiField("model", "string", "the served model's name, as GET /v1/models lists it (required)"),
+    ApiField("messages", "object", "the conversation: system / developer / user / assistant messages with text "
+             "content, through the export's chat template (required)", endpoints=(CHAT,)),
+    ApiField("prompt", "object", "the prompt: a string, or token ids (one prompt; required)", endpoints=(COMPLETIONS,)),
+    ApiField("stream", "bool", "send the answer as server-sent events as it settles, then `data: [DONE]`"),
+    ApiField("stream_options", "object", "with stream: {\"include_usage\": true} adds a last chunk with the usage"),
+    ApiField("max_tokens", "int", "at most this many new tokens (finish_reason length when it cuts the answer)",
+             "max_tokens"),
+    ApiField("max_completion_tokens", "int", "the same as max_tokens (give one of the two)", "max_tokens",
+             endpoints=(CHAT,)),
+    ApiField("stop", "strings", "a stop sequence or a list of them: the answer ends before the first", "stop"),
+    ApiField("temperature", "number", "0 is greedy; left out: the export's recorded setting (greedy)", "temperature"),
+    ApiField("top_p", "number", "with temperature > 0: the nucleus cut, in (0, 1]", "top_p"),
+    ApiField("seed", "int", "seed of the sampling noise: the same seed, the same answer", "seed"),
+    ApiField("logprobs", "bool", "each returned token's log-probability in choices[0].logprobs.content", "logprobs",
+             endpoints=(CHAT,)),
+    ApiField("logprobs", "int", "0: each returned token's log-probability (no alternatives)", "logprobs",
+             endpoints=(COMPLETIONS,), only=(0,)),
+    ApiField("top_logprobs", "int", "alternatives to each token are not reported: 0 only", endpoints=(CHAT,),
+             only=(0,)),
+    ApiField("n", "int", "one choice per request: 1 only", only=(1,)),
+    ApiField("presence_penalty", "number", "no penalties: 0 only", only=(0,)),
+    ApiField("frequency_penalty", "number", "no penalties: 0 only", only=(0,)),
+    ApiField("echo", "bool", "the prompt is not repeated: false only", endpoints=(COMPLETIONS,), only=(False,)),
+    ApiField("best_of", "int", "1 only", endpoints=(COMPLETIONS,), only=(1,)),
+    ApiField("mode", "string", f"decoding: {' or '.join(MODES)} (left out: the export's)", "mode", refusion=True),
+    ApiField("gen_length", "int", "ReFusion's canvas (expert setting; max_tokens caps the answer)", "gen_length",
+             refusion=True),
+    ApiField("slot_size", "int", "tokens per slot", "slot_size", refusion=True),
+    ApiField("serial_num_blocks", "int", "blocks the canvas is cut into", "serial_num_blocks", refusion=True),
+    ApiField("slot_threshold", "number", "slot selection threshold in [0, 1]", "slot_threshold", refusion=True),
+    ApiField("token_threshold", "number", "token acceptance threshold in [0, 1]", "token_threshold", refusion=True),
+    ApiField("top_k", "int", "with temperature > 0: among the k most likely candidates (0: all)", "top_k",
+             refusion=True),
+    ApiField("min_p", "number", "with temperature > 0: the minimum-probability cut, in [0, 1)", "min_p", refusion=True),
+    ApiField("stop_token_ids", "ints", "token ids that end the answer", "stop_token_ids", refusion=True),
+    ApiField("return_token_ids", "bool", "the answer's token ids in choices[0].token_ids (the last chunk's, "
+             "streaming)", refusion=True),
+    ApiField("timeout_s", "number", "deadline in seconds: the answer ends there (finish_reason length)", "timeout_s",
+             refusion=True),
+)
+
+# OpenAI's fields this server does not do, with why: refused by name rather than as unknown.
+UNSUPPORTED = {
+    "tools": "tool calling", "tool_choice": "tool calling", "parallel_tool_calls": "tool calling",
+    "functions": "function calling", "function_call": "function calling", "logit_bias": "logit biases",
+    "response_format": "structured output", "audio": "audio", "modalities": "audio", "prediction": "predicted output",
+    "reasoning_effort": "reasoning settings", "service_tier": "service tiers", "store": "stored completions",
+    "metadata": "stored completions", "user": "per-user tracking", "web_search_options": "web search",
+    "suffix": "insertion", "prompt_cache_key": "cache keys (prompt prefixes are reused automatically)",
+    "safety_identifier": "per-user tracking",
+}
+
+
+@dataclass(frozen=True)
+class ApiRequest:
+    """A request body as the server runs it: the job for the frontend, and what its reply needs."""
+
+    endpoint: str  # CHAT or COMPLETIONS
+    job: ServeRequest
+    include_usage: bool = False
+    logprobs: bool = False
+    token_ids: bool = False  # return_token_ids
+
+
+def parse_json(body: bytes) -> dict[str, Any]:
+    """A request body as a JSON object; anything else is a 400 that says what it is."""
+    try:
+        value = json.loads(body.decode("utf-8"), parse_constant=_no_constant)  # UTF-8 only: no BOM-sniffed UTF-16
+    except UnicodeDecodeError as e:
+        raise ApiError(400, f"the body is not UTF-8 ({e.reason} at byte {e.start}).") from None
+    except json.JSONDecodeError as e:
+        raise ApiError(400, f"the body is not JSON ({e.msg} at line {e.lineno} column {e.colno}).") from None
+    except RecursionError:
+        raise ApiError(400, "the body nests too deep; send a flat JSON object.") from None
+    try:  # JSON's \ud800 escapes can name half a character, which no text holds
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ApiError(400, f"the body holds a lone surrogate ({e.object[e.start:e.end]!r}, a \\u escape of half a "
+                            "character); send UTF-8 text.") from None
+    if not isinstance(value, dict):
+        raise ApiError(400, f"the body is a JSON {type(value).__name__}, not an object; send "
+                            '{"model": ..., "messages": [...]} (chat) or {"model": ..., "prompt": ...} (completions).')
+    return value
+
+
+def _no_constant(name: str) -> Any:
+    raise ApiError(400, f"the body holds {name}, which is not JSON; send a finite number.")
+
+
+def read_request(endpoint: str, body: Mapping[str, Any], model: str) -> ApiRequest:
+    """`body` of POST /v1/chat/completions (CHAT) or /v1/completions (COMPLETIONS) for the model named `model`."""
+    fields = {f.name: f for f in FIELDS if endpoint in f.endpoints}
+    for name in body:
+        if name not in fields:
+            raise _unknown(endpoint, name, fields)
+    values = {name: _checked(fields[name], value) for name, value in body.items() if value is not None}
+    if "model" not in values:
+        raise ApiError(400, f"model is missing; send \"model\": \"{model}\" (GET /v1/models lists it).", "model")
+    if values["model"] != model:
+        raise ApiError(404, f"the model {values['model']!r} does not exist here; this server serves {model!r}.",
+                       "model", "model_not_found")
+    if "max_tokens" in values and "max_completion_tokens" in values:
+        raise ApiError(400, "max_tokens and max_completion_tokens mean the same here; give one of them.",
+                       "max_completion_tokens")
+    stream = values.get("stream", False)
+    include_usage = _stream_options(values.get("stream_options"), stream)
+    settings = {f.keyword: values[f.name] for f in fields.values() if f.keyword and f.name in values}
+    if endpoint == COMPLETIONS and "logprobs" in settings:
+        settings["logprobs"] = True  # logprobs 0: the chosen tokens' only
+    if stream and settings.get("logprobs"):
+        raise ApiError(400, "logprobs are reported in the whole answer only; send stream=false with logprobs.",
+                       "logprobs")
+    timeout_s = settings.pop("timeout_s", None)
+    prompt: str | None = None
+    messages: list[dict[str, str]] | None = None
+    prompt_ids: list[int] | None = None
+    if endpoint == CHAT:
+        if "messages" not in values:
+            raise ApiError(400, 'messages is missing; send "messages": [{"role": "user", "content": "..."}].',
+                           "messages")
+        messages = _messages(values["messages"])
+    else:
+        if "prompt" not in values:
+            raise ApiError(400, 'prompt is missing; send "prompt": "..." (or token ids).', "prompt")
+        prompt, prompt_ids = _prompt(values["prompt"])
+    job = ServeRequest(prompt, stream=stream, timeout_s=timeout_s, settings=settings, messages=messages,
+                       prompt_ids=prompt_ids)
+    return ApiRequest(endpoint, job, include_usage, bool(settings.get("logprobs", False)),
+                      values.get("return_token_ids", False))
+
+
+def _unknown(endpoint: str, name: str, fields: Mapping[str, ApiField]) -> ApiError:
+    if name in UNSUPPORTED:
+        return ApiError(400, f"{name} is not supported by this server ({UNSUPPORTED[name]}); leave it out.", name)
+    other = [f for f in FIELDS if f.name == name]
+    if other:
+        where = "/v1/chat/completions" if other[0].endpoints == (CHAT,) else "/v1/completions"
+        return ApiError(400, f"{name} is a field of {where}, not of this endpoint; leave it out.", name)
+    return ApiError(400, f"unknown field {name!r}; the fields taken here are {', '.join(dict.fromkeys(fields))} "
+                         "(docs/serving.md).", name)
+
+
+_EXPECTED = {"string": "a string", "bool": "true or false", "int": "an integer", "number": "a number",
+             "strings": "a string or a list of strings", "ints": "a list of integers", "object": "an object"}
+
+
+def _checked(spec: ApiField, value: Any) -> Any:
+    """`value` if it is of the field's JSON type (and among `only`), else a 400 naming the field."""
+    if spec.kind != "object" and not _is(spec.kind, value):
+        raise ApiError(400, f"{spec.name} is {json.dumps(value)[:80]}; it must be {_EXPECTED[spec.kind]}: {spec.help}.",
+                       spec.name)
+    if spec.only is not None and value not in spec.only:
+        raise ApiError(400, f"{spec.name}={json.dumps(value)[:80]} is not supported: {spec.help}.", spec.name)
+    return value
+
+
+def _is(kind: Kind, value: Any) -> bool:
+    if kind == "string":
+        return isinstance(value, str)
+    if kind == "bool":
+        return isinstance(value, bool)
+    if kind == "int":
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind == "number":
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if kind == "strings":
+        return isinstance(value, str) or (isinstance(value, list) and all(isinstance(s, str) for s in value))
+    assert kind == "ints", kind
+    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+def _stream_options(options: Any, stream: bool) -> bool:
+    if options is None:
+        return False
+    if not stream:
+        raise ApiError(400, "stream_options is only taken with stream=true.", "stream_options")
+    if not isinstance(options, dict):
+        raise ApiError(400, 'stream_options must be an object, e.g. {"include_usage": true}.', "stream_options")
+    unknown = [k for k in options if k != "include_usage"]
+    if unknown:
+        raise ApiError(400, f"stream_options.{unknown[0]} is not supported; the one option is include_usage.",
+                       f"stream_options.{unknown[0]}")
+    include = options.get("include_usage", False)
+    if not isinstance(include, bool):
+        raise ApiError(400, f"stream_options.include_usage is {json.dumps(include)[:80]}; it must be true or false.",
+                       "stream_options.include_usage")
+    return include
+
+
+def _messages(value: Any) -> list[dict[str, str]]:
+    """OpenAI's messages as the chat template's: a role and text content each."""
+    if not isinstance(value, list) or not value:
+        raise ApiError(400, 'messages must be a non-empty list, e.g. [{"role": "user", "content": "hi"}].', "messages")
+    out = []
+    for i, message in enumerate(value):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise ApiError(400, f"{where} is not an object with a role and content.", where)
+        extra = [k for k in message if k not in ("role", "content")]
+        if extra:
+            raise ApiError(400, f"{where}.{extra[0]} is not supported; a message has a role and content.",
+                           f"{where}.{extra[0]}")
+        role = message.get("role")
+        if role not in ROLES:
+            why = " (tool calling is not supported)" if role in ("tool", "function") else ""
+            raise ApiError(400, f"{where}.role is {json.dumps(role)[:40]}{why}; it must be one of "
+                                f"{', '.join(ROLES)}.", f"{where}.role")
+        out.append({"role": ROLES[role], "content": _content(message.get("content"), f"{where}.content")})
+    return out
+
+
+def _content(content: Any, where: str) -> str:
+    """A message's text: a string, or text parts joined."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and content:
+        texts = []
+        for j, part in enumerate(content):
+            if not (isinstance(part, dict) and set(part) == {"type", "text"} and part["type"] == "text"
+                    and isinstance(part["text"], str)):
+                kind = part.get("type") if isinstance(part, dict) else None
+                raise ApiError(400, f"{where}[{j}] is not a text part ({{\"type\": \"text\", \"text\": \"...\"}})"
+                                    + (f"; {kind} content is not supported" if kind and kind != "text" else "") + ".",
+                               f"{where}[{j}]")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise ApiError(400, f"{where} must be a string, or a list of text parts.", where)
+
+
+def _prompt(value: Any) -> tuple[str | None, list[int] | None]:
+    """A completions prompt: text, or token ids; one prompt per request (a list of one is taken)."""
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
+        value = value[0]
+    if isinstance(value, str):
+        return value, None
+    if isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        return None, list(value)
+    if isinstance(value, list) and len(value) > 1 and all(isinstance(p, (str, list)) for p in value):
+        raise ApiError(400, f"prompt holds {len(value)} prompts; send one per request (concurrent requests are "
+                            "batched by the server).", "prompt")
+    raise ApiError(400, "prompt must be a string or a list of token ids.", "prompt")

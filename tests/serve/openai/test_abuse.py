@@ -1,0 +1,241 @@
+"""Raw-HTTP abuse of the OpenAI server: malformed bodies, wrong types, unknown fields, huge and slow bodies,
+clients that disconnect (streaming or not), overload. Each gets its 4xx in OpenAI's error shape (never a 500),
+the server stays ready, and nothing leaks (the fixture ends every test with no request in flight and no KV
+region held). Work in flight is held with tests/gate.py's ForwardGate, never by a sleep."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import openai
+import pytest
+
+from refusion.serve.openai.schema import CHAT, FIELDS
+from tests.gate import ForwardGate
+from tests.serve.openai.helpers import (
+    connect,
+    live,
+    post,
+    read_event,
+    read_response,
+    request_bytes,
+    wait_idle,
+    wait_until,
+)
+
+CHAT_PATH, COMPLETIONS_PATH = "/v1/chat/completions", "/v1/completions"
+HI = {"model": "refusion", "messages": [{"role": "user", "content": "sort: 3 1 2"}], "max_tokens": 8}
+
+
+def _error(status: int, body, param: str | None = None) -> str:
+    """The message of an OpenAI error answer, after checking its shape."""
+    assert 400 <= status < 500, (status, body)
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+    if param is not None:
+        assert body["error"]["param"] == param, body
+    return body["error"]["message"]
+
+
+def _ready(server) -> None:
+    status, _, body = post(server, CHAT_PATH, HI)
+    assert status == 200 and body["choices"][0]["message"]["content"] is not None
+
+
+@pytest.mark.parametrize("raw, says", [
+    (b"{", "not JSON"), (b"", "not JSON"), (b"[1, 2]", "a JSON list, not an object"), (b"null", "not an object"),
+    (b'"hi"', "not an object"), (b"\xff\xfe{}", "not UTF-8"), (b'{"model": "refusion", "temperature": NaN}', "NaN"),
+    (b"[" * 100_000 + b"]" * 100_000, "nests too deep"), (b'{"model": "refusion", "messages": ' + b"[" * 30_000 +
+                                                         b"]" * 30_000 + b"}", "nests too deep"),
+])
+def test_malformed_bodies_are_400s(serve, raw, says):
+    server = serve()
+    for path in (CHAT_PATH, COMPLETIONS_PATH):
+        status, _, body = post(server, path, raw)
+        assert says in _error(status, body)
+    _ready(server)
+
+
+_WRONG = {"string": 5, "bool": 1, "int": "5", "number": "0.5", "strings": 5, "ints": ["2"]}
+_WRONG_OBJECTS = {"messages": "hi", "prompt": {"text": "hi"}, "stream_options": 5}
+
+
+@pytest.mark.parametrize("field", [f for f in FIELDS], ids=lambda f: f"{f.name}-{f.endpoints[0]}")
+def test_every_field_of_the_wrong_type_is_a_400_naming_it(serve, field):
+    server = serve()
+    endpoint = field.endpoints[0]
+    base = HI if endpoint == CHAT else {"model": "refusion", "prompt": "hi", "max_tokens": 4}
+    value = _WRONG_OBJECTS[field.name] if field.kind == "object" else _WRONG[field.kind]
+    body = {**base, field.name: value, **({"stream": True} if field.name == "stream_options" else {})}
+    status, _, answer = post(server, CHAT_PATH if endpoint == CHAT else COMPLETIONS_PATH, body)
+    assert field.name in _error(status, answer, field.name)
+
+
+@pytest.mark.parametrize("body, param, says", [
+    ({**HI, "frobnicate": 1}, "frobnicate", "unknown field 'frobnicate'"),
+    ({**HI, "prompt": "x"}, "prompt", "a field of /v1/completions"),
+    ({**HI, "user": "me"}, "user", "user is not supported"),
+    ({**HI, "n": 3}, "n", "n=3 is not supported"),
+    ({**HI, "max_tokens": 2147483648}, None, "2147483648 positions of generation exceeds"),
+    ({**HI, "max_tokens": 0}, "max_tokens", "must be a positive integer"),
+    ({**HI, "max_completion_tokens": 4}, "max_completion_tokens", "give one of them"),
+    ({**HI, "stream_options": {"include_usage": True}}, "stream_options", "only taken with stream=true"),
+    ({**HI, "stream": True, "logprobs": True}, "logprobs", "stream=false"),
+    ({**HI, "messages": []}, "messages", "non-empty list"),
+    ({**HI, "messages": [{"role": "tool", "content": "x"}]}, "messages[0].role", "tool calling is not supported"),
+    ({**HI, "messages": [{"role": "user", "content": "x", "name": "bob"}]}, "messages[0].name", "not supported"),
+    ({**HI, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "file:///etc/passwd"}}]}]},
+     "messages[0].content[0]", "image_url content is not supported"),
+    ({**HI, "messages": [{"role": "user", "content": "x" * 10_000}]}, None, "positions"),
+    ({key: value for key, value in HI.items() if key != "model"}, "model", "model is missing"),
+    ({**HI, "mode": "fast"}, "mode", "mode='fast' is not one of"),
+])
+def test_unknown_unsupported_and_out_of_range_fields_are_400s(serve, body, param, says):
+    server = serve()
+    status, _, answer = post(server, CHAT_PATH, body)
+    assert says in _error(status, answer, param)
+    status, _, answer = post(server, COMPLETIONS_PATH, {"model": "refusion", "prompt": ["a", "b"]})
+    assert "holds 2 prompts" in _error(status, answer, "prompt")
+    _ready(server)
+
+
+def test_unknown_paths_and_methods_get_openai_errors(serve):
+    server = serve()
+    with connect(server) as sock:
+        sock.sendall(request_bytes("/v1/embeddings", b"{}"))
+        status, _, body = read_response(sock)
+    assert "no route POST /v1/embeddings" in _error(status, json.loads(body))
+    with connect(server) as sock:
+        sock.sendall(request_bytes(CHAT_PATH, b"", method="GET"))
+        status, _, body = read_response(sock)
+    assert status == 405 and "no route GET" in _error(status, json.loads(body))
+
+
+def test_huge_bodies_are_413s_and_the_server_stays_ready(serve):
+    server = serve(max_body=4096)
+    status, _, body = post(server, CHAT_PATH, {**HI, "messages": [{"role": "user", "content": "x" * 8192}]})
+    assert "over 4096 bytes" in _error(status, body)
+    with connect(server) as sock:  # declares 1 GB, sends none of it: answered without reading
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1000000000\r\n\r\n")
+        status, _, raw = read_response(sock)
+    assert "over 4096 bytes" in _error(status, json.loads(raw))
+    _ready(server)
+
+
+def test_a_client_that_stalls_mid_body_gets_a_408_while_others_are_served(serve):
+    server = serve(body_timeout_s=0.5)  # the stalled body never comes: its outcome does not depend on speed
+    with connect(server) as stalled:
+        stalled.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"model\"")
+        _ready(server)
+        status, _, raw = read_response(stalled)
+    assert "did not arrive within 0.5 s" in _error(status, json.loads(raw))
+    _ready(server)
+
+
+def _stream_request(body) -> bytes:
+    return request_bytes(CHAT_PATH, json.dumps({**body, "stream": True}).encode())
+
+
+def test_a_client_gone_mid_stream_cancels_its_request_and_frees_its_kv_within_a_forward(serve, gen):
+    server = serve()
+    with ForwardGate(gen.runner) as gate:
+        sock = connect(server)
+        sock.sendall(_stream_request({**HI, "max_tokens": 64, "mode": "ar"}))
+        reader = sock.makefile("rb")
+        assert reader.readline().startswith(b"HTTP/1.1 200")
+        assert json.loads(read_event(reader))["choices"][0]["delta"]["role"] == "assistant"
+        gate.wait_held()  # its first forward waits at the gate
+        (request,) = live(server)
+        reader.close()
+        sock.close()
+        wait_until(lambda: request.cancelled, "the disconnect cancels the request")
+        gate.allow(1)  # the forward held when it went: the request ends at its next step, without another
+        wait_until(lambda: request.done, "the cancelled request ends")
+        assert request.result().finish_reason == "cancelled"
+        assert gen.scheduler.regions_in_use == 0
+    wait_idle(server)
+    ended = server.metrics.registry.get_sample_value
+    assert ended("refusion_requests_total", {"endpoint": "chat", "finish_reason": "cancelled"}) == 1
+    _ready(server)
+
+
+def test_a_non_streaming_client_gone_cancels_its_request(serve, gen):
+    server = serve()
+    with ForwardGate(gen.runner) as gate:
+        sock = connect(server)
+        sock.sendall(request_bytes(CHAT_PATH, json.dumps({**HI, "max_tokens": 64, "mode": "ar"}).encode()))
+        gate.wait_held()
+        (request,) = live(server)
+        sock.close()
+        wait_until(lambda: request.cancelled, "the disconnect cancels the request")
+        gate.allow(1)
+        wait_until(lambda: request.done, "the cancelled request ends")
+        assert gen.scheduler.regions_in_use == 0
+    wait_idle(server)
+    _ready(server)
+
+
+def test_past_the_queue_limit_requests_get_429_with_retry_after(serve, gen):
+    server = serve(max_queue=0)  # 2 running (the Generator's KV regions), none waiting
+    with ForwardGate(gen.runner) as gate:
+        answers: list = []
+        holders = [threading.Thread(target=lambda: answers.append(post(server, CHAT_PATH, HI))) for _ in range(2)]
+        for t in holders:
+            t.start()
+        wait_until(lambda: len(live(server)) == 2, "both requests are admitted")
+        status, headers, body = post(server, CHAT_PATH, HI)
+        assert "retry later" in _error(status, body) and status == 429
+        assert headers["retry-after"] == "1" and body["error"]["type"] == "rate_limit_error"
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+        with pytest.raises(openai.RateLimitError):
+            client.completions.create(model="refusion", prompt="hi", max_tokens=4)
+        gate.open()
+        for t in holders:
+            t.join(60)
+    assert [status for status, _, _ in answers] == [200, 200]
+    _ready(server)
+
+
+def test_no_answer_is_a_500_and_health_tells_the_state(serve):
+    server = serve()
+    status, _, body = post(server, CHAT_PATH, {**HI, "messages": [{"role": "user", "content": "\ud800"}]})
+    assert "lone surrogate" in _error(status, body)
+    with connect(server) as sock:
+        sock.sendall(request_bytes("/health", b"", method="GET"))
+        status, _, raw = read_response(sock)
+    health = json.loads(raw)
+    assert status == 200 and health["status"] == "ready"
+    assert (health["requests_in_flight"], health["kv_regions_in_use"]) == (0, 0)
+    with connect(server) as sock:
+        sock.sendall(request_bytes("/metrics", b"", method="GET"))
+        status, _, raw = read_response(sock)
+    metrics = raw.decode()
+    assert status == 200 and 'refusion_requests_refused_total{status="400"}' in metrics
+
+
+@pytest.mark.parametrize("drain_timeout_s, finish_reason", [(60.0, "stop"), (0.0, "length")])
+def test_a_drain_lets_the_stream_in_flight_finish_or_cancels_it_at_its_deadline(serve, gen, drain_timeout_s,
+                                                                                finish_reason):
+    server = serve(drain_timeout_s=drain_timeout_s)
+    with ForwardGate(gen.runner) as gate:
+        sock = connect(server)
+        sock.sendall(_stream_request(HI if finish_reason == "stop" else {**HI, "max_tokens": 64, "mode": "ar"}))
+        reader = sock.makefile("rb")
+        read_event(reader)
+        gate.wait_held()
+        (request,) = live(server)
+        server.drain()
+        if drain_timeout_s == 0:
+            wait_until(lambda: request.cancelled, "the drain's deadline cancels what runs")
+        gate.open()
+        events = []
+        while (event := read_event(reader)) != "[DONE]":
+            events.append(json.loads(event))
+        reasons = [e["choices"][0]["finish_reason"] for e in events if e["choices"][0]["finish_reason"]]
+        if finish_reason == "stop":
+            assert request.result().finish_reason in ("eos", "length") and len(reasons) == 1
+        else:
+            assert request.result().finish_reason == "cancelled" and reasons == ["length"]
+        sock.close()
+    server._thread.join(60)
+    assert not server._thread.is_alive()
