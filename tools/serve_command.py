@@ -1,13 +1,15 @@
-"""`refusion-run serve`: NVIDIA Triton Inference Server on an export or engines directory; and
-`refusion-run client`: one request to such a server over HTTP.
+"""`refusion-run serve`: an export or engines directory behind an OpenAI-compatible HTTP server in this
+process (--api openai, the default) or NVIDIA Triton Inference Server (--api triton); and `refusion-run
+client`: one request to a Triton server over HTTP.
 
-    refusion-run serve out/refusion-onnx [--model-name refusion] [--http-port 8000] [--grpc-port 8001]
-                 [--metrics-port 8002] [--address 127.0.0.1] [--api-key KEY] [--max-requests N] [--max-batch N]
-                 [--max-queue N] [--prefix-cache-mb MB] [--backend ...]
+    refusion-run serve out/refusion-onnx [--api openai|triton] [--model-name refusion] [--http-port 8000]
+                 [--grpc-port 8001 --metrics-port 8002 (triton)] [--address 127.0.0.1] [--api-key KEY]
+                 [--max-requests N] [--max-batch N] [--max-queue N] [--prefix-cache-mb MB] [--backend ...]
     refusion-run client "prompt" [--url http://127.0.0.1:8000] [--api-key KEY] [--chat] [--stream] [--json]
                  [--client-timeout S] [decode options]
 
-docs/serving.md has the requests (curl, tritonclient), the tensors and what was measured.
+docs/serving.md has the requests (the openai client, curl, tritonclient), the fields and tensors, why the
+default is the OpenAI API, and what was measured.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Any
 import click
 
 from refusion.runtime.core.errors import RefusionError
+from refusion.runtime.generator import Generator
 from refusion.runtime.runners import BACKENDS
 from refusion.serve.security import API_KEY_ENV, DEFAULT_ADDRESS, api_key, bind_address, exposure_warning
 from refusion.serve.triton.client import CLIENT_TIMEOUT_S, generate, request_body, stream_events
@@ -40,14 +43,21 @@ from refusion.tools.cli_common import (
 )
 
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+APIS = ("openai", "triton")
+_TRITON_ONLY = ("grpc_port", "metrics_port")
 
 
 @click.command("serve")
 @click.argument("model_dir", type=click.Path(path_type=Path))
-@click.option("--model-name", default="refusion", show_default=True, help="The model's name in Triton's URLs.")
+@click.option("--api", type=click.Choice(APIS), default="openai", show_default=True,
+              help="openai: /v1/chat/completions, /v1/completions, /v1/models, /health and /metrics on --http-port, "
+                   "served in this process; triton: NVIDIA Triton's generate endpoints, gRPC and metrics ports.")
+@click.option("--model-name", default="refusion", show_default=True,
+              help="The model's name: OpenAI's \"model\" field, or the name in Triton's URLs.")
 @click.option("--http-port", type=int, default=8000, show_default=True)
-@click.option("--grpc-port", type=int, default=8001, show_default=True)
-@click.option("--metrics-port", type=int, default=8002, show_default=True)
+@click.option("--grpc-port", type=int, default=8001, show_default=True, help="With --api triton.")
+@click.option("--metrics-port", type=int, default=8002, show_default=True,
+              help="With --api triton (the OpenAI server has /metrics on --http-port).")
 @click.option("--address", default=DEFAULT_ADDRESS, show_default=True,
               help="Interface to listen on (0.0.0.0: every interface; give --api-key then).")
 @click.option("--api-key", "key", default=None,
@@ -64,20 +74,32 @@ _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
                    "prefilling (a shared system prompt); 0 turns it off.")
 @click.option("--drain-timeout", type=int, default=30, show_default=True,
               help="On SIGTERM or Ctrl-C: seconds for requests in flight to finish before they are cancelled.")
-@click.option("--verbose", is_flag=True, help="Triton's info log too.")
+@click.option("--verbose", is_flag=True, help="The server's info log too (OpenAI: an access log line per request).")
 @quiet_option
-def serve(model_dir: Path, model_name: str, http_port: int, grpc_port: int, metrics_port: int, address: str,
-          key: str | None, backend: str, threads: int | None, max_requests: int | None, max_batch: int | None,
-          max_queue: int, prefix_cache_mb: float, drain_timeout: int, verbose: bool) -> None:
-    """Serve the export or engines in MODEL_DIR with NVIDIA Triton: HTTP generate and generate_stream,
-    gRPC streaming, health and metrics. Requests run concurrently, their forwards batched step by step.
-    It listens on this host only unless --address says otherwise; bodies, JSON nesting and prompts are
-    bounded (docs/serving.md, "Security and limits"). SIGTERM or Ctrl-C drains and stops; the exit code is
-    1 (with an error line) if the server failed."""
-    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # the gRPC gateway's library logs no INFO lines of its own
+@click.pass_context
+def serve(ctx: click.Context, model_dir: Path, api: str, model_name: str, http_port: int, grpc_port: int,
+          metrics_port: int, address: str, key: str | None, backend: str, threads: int | None,
+          max_requests: int | None, max_batch: int | None, max_queue: int, prefix_cache_mb: float, drain_timeout: int,
+          verbose: bool) -> None:
+    """Serve the export or engines in MODEL_DIR: an OpenAI-compatible API in this process (--api openai,
+    the default), or NVIDIA Triton (--api triton: HTTP generate and generate_stream, gRPC streaming, health and
+    metrics). Requests run concurrently, their forwards batched step by step. It listens on this host only
+    unless --address says otherwise; bodies, JSON nesting and prompts are bounded (docs/serving.md, "Security
+    and limits"). SIGTERM or Ctrl-C drains and stops; the exit code is 1 (with an error line) if the server
+    failed."""
     settings = ServeSettings(str(model_dir.resolve()), backend, threads, max_requests, max_batch, max_queue,
                              prefix_cache_mb)
     key = api_key(key)
+    if api == "openai":
+        given = [name for name in _TRITON_ONLY
+                 if ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT]
+        if given:
+            raise RefusionError(f"--{given[0].replace('_', '-')} is Triton's; the OpenAI server takes everything on "
+                                "--http-port (add --api triton for Triton's ports).")
+        check_export(model_dir, settings)  # the export and the runner options, before anything loads
+        _serve_openai(model_dir, settings, model_name, http_port, address, drain_timeout, verbose)
+        return
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # the gRPC gateway's library logs no INFO lines of its own
     server = TritonServer(model_dir, Ports(http_port, grpc_port, metrics_port, address), settings, model_name,
                           drain_timeout, verbose=verbose, api_key=key)
     check_export(model_dir, settings)
@@ -113,6 +135,34 @@ def serve(model_dir: Path, model_name: str, http_port: int, grpc_port: int, metr
         raise RefusionError(f"tritonserver {ended} while {'stopping' if stopped else 'serving'}; its log above says "
                             "why, if it could.")
     progress("stopped (tritonserver exit code 0)")
+
+
+def _serve_openai(model_dir: Path, settings: ServeSettings, model_name: str, http_port: int, address: str,
+                  drain_timeout: int, verbose: bool) -> None:
+    from refusion.serve.openai.server import OpenAIServer  # the serve extra's FastAPI and uvicorn
+
+    s = settings
+    progress(f"loading {model_dir} ({s.backend})")
+    with Generator.from_dir(model_dir, backend=s.backend, threads=s.threads, max_requests=s.max_requests,
+                            max_batch=s.max_batch, prefix_cache_mb=s.prefix_cache_mb) as gen:
+        server = OpenAIServer(gen, model_name=model_name, address=address, port=http_port, max_queue=s.max_queue,
+                              drain_timeout_s=drain_timeout, verbose=verbose)
+
+        def stop(signum: int, frame: FrameType | None) -> None:
+            if server.frontend.drain_deadline is None:
+                progress(f"{signal.Signals(signum).name}: draining (up to {drain_timeout} s), then stopping")
+            server.drain()
+
+        previous = {signum: signal.signal(signum, stop) for signum in _STOP_SIGNALS}
+        try:
+            progress(f"ready: {server.url}/v1 (chat/completions, completions, models; model {model_name!r}), "
+                     f"{server.url}/health, {server.url}/metrics; {gen.runner.name}, {gen.runner.max_requests} "
+                     f"running + {s.max_queue} queued at most")
+            server.run()
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+    progress("stopped")
 
 
 @click.command("client")

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI
-from starlette.exceptions import HTTPException
 from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive

@@ -64,8 +64,8 @@ def start_cli(export: Path, ports: list[int], gate: Gate | None, *args: str,
     """`refusion-run serve` as a process (its output on its stdout pipe), once it prints `ready:`."""
     http_port, grpc_port, metrics_port = ports
     process = subprocess.Popen(
-        [str(gate.python) if gate else sys.executable, "-m", "refusion.tools.run_cli", "serve", str(export), "--http-port", str(http_port),
-         "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port), "--backend", "ort-cpu",
+        [str(gate.python) if gate else sys.executable, "-m", "refusion.tools.run_cli", "serve", str(export),
+         "--api", "triton", "--http-port", str(http_port), "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port), "--backend", "ort-cpu",
          "--threads", "1", *args],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         env={**os.environ, "PYTHONUNBUFFERED": "1", **(gate.env if gate else {}), **(env or {})})

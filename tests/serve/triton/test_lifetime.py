@@ -116,7 +116,7 @@ def test_a_port_another_server_answers_on_is_refused_before_triton_starts(served
     args = dict(zip(("--http-port", "--grpc-port", "--metrics-port"), map(str, free_ports())))
     args[flag] = str(port)
     try:
-        result = CliRunner().invoke(cli, ["serve", str(served_export), *[x for kv in args.items() for x in kv]])
+        result = CliRunner().invoke(cli, ["serve", str(served_export), "--api", "triton", *[x for kv in args.items() for x in kv]])
     finally:
         taken.close()
     assert result.exit_code == 1
@@ -130,7 +130,7 @@ def test_a_port_another_server_answers_on_is_refused_before_triton_starts(served
 ])
 def test_a_bad_address_is_one_error_line(served_export, address, message):
     http, grpc, metrics = map(str, free_ports())
-    result = CliRunner().invoke(cli, ["serve", str(served_export), "--address", address, "--api-key", "k" * 20,
+    result = CliRunner().invoke(cli, ["serve", str(served_export), "--api", "triton", "--address", address, "--api-key", "k" * 20,
                                       "--http-port", http, "--grpc-port", grpc, "--metrics-port", metrics])
     assert result.exit_code == 1 and result.output.splitlines()[-1].startswith(message)
 
@@ -140,7 +140,7 @@ def test_every_interface_without_a_key_is_warned_about(served_export):
     taken.bind(("0.0.0.0", 0))
     taken.listen()
     try:
-        result = CliRunner().invoke(cli, ["serve", str(served_export), "--address", "0.0.0.0",
+        result = CliRunner().invoke(cli, ["serve", str(served_export), "--api", "triton", "--address", "0.0.0.0",
                                           "--http-port", str(taken.getsockname()[1])])
     finally:
         taken.close()
@@ -159,7 +159,7 @@ def _serve_that_fails(export: Path, *args: str) -> str:
     """`refusion-run serve` that must fail at start-up: its output (a server that starts after all is stopped,
     failing the test, instead of serving on)."""
     http, grpc, metrics = map(str, free_ports())
-    command = [sys.executable, "-m", "refusion.tools.run_cli", "serve", str(export), "--http-port", http,
+    command = [sys.executable, "-m", "refusion.tools.run_cli", "serve", str(export), "--api", "triton", "--http-port", http,
                "--grpc-port", grpc, "--metrics-port", metrics, *args]
     try:
         done = subprocess.run(command, capture_output=True, timeout=300)

@@ -157,10 +157,11 @@ def test_missing_triton_or_stub_says_what_to_install(tmp_path, monkeypatch):
 
 
 def test_serve_cli_reports_a_bad_directory_in_one_line(tmp_path):
-    result = CliRunner().invoke(cli, ["serve", str(tmp_path), "--http-port", "18000"])
-    assert result.exit_code == 1 and result.output.startswith("error: ") and "refusion.json" in result.output
+    for api in ("triton", "openai"):
+        result = CliRunner().invoke(cli, ["serve", str(tmp_path), "--api", api, "--http-port", "18000"])
+        assert result.exit_code == 1 and result.output.startswith("error: ") and "refusion.json" in result.output
     help_text = CliRunner().invoke(cli, ["serve", "--help"]).output
-    for flag in ("--model-name", "--http-port", "--grpc-port", "--metrics-port", "--max-batch", "--max-queue",
+    for flag in ("--api", "--model-name", "--http-port", "--grpc-port", "--metrics-port", "--max-batch", "--max-queue",
                  "--backend", "--drain-timeout"):
         assert flag in help_text
 
@@ -182,8 +183,9 @@ def test_the_repository_holds_our_model_and_the_stub(tmp_path):
 
 def test_runner_options_are_checked_before_triton_starts(served_export, monkeypatch):
     monkeypatch.setattr(TritonInstall, "find", lambda: pytest.fail("Triton looked up before the options were checked"))
-    result = CliRunner().invoke(cli, ["serve", str(served_export), "--backend", "ort-cpu", "--max-requests", "4",
-                                      "--max-batch", "32"])
-    assert result.exit_code == 1
-    assert result.output == "error: max_batch=32 exceeds max_requests=4: a forward packs requests in flight; " \
-                            "raise max_requests or lower max_batch.\n"
+    for api in ("triton", "openai"):
+        result = CliRunner().invoke(cli, ["serve", str(served_export), "--api", api, "--backend", "ort-cpu",
+                                          "--max-requests", "4", "--max-batch", "32"])
+        assert result.exit_code == 1
+        assert result.output == "error: max_batch=32 exceeds max_requests=4: a forward packs requests in flight; " \
+                                "raise max_requests or lower max_batch.\n"
