@@ -5,6 +5,8 @@ response, so nothing here waits on how fast the model decodes."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
 
 import pytest
@@ -12,6 +14,7 @@ import pytest
 from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.generator import Generator
 from refusion.serve.frontend import Final, Frontend, ServeRequest, Status, decode
+from tests.gate import ForwardGate
 
 pytest.importorskip("onnxruntime")
 
@@ -120,3 +123,40 @@ def test_close_cancels_what_is_live_and_refuses_new_requests(gen):
     assert frontend.metrics().kv_regions_in_use == 0
     _answer(frontend, request, stream=False)
     assert frontend.metrics().requests_in_flight == 0
+
+
+def test_answer_is_respond_for_asyncio_and_tells_on_end_once(gen):
+    ended: list[tuple[str, Final]] = []
+    frontend: Frontend[str] = Frontend(gen, max_queue=1, on_end=lambda request, handle, final: ended.append((handle, final)))
+
+    async def answer(stream: bool) -> list:
+        return [item async for item in frontend.answer(_submit(frontend, JOB, "whole"), stream)]
+
+    *pieces, final = asyncio.run(answer(stream=True))
+    assert final.result is not None and "".join(pieces) == final.result.text == gen.generate(
+        JOB.prompt, chat=True, **JOB.settings).text
+    assert asyncio.run(answer(stream=False)) == [ended[-1][1]] and len(ended) == 2
+    assert [handle for handle, _ in ended] == ["whole", "whole"] and frontend.admit() is None
+
+
+def test_an_answer_closed_before_its_end_cancels_and_gives_its_place_back_once_ended(gen):
+    ended: list[Final] = []
+    frontend: Frontend[str] = Frontend(gen, max_queue=0, on_end=lambda request, handle, final: ended.append(final))
+
+    async def leave_early():
+        with ForwardGate(gen.runner) as gate:
+            request = _submit(frontend, JOB, "gone")
+            answers = frontend.answer(request, stream=True)
+            reading = asyncio.ensure_future(anext(answers))
+            await asyncio.to_thread(gate.wait_held)  # its forward waits at the gate: no piece yet
+            reading.cancel()  # the client went away
+            with contextlib.suppress(asyncio.CancelledError):
+                await reading
+            assert request.cancelled and frontend.admit() is not None  # its place is held until it ends
+            gate.open()
+            await asyncio.gather(*frontend._releasing)
+        return request
+
+    request = asyncio.run(leave_early())
+    assert request.result().finish_reason == "cancelled" and len(ended) == 1
+    assert ended[0].result is request.result() and frontend.admit() is None
