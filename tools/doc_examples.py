@@ -17,7 +17,8 @@ The format of those docs:
   runs the block from TEXT on (what comes before it installs the project, which the environment running
   the examples already is); `<!-- server -->` marks a block whose last line starts a server: it runs in
   the background until it prints `ready:` and is stopped with SIGTERM after the doc's last example. In a
-  doc with a server, ports 8000, 8001 and 8002 become free ones (and are mapped back in the output).
+  doc with a server, ports 8000 (the OpenAI server's), 8010, 8011 and 8012 (Triton's HTTP, gRPC, metrics) become
+  free ones (and are mapped back in the output).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ REPO = Path(__file__).resolve().parents[1]
 DOCS = ("README.md", "docs/api.md", "docs/serving.md")
 REGENERATE = "make docs (python -m refusion.tools.doc_examples --write)"
 HANG_GUARD_S = 600  # an example or a server start that takes longer has hung
-DOC_PORTS = (8000, 8001, 8002)  # HTTP, gRPC, metrics as the docs write them
+DOC_PORTS = (8000, 8010, 8011, 8012)  # as the docs write them: the OpenAI server; Triton's HTTP, gRPC, metrics
 
 # What differs between runs and machines, masked in both the doc's output and the run's before they are compared.
 _NUMBER = r"-?\d+(?:\.\d+)?(?:e-?\d+)?"
@@ -58,6 +59,7 @@ MASKS = (
     (re.compile(rf"""(["'](?:\w*seconds|\w*per_second|loop_share)["']): {_NUMBER}"""), r"\1: <time>"),  # stats
     (re.compile(r"\b(?:ort-cpu|ort-cuda|trt)\b"), "<backend>"),  # what backend="auto" finds
 )
+_DOC_PORT = re.compile(rf"\b({'|'.join(map(str, DOC_PORTS))})\b")
 _FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```[ \t]*$", re.M | re.S)
 _DIRECTIVE = re.compile(r"<!--\s*(not run|run from|server)\s*(?::\s*(.*?))?\s*-->\s*$", re.S)
 
@@ -279,7 +281,7 @@ def run_doc(doc: str, workdir: Path, root: Path = REPO) -> DocRun:
     ports = dict(zip(DOC_PORTS, _free_ports(len(DOC_PORTS)))) if any(e.directive == "server" for e in examples) else {}
 
     def to_run(code: str) -> str:
-        return re.sub(r"\b(800[012])\b", lambda m: str(ports.get(int(m.group(1)), m.group(1))), code) if ports else code
+        return re.sub(_DOC_PORT, lambda m: str(ports[int(m.group(1))]), code) if ports else code
 
     def as_shown(out: str) -> str:
         for doc_port, port in ports.items():

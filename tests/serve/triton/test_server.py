@@ -351,10 +351,10 @@ def test_past_the_drain_timeout_requests_are_cancelled_with_a_final_response(ser
 
 def test_the_docs_grpc_example_runs(server, capsys):
     doc = (Path(__file__).resolve().parents[3] / "docs" / "serving.md").read_text()
-    code = doc.split("```python\n")[1].split("```")[0]
-    assert '"localhost:8001"' in code and "np.array([64]" in code
+    code = next(block.split("```")[0] for block in doc.split("```python\n")[1:] if "tritonclient.grpc" in block)
+    assert '"localhost:8011"' in code and "np.array([64]" in code
     # This server's model records slot_size 32 and 4 blocks: 64 tokens do not divide; 128 do.
-    code = code.replace('"localhost:8001"', f'"127.0.0.1:{server.ports.grpc}"')
+    code = code.replace('"localhost:8011"', f'"127.0.0.1:{server.ports.grpc}"')
     code = code.replace("np.array([64]", "np.array([128]")
     exec(compile(code, "docs/serving.md", "exec"), {})  # noqa: S102 - the docs' example, as a reader runs it
     assert "finish_reason: " in capsys.readouterr().out
