@@ -1,21 +1,26 @@
-"""`refusion-run bench-serve`: load bench over the real server (NVIDIA Triton, HTTP), in genai-perf's shape,
-beside the same requests in-process.
+"""`refusion-run bench-serve`: load bench over the real servers (NVIDIA Triton, and the OpenAI-compatible
+server, both over HTTP), in genai-perf's shape, beside the same requests in-process.
 
     refusion-run bench-serve models/refusion-tiny [--concurrency 1,2,4,8,16,32] [--requests 256] [--repeats 3]
         [--threads 1] [--max-requests R] [--max-batch B] [--warmup 32] [--out results/serving] [--no-plot]
 
-It starts tritonserver on the export (ort-cpu, free loopback ports) and opens one Generator in this process
-with the same settings. At each concurrency level C, C closed-loop clients send the same held-out chat
-prompts to both: over HTTP (generate_stream, server-sent events, the export's recorded decode settings) and
-in-process (Generator.submit). The metrics are bench-concurrency's, per side, with the server's overhead per
-request at concurrency 1 and the CPU cores each process used (tritonserver, its Python-backend stub, this
-process), from /proc. Writes OUT/serve-threads<T>[-batch<B>].md, .json and .png (needs matplotlib).
+It starts tritonserver and `refusion-run serve --api openai` on the export (ort-cpu, free loopback ports,
+each its own process) and opens one Generator in this process with the same settings. At each concurrency
+level C, C closed-loop clients send the same held-out chat prompts to all three: Triton's generate_stream
+and OpenAI's streaming /v1/chat/completions (server-sent events, the export's recorded decode settings), and
+in-process (Generator.submit). The metrics are bench-concurrency's, per side, with each server's overhead per
+request at concurrency 1 and the CPU cores each process used (tritonserver, its Python-backend stub, the
+OpenAI server, this process), from /proc. Writes OUT/serve-threads<T>[-batch<B>].md, .json and .png (needs matplotlib).
 """
 
 from __future__ import annotations
 
 import http.client
+import json
 import os
+import signal
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -61,10 +66,15 @@ DEFAULT_LEVELS = "1,2,4,8,16,32"
 DEFAULT_REQUESTS = 256
 DEFAULT_REPEATS = 3
 MODEL_NAME = "refusion"
-SIDES = ("server", "in_process")
+SERVERS = ("triton", "openai")
+SIDES = (*SERVERS, "in_process")
+SERVER_NAMES = {"triton": "Triton (HTTP generate_stream)", "openai": "the OpenAI server (HTTP /v1/chat/completions)"}
+SHORT_NAMES = {"triton": "Triton", "openai": "the OpenAI server", "in_process": "in-process"}
 SATURATION = 0.9  # throughput saturates at the first level within 10% of the best level's tokens/s
 REQUEST_TIMEOUT_S = 120.0
-PROCESSES = ("tritonserver", "python_backend", "clients")
+PROCESSES = {"triton": ("tritonserver", "python_backend", "clients"), "openai": ("openai_server", "clients"),
+             "in_process": ("clients",)}  # whose CPU each side's passes count
+_READY_S = 600.0  # for a server to load the export: a hang guard
 
 
 @dataclass
@@ -111,6 +121,42 @@ def stream_request(port: int, prompt: str, timeout_s: float = REQUEST_TIMEOUT_S)
         if "finish_reason" in event:
             return Streamed(list(event["token_ids"]), event["finish_reason"], now, stamps)
     raise AssertionError("stream_events ends at the final event or raises")
+
+
+def openai_stream_request(port: int, prompt: str, timeout_s: float = REQUEST_TIMEOUT_S) -> Streamed:
+    """POST one chat prompt, as a user message, to the OpenAI server's streaming /v1/chat/completions at its
+    decode defaults (return_token_ids: the finish chunk carries the ids); read its events through [DONE]."""
+    body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": prompt}], "stream": True,
+            "return_token_ids": True}
+    t0 = time.perf_counter()
+    chars, stamps, final = 0, [], None
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout_s)
+    try:
+        conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        if response.status != 200:
+            raise RefusionError(f"the OpenAI server refused the request ({response.status}): "
+                                f"{response.read().decode(errors='replace')[:300]}")
+        for line in response:
+            if not line.startswith(b"data: "):
+                continue
+            data = line[len(b"data: "):].strip()
+            if data == b"[DONE]":
+                break
+            event = json.loads(data)
+            if "error" in event:
+                raise RefusionError(f"the OpenAI server failed the request: {event['error']}")
+            now, choice = time.perf_counter() - t0, event["choices"][0]
+            if choice.get("delta", {}).get("content"):
+                chars += len(choice["delta"]["content"])
+                stamps.append((now, chars))
+            if choice["finish_reason"]:
+                final = Streamed(list(choice["token_ids"]), choice["finish_reason"], now, stamps)
+    finally:
+        conn.close()
+    if final is None:
+        raise RefusionError("the OpenAI server closed the stream before its finish chunk")
+    return final
 
 
 def token_counts(answer: list[int], chars: list[int], decode: Callable[[list[int]], str]) -> list[int]:
@@ -164,15 +210,15 @@ def children(pid: int) -> list[int]:
 
 
 class CpuMeter:
-    """CPU seconds of the server's processes and of this one, which runs the clients (and, for
-    in-process levels, the Generator: its engine is idle while the server side runs)."""
+    """CPU seconds of a side's server processes (by name: their pids) and of this one, which runs the clients
+    (and, for in-process levels, the Generator: its engine is idle while a server side runs)."""
 
-    def __init__(self, server_pid: int):
-        self.server_pid, self.stubs = server_pid, children(server_pid)
+    def __init__(self, processes: dict[str, list[int]]):
+        self.processes = processes
 
     def snapshot(self) -> dict[str, float]:
-        return {"tritonserver": process_cpu(self.server_pid),
-                "python_backend": sum(process_cpu(p) for p in self.stubs), "clients": time.process_time()}
+        return {**{name: sum(process_cpu(p) for p in pids) for name, pids in self.processes.items()},
+                "clients": time.process_time()}
 
 
 # ----------------------------------------------------------------------------- the run
@@ -180,25 +226,30 @@ class CpuMeter:
 
 @dataclass
 class Bench:
-    """What a pass needs: the Generator (in-process side and tokenizer), the server's port, the prompts."""
+    """What a pass needs: the Generator (in-process side and tokenizer), the servers' ports, each side's CPU
+    meter, the prompts."""
 
     gen: Generator
-    port: int
-    meter: CpuMeter
+    ports: dict[str, int]  # by server side
+    meters: dict[str, CpuMeter]  # by side
     texts: list[str]  # chat prompts as sent to the server
     ids: list[list[int]]  # the same through the chat template, as submitted in-process
 
     def run(self, side: str, concurrency: int, count: int, offset: int = 0) -> LevelRun:
         """One pass of `side` over the prompts [offset, offset + count); counters: CPU seconds by process."""
-        job = self._over_http if side == "server" else self._in_process
-        before = self.meter.snapshot()
+        job = {"triton": self._over_triton, "openai": self._over_openai, "in_process": self._in_process}[side]
+        meter = self.meters[side]
+        before = meter.snapshot()
         results, wall = closed_loop(lambda i: job(offset + i), count, concurrency)
-        after = self.meter.snapshot()
+        after = meter.snapshot()
         timings = [self._timing(r) for r in results]  # off the clock: detokenizing prefixes for ITL
         return LevelRun(timings, wall, {k: after[k] - before[k] for k in after})
 
-    def _over_http(self, i: int) -> Streamed:
-        return stream_request(self.port, self.texts[i])
+    def _over_triton(self, i: int) -> Streamed:
+        return stream_request(self.ports["triton"], self.texts[i])
+
+    def _over_openai(self, i: int) -> Streamed:
+        return openai_stream_request(self.ports["openai"], self.texts[i])
 
     def _in_process(self, i: int) -> Timing:
         return run_request(self.gen, self.ids[i], {})  # no settings: the export's recorded ones, as the server
@@ -223,15 +274,20 @@ def run_serve_bench(cfg: ServeBenchConfig, progress: Progress = echo_progress) -
         load = [os.getloadavg()[0]]
         with Generator.from_dir(export_dir, backend="ort-cpu", threads=cfg.threads, max_requests=cfg.max_requests,
                                 max_batch=cfg.max_batch, prefix_cache_mb=0) as gen, \
-                serving(export_dir, cfg, Path(tmp) / "triton.log", progress) as (port, pid):
+                serving(export_dir, cfg, Path(tmp) / "triton.log", progress) as (port, pid), \
+                openai_serving(export_dir, cfg, Path(tmp) / "openai.log", progress) as (openai_port, openai_pid):
             if gen.tokenizer is None:
                 raise RefusionError(f"{export_dir} carries no tokenizer: the bench sends chat text; export the "
                                     "checkpoint with its tokenizer files.")
-            bench = Bench(gen, port, CpuMeter(pid), prompts, [gen.prompt_ids(p, chat=True) for p in prompts])
+            meters = {"triton": CpuMeter({"tritonserver": [pid], "python_backend": children(pid)}),
+                      "openai": CpuMeter({"openai_server": [openai_pid]}), "in_process": CpuMeter({})}
+            bench = Bench(gen, {"triton": port, "openai": openai_port}, meters, prompts,
+                          [gen.prompt_ids(p, chat=True) for p in prompts])
             params = asdict(gen.params())
             runner = {"backend": gen.runner.name, "max_requests": gen.runner.max_requests,
                       "max_batch": gen.runner.max_batch}
-            progress(f"tritonserver (pid {pid}, Python-backend stub {bench.meter.stubs}) on :{port} and an in-process "
+            progress(f"tritonserver (pid {pid}, Python-backend stub {meters['triton'].processes['python_backend']}) "
+                     f"on :{port}, the OpenAI server (pid {openai_pid}) on :{openai_port} and an in-process "
                      f"Generator: {runner['backend']}, {cfg.threads} thread(s), {runner['max_requests']} KV regions; "
                      f"refusion {settings_label(params)}; {cfg.requests} requests per level x {cfg.repeats} passes")
             runs = run_levels(bench, cfg, progress)
@@ -273,6 +329,50 @@ def serving(export_dir: Path, cfg: ServeBenchConfig, log_path: Path, progress: P
             server.stop()
 
 
+@contextmanager
+def openai_serving(export_dir: Path, cfg: ServeBenchConfig, log_path: Path, progress: Progress
+                   ) -> Iterator[tuple[int, int]]:
+    """`refusion-run serve --api openai` on a free loopback port with the bench's settings, a process of its own
+    as Triton is: (its port, its pid)."""
+    command = [sys.executable, "-m", "refusion.tools.run_cli", "serve", str(export_dir), "--api", "openai",
+               "--address", "127.0.0.1", "--http-port", "0", "--model-name", MODEL_NAME, "--backend", "ort-cpu",
+               "--threads", str(cfg.threads), "--max-queue", str(max(64, max(cfg.levels))), "--prefix-cache-mb", "0"]
+    command += ["--max-requests", str(cfg.max_requests)] if cfg.max_requests else []
+    command += ["--max-batch", str(cfg.max_batch)] if cfg.max_batch else []
+    progress(f"starting the OpenAI server on {export_dir}")
+    with open(log_path, "w") as log:
+        server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        try:
+            port = _ready_port(server, log_path)
+            yield port, server.pid
+        except (OSError, http.client.HTTPException, RefusionError) as e:
+            code = server.poll()
+            state = "is still running" if code is None else f"exited with code {code}"
+            raise RefusionError(f"a request to the OpenAI server failed ({type(e).__name__}: {e}) and the server "
+                                f"{state}; its log:\n{log_path.read_text(errors='replace')[-2000:]}") from e
+        finally:
+            server.send_signal(signal.SIGTERM)
+            try:
+                server.wait(_READY_S)
+            except subprocess.TimeoutExpired:
+                server.kill()
+                server.wait()
+
+
+def _ready_port(server: subprocess.Popen[bytes], log_path: Path) -> int:
+    """The port the server's `ready:` line names, once it prints it."""
+    deadline = time.monotonic() + _READY_S
+    while time.monotonic() < deadline:
+        for line in log_path.read_text(errors="replace").splitlines():
+            if line.startswith("ready: http://"):
+                return int(line.split()[1].split(":")[2].split("/")[0])
+        if server.poll() is not None:
+            raise RefusionError(f"the OpenAI server exited with code {server.returncode} before it was ready:\n"
+                                f"{log_path.read_text(errors='replace')[-2000:]}")
+        time.sleep(0.1)
+    raise RefusionError(f"the OpenAI server was not ready after {_READY_S:.0f} s.")
+
+
 def run_levels(bench: Bench, cfg: ServeBenchConfig, progress: Progress) -> dict[str, dict[int, list[LevelRun]]]:
     """Warm both sides up on other prompts, then every level on both sides, passes interleaved so that
     slow spells of the machine spread over the levels and the two sides alike."""
@@ -282,19 +382,21 @@ def run_levels(bench: Bench, cfg: ServeBenchConfig, progress: Progress) -> dict[
     runs: dict[str, dict[int, list[LevelRun]]] = {side: {c: [] for c in cfg.levels} for side in SIDES}
     for repeat in range(1, cfg.repeats + 1):
         for c in cfg.levels:
-            for side in ("in_process", "server"):  # in-process first: its first c=1 pass is the oracle
+            for side in ("in_process", *SERVERS):  # in-process first: its first c=1 pass is the oracle
                 runs[side][c].append(bench.run(side, c, cfg.requests))
             oracle = runs["in_process"][1][0].timings
-            progress(f"[{repeat}/{cfg.repeats}] " + _pass_line(c, runs["server"][c][-1], runs["in_process"][c][-1],
-                                                             oracle))
+            progress(f"[{repeat}/{cfg.repeats}] " + _pass_line(c, {side: runs[side][c][-1] for side in SIDES}, oracle))
     return runs
 
 
-def _pass_line(concurrency: int, server: LevelRun, local: LevelRun, oracle: list[Timing]) -> str:
-    same = sum(t.token_ids == o.token_ids for t, o in zip(server.timings, oracle, strict=True))
-    return (f"concurrency {concurrency:>3}: server {server.tokens_per_second:.0f} tokens/s "
-            f"({len(server.timings) / server.wall:.1f} requests/s), in-process {local.tokens_per_second:.0f} tokens/s; "
-            f"server identical {same}/{len(server.timings)}")
+def _pass_line(concurrency: int, runs: dict[str, LevelRun], oracle: list[Timing]) -> str:
+    def same(run: LevelRun) -> str:
+        return f"{sum(t.token_ids == o.token_ids for t, o in zip(run.timings, oracle, strict=True))}/{len(run.timings)}"
+
+    servers = ", ".join(f"{side} {runs[side].tokens_per_second:.0f} tokens/s "
+                        f"({len(runs[side].timings) / runs[side].wall:.1f} requests/s, identical {same(runs[side])})"
+                        for side in SERVERS)
+    return f"concurrency {concurrency:>3}: {servers}; in-process {runs['in_process'].tokens_per_second:.0f} tokens/s"
 
 
 # ----------------------------------------------------------------------------- aggregation
@@ -346,17 +448,20 @@ def make_report(cfg: ServeBenchConfig, export_dir: Path, runner: dict[str, Any],
             "repeats": cfg.repeats, "warmup": cfg.warmup, "held_out_seed": T.HELD_OUT_SEED,
             "prompts": "held_out chat prompts", "held_out_sha256": prompts_digest(examples),
             "decoding": "the export's recorded settings (no decode settings sent), greedy",
-            "transport": "HTTP POST generate_stream (server-sent events), a connection per request, http.client",
+            "transport": {"triton": "HTTP POST generate_stream (server-sent events)",
+                          "openai": "HTTP POST /v1/chat/completions, stream=true (server-sent events)",
+                          "both": "a connection per request, http.client"},
             "tokens": "generated tokens in position order through the first EOS",
-            "host": {**host_info(("onnxruntime", "numpy")), "nvidia_pytriton": _version("nvidia-pytriton")},
+            "host": {**host_info(("onnxruntime", "numpy")), "nvidia_pytriton": _version("nvidia-pytriton"),
+                     "fastapi": _version("fastapi"), "uvicorn": _version("uvicorn")},
             "load_average": load, "command": reproduce_command(cfg),
         },
         "levels": [{"concurrency": c, **{side: levels[side][i] for side in SIDES},
-                    "server_over_in_process_tokens_per_second":
-                        levels["server"][i]["output_tokens_per_second"]
-                        / levels["in_process"][i]["output_tokens_per_second"]}
+                    **{f"{server}_over_in_process_tokens_per_second":
+                       levels[server][i]["output_tokens_per_second"] / levels["in_process"][i]["output_tokens_per_second"]
+                       for server in SERVERS}}
                    for i, c in enumerate(cfg.levels)],
-        "overhead": overhead(runs["server"][1], runs["in_process"][1]),
+        "overhead": {server: overhead(runs[server][1], runs["in_process"][1]) for server in SERVERS},
         "saturation": {side: saturation(levels[side]) for side in SIDES},
     }
 
@@ -381,31 +486,38 @@ def reproduce_command(cfg: ServeBenchConfig) -> str:
 # ----------------------------------------------------------------------------- outputs
 
 
-def _cores(cpu: dict[str, float]) -> str:
-    return " / ".join(f"{cpu.get(p, 0.0):.2f}" for p in PROCESSES)
+def _cores(cpu: dict[str, float], side: str) -> str:
+    return " / ".join(f"{cpu.get(p, 0.0):.2f}" for p in PROCESSES[side])
 
 
 def render_markdown(report: dict[str, Any]) -> str:
     meta, rows = report["meta"], report["levels"]
-    return "\n".join([*_intro(meta), *_server_table(rows), *_side_by_side(rows), *_overhead_lines(report["overhead"]),
+    return "\n".join([*_intro(meta), *(line for server in SERVERS for line in _server_table(rows, server)),
+                      *_side_by_side(rows),
+                      *(line for server in SERVERS for line in _overhead_lines(report["overhead"][server], server)),
                       *_saturation_lines(report, meta), "", f"Reproduce: `{meta['command']}`", ""])
 
 
 def _intro(meta: dict[str, Any]) -> list[str]:
     host = meta["host"]
     return [
-        f"# refusion-run bench-serve: Triton over HTTP vs in-process, {meta['mode']}, {meta['threads']} thread(s)",
+        f"# refusion-run bench-serve: Triton and the OpenAI server over HTTP vs in-process, {meta['mode']}, "
+        f"{meta['threads']} thread(s)",
         "",
-        (f"Model `{meta['model']}`, served by NVIDIA Triton (nvidia-pytriton {host['nvidia_pytriton']}, our decoupled "
-         f"Python-backend model) on loopback, and the same Generator in the bench's process: {meta['backend']} "
+        (f"Model `{meta['model']}`, served on loopback by NVIDIA Triton (nvidia-pytriton {host['nvidia_pytriton']}, our "
+         f"decoupled Python-backend model) and by `refusion-run serve --api openai` (FastAPI {host.get('fastapi')} on "
+         f"uvicorn {host.get('uvicorn')}, a process of its own), and the same Generator in the bench's process: "
+         f"{meta['backend']} "
          f"({meta['threads']} intra-op thread(s), {meta['max_requests']} KV regions, forwards packed {meta['max_batch']} "
          f"at most). {meta['requests']} held-out chat prompts per level (seed {meta['held_out_seed']}, sha256 "
          f"{meta['held_out_sha256']}), {meta['mode']} {settings_label(meta['params'])} (the export's recorded "
-         f"settings: the server gets chat=true and no decode settings), greedy. Closed loop: C client threads, each "
-         f"sends a request, reads its stream and sends the next; server requests are HTTP POST generate_stream, one "
-         f"connection each (stdlib http.client); in-process ones are Generator.submit. {meta['repeats']} passes over "
-         f"the levels, both sides interleaved, after a warm-up of {meta['warmup']} requests on each. "
-         f"{host['processor']}, {host['cpu_count']} CPUs shared by tritonserver, its Python-backend stub and the "
+         f"settings: Triton gets chat=true, the OpenAI server the prompt as a user message, and no decode settings), "
+         f"greedy, both servers with the prefix cache off (every prompt prefilled, as in-process). Closed loop: C "
+         f"client threads, each sends a request, reads its stream and sends the next; server requests are HTTP POST "
+         f"generate_stream (Triton) or streaming /v1/chat/completions (OpenAI), one connection each (stdlib "
+         f"http.client); in-process ones are Generator.submit. {meta['repeats']} passes over the levels, the three "
+         f"sides interleaved, after a warm-up of {meta['warmup']} requests on each. "
+         f"{host['processor']}, {host['cpu_count']} CPUs shared by the servers' processes and the "
          f"clients (load average {meta['load_average'][0]:.2f} before, {meta['load_average'][1]:.2f} after), "
          f"onnxruntime {host['onnxruntime']}; {meta['date']}."),
         "",
@@ -418,13 +530,13 @@ def _intro(meta: dict[str, Any]) -> list[str]:
     ]
 
 
-def _server_table(rows: list[dict[str, Any]]) -> list[str]:
-    lines = ["", "## Over the server (HTTP generate_stream)", "",
+def _server_table(rows: list[dict[str, Any]], server: str) -> list[str]:
+    lines = ["", f"## Over {SERVER_NAMES[server]}", "",
              "| concurrency | tokens/s | requests/s | speedup | TTFT ms | ITL ms | latency ms | tokens/piece "
              "| identical |",
              "|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
-        r = row["server"]
+        r = row[server]
         lo, hi = r["output_tokens_per_second_range"]
         lines.append(f"| {r['concurrency']} | {r['output_tokens_per_second']:.0f} ({lo:.0f}-{hi:.0f}) | "
                      f"{r['requests_per_second']:.1f} | {r['speedup']:.2f}x | {format_percentiles(r['ttft_ms'])} | "
@@ -435,22 +547,28 @@ def _server_table(rows: list[dict[str, Any]]) -> list[str]:
 
 def _side_by_side(rows: list[dict[str, Any]]) -> list[str]:
     lines = ["", "## Beside the in-process Generator (same run, same prompts)", "",
-             ("CPU cores = CPU seconds over wall seconds, over every pass: tritonserver (HTTP front end, request "
-              "routing) / its Python-backend stub (our model: the Generator's engine thread and a responder thread per "
-              "request) / the bench's process (the client threads; in-process, also the Generator)."),
+             ("Per level, Triton / the OpenAI server / in-process. CPU cores = CPU seconds over wall seconds, over "
+              "every pass: Triton's tritonserver (HTTP front end, request routing) / its Python-backend stub (our "
+              "model: the Generator's engine thread and a responder thread per request) / the bench's process (the "
+              "client threads); the OpenAI server's process (uvicorn's event loop and the Generator's engine thread) "
+              "/ the bench's process; in-process, the bench's process (clients and Generator)."),
              "",
-             "| concurrency | tokens/s server | in-process | server / in-process | latency p50 ms server | "
-             "in-process | TTFT p50 ms server | in-process | ITL p50 ms server | in-process | identical in-process | "
-             "CPU cores server: triton / stub / clients | in-process |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| concurrency | tokens/s | over in-process | latency p50 ms | TTFT p50 ms | ITL p50 ms | identical | "
+             "CPU cores Triton: triton / stub / clients | OpenAI: server / clients | in-process |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+
+    def each(key: str, form: Any) -> str:
+        return " / ".join(form(row_side[key]) for row_side in sides)
+
     for row in rows:
-        s, i = row["server"], row["in_process"]
-        lines.append(f"| {row['concurrency']} | {s['output_tokens_per_second']:.0f} | "
-                     f"{i['output_tokens_per_second']:.0f} | {row['server_over_in_process_tokens_per_second']:.2f} | "
-                     f"{_p50(s['latency_ms'])} | "
-                     f"{_p50(i['latency_ms'])} | {_p50(s['ttft_ms'])} | {_p50(i['ttft_ms'])} | {_p50(s['itl_ms'])} | "
-                     f"{_p50(i['itl_ms'])} | {i['identical']}/{i['compared']} | {_cores(s['cpu_cores'])} | "
-                     f"{i['cpu_cores']['clients']:.2f} |")
+        sides = [row[side] for side in SIDES]
+        ratios = " / ".join(f"{row[f'{server}_over_in_process_tokens_per_second']:.2f}" for server in SERVERS)
+        identical = " / ".join(f"{row[side]['identical']}/{row[side]['compared']}" for side in SERVERS)
+        lines.append(f"| {row['concurrency']} | {each('output_tokens_per_second', lambda v: f'{v:.0f}')} | {ratios} | "
+                     f"{each('latency_ms', _p50)} | {each('ttft_ms', _p50)} | {each('itl_ms', _p50)} | "
+                     f"{identical} | "
+                     f"{_cores(row['triton']['cpu_cores'], 'triton')} | {_cores(row['openai']['cpu_cores'], 'openai')} | "
+                     f"{row['in_process']['cpu_cores']['clients']:.2f} |")
     return lines
 
 
@@ -458,16 +576,23 @@ def _p50(d: dict[str, float] | None) -> str:
     return f"{d['p50']:.2f}" if d else "-"
 
 
-def _overhead_lines(o: dict[str, Any]) -> list[str]:
+_WHAT_IT_ADDS = {
+    "triton": ("HTTP and JSON both ways, Triton's routing, the chat template and tokenization in the backend, and the "
+               "thread hops that send each piece"),
+    "openai": ("HTTP and JSON both ways (a chunk object per piece), FastAPI's routing and the body checks, the chat "
+               "template and tokenization on the event loop, and the event loop's wake-up at each commit"),
+}
+
+
+def _overhead_lines(o: dict[str, Any], server: str) -> list[str]:
     lat, ttft = o["latency_ms"], o["ttft_ms"]
-    lines = ["", "## Server overhead per request (concurrency 1)", ""]
+    name = SHORT_NAMES[server]
+    lines = ["", f"## {name[0].upper() + name[1:]}: overhead per request (concurrency 1)", ""]
     if lat["server"] is None:
         return lines + ["Not measured: no request finished on both sides."]
     lines += [
         (f"The same {lat['requests']} requests (every pass), one client, each request alone: through the server "
-         f"vs through Generator.submit in the bench's process. The server's share includes HTTP and JSON both ways, "
-         f"Triton's routing, the chat template and tokenization in the backend, and the thread hops that send each "
-         f"piece."),
+         f"vs through Generator.submit in the bench's process. The server's share includes {_WHAT_IT_ADDS[server]}."),
         "",
         "| per request, ms | server | in-process | server overhead |",
         "|---|---|---|---|",
@@ -483,28 +608,32 @@ def _overhead_lines(o: dict[str, Any]) -> list[str]:
 
 
 def _saturation_lines(report: dict[str, Any], meta: dict[str, Any]) -> list[str]:
-    s, i = report["saturation"]["server"], report["saturation"]["in_process"]
-    level = next(r for r in report["levels"] if r["concurrency"] == s["level"])["server"]
-    return [
-        "", "## Where throughput saturates", "",
-        (f"Over the server, tokens/s is within {100 * (1 - SATURATION):.0f}% of its best "
-         f"({s['best_tokens_per_second']:.0f} tokens/s at concurrency {s['best_level']}) from concurrency "
-         f"**{s['level']}** on ({level['output_tokens_per_second']:.0f} tokens/s, {level['speedup']:.2f}x concurrency "
-         f"1); in-process, from concurrency {i['level']} on (best {i['best_tokens_per_second']:.0f} tokens/s at "
-         f"{i['best_level']}). bench-concurrency's own figures for this model are in results/concurrency/ (measured "
-         "with its engine meter); the in-process column here is measured again in the same run, so that both sides "
-         "see the same machine."),
-        "", _why(s["level"], s["cpu_cores"], meta),
+    sat = report["saturation"]
+    lines = ["", "## Where throughput saturates", ""]
+    for side in SIDES:
+        s = sat[side]
+        level = next(r for r in report["levels"] if r["concurrency"] == s["level"])[side]
+        name = SHORT_NAMES[side] if side == "in_process" else f"over {SHORT_NAMES[side]}"
+        lines.append(f"- {name[0].upper() + name[1:]}: tokens/s is within {100 * (1 - SATURATION):.0f}% of its best "
+                     f"({s['best_tokens_per_second']:.0f} tokens/s at concurrency {s['best_level']}) from concurrency "
+                     f"**{s['level']}** on ({level['output_tokens_per_second']:.0f} tokens/s, {level['speedup']:.2f}x "
+                     "concurrency 1).")
+    return lines + [
+        "", ("bench-concurrency's own figures for this model are in results/concurrency/ (measured with its engine "
+             "meter); the in-process column here is measured again in the same run, so that every side sees the "
+             "same machine."),
+        "", _why(sat["triton"]["level"], sat["triton"]["cpu_cores"], meta),
+        "", _why_openai(sat["openai"]["level"], sat["openai"]["cpu_cores"], meta),
     ]
 
 
 def _why(level: int, cores: dict[str, float], meta: dict[str, Any]) -> str:
-    """The saturation's cause, from the CPU each process used at the saturating level."""
+    """Triton's saturation's cause, from the CPU each process used at the saturating level."""
     n, stub = meta["host"]["cpu_count"], cores.get("python_backend", 0.0)
     busy = stub + cores.get("tritonserver", 0.0) + cores.get("clients", 0.0)
-    text = (f"Why: {n} CPU cores are shared by tritonserver, the Python-backend stub and the clients. At concurrency "
-            f"{level} tritonserver uses {cores.get('tritonserver', 0.0):.2f} cores, the stub {stub:.2f} and the "
-            f"clients {cores.get('clients', 0.0):.2f} ({busy:.2f} of {n}). The stub is one Python process whose "
+    text = (f"Why (Triton): {n} CPU cores are shared by tritonserver, the Python-backend stub and the clients. At "
+            f"concurrency {level} tritonserver uses {cores.get('tritonserver', 0.0):.2f} cores, the stub {stub:.2f} and "
+            f"the clients {cores.get('clients', 0.0):.2f} ({busy:.2f} of {n}). The stub is one Python process whose "
             f"single engine thread runs every request's forwards one after another (onnxruntime with "
             f"{meta['threads']} intra-op thread(s)) and whose responder threads, one per request, send each piece "
             "under the same GIL: once that thread is never idle, batching more rows per forward is all that is left, "
@@ -521,12 +650,27 @@ def _why(level: int, cores: dict[str, float], meta: dict[str, Any]) -> str:
     before = meta["load_average"][0]  # taken before the first request: other work on the machine
     if before > 0.5 * n:
         text += (f" Other work on the machine (load average {before:.2f} before the bench began) took CPU from all "
-                 "three as well, which widens the ranges of the passes.")
+                 "the processes as well, which widens the ranges of the passes.")
     return text
 
 
+def _why_openai(level: int, cores: dict[str, float], meta: dict[str, Any]) -> str:
+    """The OpenAI server's saturation's cause, from the CPU its process and the clients used."""
+    n, server = meta["host"]["cpu_count"], cores.get("openai_server", 0.0)
+    busy = server + cores.get("clients", 0.0)
+    return (f"Why (OpenAI): at concurrency {level} the server's one process uses {server:.2f} cores and the clients "
+            f"{cores.get('clients', 0.0):.2f} ({busy:.2f} of {n}). Its engine thread runs every forward, as the stub "
+            "does; the HTTP side is one asyncio event loop in the same process (no second server process, no responder "
+            "thread per request). Where the process uses well under a core while its requests wait, the time goes to "
+            "neither: the suspect, not yet measured, is the hand-over of the GIL between the event loop and the engine "
+            "thread.")
+
+
+_COLORS = {"triton": "tab:red", "openai": "tab:green", "in_process": "tab:blue"}
+
+
 def render_plot(report: dict[str, Any], path: Path) -> None:
-    """Tokens/s of both sides against concurrency, their latencies, and the server side's CPU by process."""
+    """Tokens/s of every side against concurrency, their latencies, and the servers' CPU by process."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -535,7 +679,8 @@ def render_plot(report: dict[str, Any], path: Path) -> None:
     meta, rows = report["meta"], report["levels"]
     cs = [r["concurrency"] for r in rows]
     fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(16, 5), dpi=110)
-    for side, color in (("server", "tab:red"), ("in_process", "tab:blue")):
+    for side in SIDES:
+        color = _COLORS[side]
         tps = [r[side]["output_tokens_per_second"] for r in rows]
         ranges = [r[side]["output_tokens_per_second_range"] for r in rows]
         spread = np.array([[t - lo, hi - t] for t, (lo, hi) in zip(tps, ranges, strict=True)]).T
@@ -549,16 +694,21 @@ def render_plot(report: dict[str, Any], path: Path) -> None:
     ax2.set_yscale("log")
     ax2.set_ylabel("ms")
     ax2.set_title("latency")
-    bottom = np.zeros(len(rows))
-    for part, color in zip(PROCESSES, ("tab:orange", "tab:purple", "tab:gray"), strict=True):
-        values = np.array([r["server"]["cpu_cores"].get(part, 0.0) for r in rows])
-        ax3.bar([str(c) for c in cs], values, bottom=bottom, color=color, label=part.replace("_", " "))
-        bottom += values
+    x, width = np.arange(len(rows)), 0.4
+    parts = {"triton": (("tritonserver", "tab:orange"), ("python_backend", "tab:purple"), ("clients", "tab:gray")),
+             "openai": (("openai_server", "tab:green"), ("clients", "silver"))}
+    for offset, server in zip((-width / 2, width / 2), SERVERS, strict=True):
+        bottom = np.zeros(len(rows))
+        for part, color in parts[server]:
+            values = np.array([r[server]["cpu_cores"].get(part, 0.0) for r in rows])
+            ax3.bar(x + offset, values, width, bottom=bottom, color=color, label=f"{server}: {part.replace('_', ' ')}")
+            bottom += values
+    ax3.set_xticks(x, [str(c) for c in cs])
     ax3.axhline(meta["host"]["cpu_count"], color="black", linestyle=":", label="CPU cores")
-    ax3.set_ylabel("CPU cores busy (server side)")
+    ax3.set_ylabel("CPU cores busy (left: Triton, right: OpenAI)")
     ax3.set_title("where the CPU goes")
-    finish_plot(fig, (ax1, ax2, ax3), cs, f"{Path(meta['model']).name}: Triton over HTTP vs in-process, "
-                f"{meta['backend']}, {meta['threads']} thread(s), {meta['requests']} requests per level x "
+    finish_plot(fig, (ax1, ax2, ax3), cs, f"{Path(meta['model']).name}: Triton and the OpenAI server over HTTP vs "
+                f"in-process, {meta['backend']}, {meta['threads']} thread(s), {meta['requests']} requests per level x "
                 f"{meta['repeats']} passes", path)
 
 
@@ -575,10 +725,10 @@ def write_outputs(report: dict[str, Any], out: Path, stem: str, plot: bool, prog
 @level_options(DEFAULT_LEVELS, DEFAULT_REPEATS)
 @click.option("--requests", type=int, default=DEFAULT_REQUESTS, show_default=True,
               help="Requests per level and side: the first N held-out prompts, the same at every level.")
-@click.option("--threads", type=int, default=1, show_default=True, help="onnxruntime intra-op threads, both sides.")
-@click.option("--max-requests", type=int, default=None, help="KV regions, both sides (default: the CPU runner's).")
+@click.option("--threads", type=int, default=1, show_default=True, help="onnxruntime intra-op threads, every side.")
+@click.option("--max-requests", type=int, default=None, help="KV regions, every side (default: the CPU runner's).")
 @click.option("--max-batch", type=int, default=None,
-              help="Forwards packed per call, both sides (default: the runner's).")
+              help="Forwards packed per call, every side (default: the runner's).")
 @click.option("--warmup", type=int, default=32, show_default=True,
               help="Warm-up requests (other held-out prompts) per side at the highest level, not measured.")
 @click.option("--out", type=click.Path(path_type=Path), default=Path("results/serving"), show_default=True)
@@ -586,8 +736,9 @@ def write_outputs(report: dict[str, Any], out: Path, stem: str, plot: bool, prog
 def bench_serve(model_dir: Path, levels: str, requests: int, repeats: int, threads: int, max_requests: int | None,
                 max_batch: int | None, warmup: int, out: Path, no_plot: bool) -> None:
     """Tokens/s, requests/s, TTFT, inter-token latency and request latency of closed-loop HTTP clients of
-    the Triton server on MODEL_DIR (an export, or a checkpoint exported to a temporary directory), beside
-    the same requests in-process, and the server's overhead per request at concurrency 1."""
+    the Triton server and of the OpenAI-compatible server on MODEL_DIR (an export, or a checkpoint exported
+    to a temporary directory), beside the same requests in-process, and each server's overhead per request at
+    concurrency 1."""
     report = run_serve_bench(ServeBenchConfig(
         model=model_dir, levels=parse_levels(levels), requests=requests, repeats=repeats, threads=threads,
         max_requests=max_requests, max_batch=max_batch, warmup=warmup, out=out, plot=not no_plot))

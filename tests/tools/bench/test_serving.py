@@ -1,5 +1,5 @@
-"""`refusion-run bench-serve` on the embedded model: a small run over a real tritonserver, end to end
-through its click command; skipped without the serve extra."""
+"""`refusion-run bench-serve` on the embedded model: a small run over a real tritonserver and a real OpenAI
+server, end to end through its click command; skipped without the serve extra."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-pytestmark = pytest.mark.slow  # a real tritonserver, and the bench on both sides
+pytestmark = pytest.mark.slow  # a real tritonserver and OpenAI server, and the bench on every side
 pytest.importorskip("pytriton", reason="serving needs the serve extra: pip install -e '.[serve]'")
 pytest.importorskip("onnxruntime")
 pytest.importorskip("torch")  # the embedded model is a checkpoint: the bench exports it first
@@ -33,7 +33,7 @@ def report(tmp_path_factory) -> tuple[dict, Path]:
     return json.loads((out / "serve-threads1.json").read_text()), out
 
 
-def test_the_report_has_both_sides_at_every_level(report):
+def test_the_report_has_every_side_at_every_level(report):
     data, out = report
     assert sorted(p.name for p in out.iterdir()) == ["serve-threads1.json", "serve-threads1.md"]  # --no-plot
     meta = data["meta"]
@@ -45,10 +45,13 @@ def test_the_report_has_both_sides_at_every_level(report):
             assert SUMMARY_KEYS <= set(level) and level["requests"] == REQUESTS
             assert level["output_tokens_per_second"] > 0 and level["latency_ms"]["p99"] >= level["latency_ms"]["p50"]
             assert 0 < level["ttft_ms"]["p50"] <= level["latency_ms"]["p99"]
-        assert set(row["server"]["cpu_cores"]) == set(S.PROCESSES)
-    assert {"mean", "p50", "paired_median"} <= set(data["overhead"]["latency_ms"])
-    assert data["saturation"]["server"]["level"] in (1, 2)
-    assert "Server overhead per request" in (out / "serve-threads1.md").read_text()
+        for side in S.SIDES:
+            assert set(row[side]["cpu_cores"]) == set(S.PROCESSES[side])
+    for server in S.SERVERS:
+        assert {"mean", "p50", "paired_median"} <= set(data["overhead"][server]["latency_ms"])
+        assert data["saturation"][server]["level"] in (1, 2)
+    markdown = (out / "serve-threads1.md").read_text()
+    assert "Triton: overhead per request" in markdown and "The OpenAI server: overhead per request" in markdown
 
 
 def test_every_request_got_the_in_process_generators_tokens(report):
