@@ -97,7 +97,10 @@ def serve(ctx: click.Context, model_dir: Path, api: str, model_name: str, http_p
             raise RefusionError(f"--{given[0].replace('_', '-')} is Triton's; the OpenAI server takes everything on "
                                 "--http-port (add --api triton for Triton's ports).")
         check_export(model_dir, settings)  # the export and the runner options, before anything loads
-        _serve_openai(model_dir, settings, model_name, http_port, address, drain_timeout, verbose)
+        warning = exposure_warning(bind_address(address), key)
+        if warning:
+            click.echo(warning, err=True)
+        _serve_openai(model_dir, settings, model_name, http_port, address, key, drain_timeout, verbose)
         return
     os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # the gRPC gateway's library logs no INFO lines of its own
     server = TritonServer(model_dir, Ports(http_port, grpc_port, metrics_port, address), settings, model_name,
@@ -138,15 +141,15 @@ def serve(ctx: click.Context, model_dir: Path, api: str, model_name: str, http_p
 
 
 def _serve_openai(model_dir: Path, settings: ServeSettings, model_name: str, http_port: int, address: str,
-                  drain_timeout: int, verbose: bool) -> None:
+                  key: str | None, drain_timeout: int, verbose: bool) -> None:
     from refusion.serve.openai.server import OpenAIServer  # the serve extra's FastAPI and uvicorn
 
     s = settings
     progress(f"loading {model_dir} ({s.backend})")
     with Generator.from_dir(model_dir, backend=s.backend, threads=s.threads, max_requests=s.max_requests,
                             max_batch=s.max_batch, prefix_cache_mb=s.prefix_cache_mb) as gen:
-        server = OpenAIServer(gen, model_name=model_name, address=address, port=http_port, max_queue=s.max_queue,
-                              drain_timeout_s=drain_timeout, verbose=verbose)
+        server = OpenAIServer(gen, model_name=model_name, address=address, port=http_port, api_key=key,
+                              max_queue=s.max_queue, drain_timeout_s=drain_timeout, verbose=verbose)
 
         def stop(signum: int, frame: FrameType | None) -> None:
             if server.frontend.drain_deadline is None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,7 +26,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.types import Receive
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.request import Request as Generation
@@ -34,6 +34,7 @@ from refusion.serve.frontend import Final, Frontend, Status
 from refusion.serve.openai.metrics import CONTENT_TYPE, Arrival, ServerMetrics
 from refusion.serve.openai.responses import ApiError, Reply, answer_logprobs, error_body, sse
 from refusion.serve.openai.schema import CHAT, COMPLETIONS, ApiRequest, parse_json, read_request
+from refusion.serve.security import authorized
 
 log = logging.getLogger("refusion.serve.openai")
 DISCARD_FACTOR = 8  # a body over the limit is read and dropped up to this many times it, so its client sees the 413
@@ -44,12 +45,15 @@ class AppConfig:
     model: str  # the name clients send as "model"
     max_body: int  # bytes of a request body
     body_timeout_s: float  # for the whole body to arrive after the headers
+    api_key: str | None = None  # every path but /health needs `Authorization: Bearer KEY`
     retry_after_s: int = 1  # what a 429 tells its client
 
 
 def create_app(frontend: Frontend[Arrival], metrics: ServerMetrics, config: AppConfig) -> FastAPI:
     app = FastAPI(title="refusion", docs_url=None, redoc_url=None, openapi_url=None)
     gen = frontend.gen
+    if config.api_key is not None:
+        app.add_middleware(_KeyCheck, key=config.api_key, refused=lambda: metrics.refused.labels("401").inc())
     tokenizer = gen.tokenizer
 
     def token_text(token_id: int) -> str:
@@ -81,14 +85,15 @@ def create_app(frontend: Frontend[Arrival], metrics: ServerMetrics, config: AppC
     @app.get("/health")
     async def health() -> Response:
         m = frontend.metrics()
-        draining = frontend.drain_deadline is not None
+        status = ("failed" if not gen.scheduler.alive else "draining" if frontend.drain_deadline is not None
+                  else "ready")
         cache = gen.prefix_cache
-        body = {"status": "draining" if draining else "ready", "model": config.model,
+        body = {"status": status, "model": config.model,
                 "requests_in_flight": m.requests_in_flight, "kv_regions_in_use": m.kv_regions_in_use,
                 "kv_regions": gen.runner.max_requests, "max_queue": frontend.max_queue,
                 "prefix_cache": {"blocks": cache.blocks, "bytes": cache.reserved_bytes,
                                  "hit_tokens": cache.stats.hit_tokens} if cache is not None else None}
-        return JSONResponse(body, 503 if draining else 200)
+        return JSONResponse(body, 200 if status == "ready" else 503)
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -143,11 +148,32 @@ def create_app(frontend: Frontend[Arrival], metrics: ServerMetrics, config: AppC
     return app
 
 
+class _KeyCheck:
+    """ASGI middleware: a request without the key gets 401 before its body is read (/health needs none, for
+    load balancers); the key is compared in constant time (serve/security.py)."""
+
+    def __init__(self, app: ASGIApp, key: str, refused: Callable[[], None]):
+        self.app, self.key, self.refused = app, key, refused
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] == "/health":
+            return await self.app(scope, receive, send)
+        header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+        if authorized(header, self.key):
+            return await self.app(scope, receive, send)
+        self.refused()
+        message = ("this server needs its API key: send Authorization: Bearer KEY (the openai client: "
+                   "api_key=KEY)." if not header else "the API key given is not this server's.")
+        response = JSONResponse(error_body(401, message, code="invalid_api_key"), 401, {"WWW-Authenticate": "Bearer"})
+        await response(scope, receive, send)
+
+
 async def _read_body(http: Request, config: AppConfig) -> bytes:
     """The whole body, within the size limit (413) and the time limit (408)."""
     limit = config.max_body
-    too_large = ApiError(413, f"the body is over {limit} bytes, the limit of this server (its prompts fit the model's "
-                              "positions); send a shorter prompt.", code="request_too_large")
+    too_large = ApiError(413, f"the body is over {limit} bytes, the limit of this server (the longest prompt that fits "
+                              "the model's positions, JSON-escaped, and the rest); send a shorter prompt.",
+                         code="request_too_large")
     declared = http.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit * DISCARD_FACTOR:
         raise too_large  # not read at all: the connection closes after the answer

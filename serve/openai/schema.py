@@ -19,9 +19,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.decode import MODES
 from refusion.serve.frontend import ServeRequest
 from refusion.serve.openai.responses import ApiError
+from refusion.serve.security import read_json_object
 
 Kind = Literal["string", "bool", "int", "number", "strings", "ints", "object"]
 CHAT, COMPLETIONS = "chat", "completions"
@@ -107,28 +109,22 @@ class ApiRequest:
 
 
 def parse_json(body: bytes) -> dict[str, Any]:
-    """A request body as a JSON object; anything else is a 400 that says what it is."""
+    """A request body as a JSON object (serve/security.py's reader: nesting, duplicate keys and NaN refused);
+    anything else is a 400 that says what it is."""
     try:
-        value = json.loads(body.decode("utf-8"), parse_constant=_no_constant)  # UTF-8 only: no BOM-sniffed UTF-16
+        body.decode("utf-8")  # UTF-8 only: json would take a BOM-led body as UTF-16
     except UnicodeDecodeError as e:
         raise ApiError(400, f"the body is not UTF-8 ({e.reason} at byte {e.start}).") from None
-    except json.JSONDecodeError as e:
-        raise ApiError(400, f"the body is not JSON ({e.msg} at line {e.lineno} column {e.colno}).") from None
-    except RecursionError:
-        raise ApiError(400, "the body nests too deep; send a flat JSON object.") from None
+    try:
+        value = read_json_object(body)
+    except RefusionError as e:
+        raise ApiError(400, str(e).replace('{"text_input": "...", ...}', '{"model": ..., "messages": [...]}')) from None
     try:  # JSON's \ud800 escapes can name half a character, which no text holds
         json.dumps(value, ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError as e:
         raise ApiError(400, f"the body holds a lone surrogate ({e.object[e.start:e.end]!r}, a \\u escape of half a "
                             "character); send UTF-8 text.") from None
-    if not isinstance(value, dict):
-        raise ApiError(400, f"the body is a JSON {type(value).__name__}, not an object; send "
-                            '{"model": ..., "messages": [...]} (chat) or {"model": ..., "prompt": ...} (completions).')
     return value
-
-
-def _no_constant(name: str) -> Any:
-    raise ApiError(400, f"the body holds {name}, which is not JSON; send a finite number.")
 
 
 def read_request(endpoint: str, body: Mapping[str, Any], model: str) -> ApiRequest:

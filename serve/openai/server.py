@@ -27,19 +27,22 @@ from refusion.runtime.generator import Generator
 from refusion.serve.frontend import Frontend
 from refusion.serve.openai.app import AppConfig, create_app
 from refusion.serve.openai.metrics import Arrival, ServerMetrics
+from refusion.serve.security import DEFAULT_ADDRESS, bind_address, body_limit
 
 MAX_CONNECTIONS = 1024  # open connections and requests beyond it are answered 503 by uvicorn at once
 KEEP_ALIVE_S = 5  # an idle keep-alive connection is closed after this
 BODY_TIMEOUT_S = 30.0  # a body that has not arrived this long after its headers is refused (408)
-MAX_BODY = 4 << 20  # bytes of a request body
 _EXIT_MARGIN_S = 15  # uvicorn's own shutdown timeout beyond the drain's deadline: time for the cancelled to answer
 _HANG_GUARD_S = 60.0
 
 
 class OpenAIServer:
-    def __init__(self, gen: Generator, *, model_name: str = "refusion", address: str = "127.0.0.1", port: int = 8000,
-                 max_queue: int = 64, drain_timeout_s: float = 30.0, max_body: int = MAX_BODY,
-                 body_timeout_s: float = BODY_TIMEOUT_S, verbose: bool = False):
+    def __init__(self, gen: Generator, *, model_name: str = "refusion", address: str = DEFAULT_ADDRESS, port: int = 8000,
+                 api_key: str | None = None, max_queue: int = 64, drain_timeout_s: float = 30.0,
+                 max_body: int | None = None, body_timeout_s: float = BODY_TIMEOUT_S, verbose: bool = False):
+        """`api_key`: clients must send it (serve/security.py's api_key() reads --api-key and the environment);
+        `max_body` (bytes of a request body): default, the longest prompt that fits the model, JSON-escaped,
+        and the rest (serve/security.py's body_limit)."""
         if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 0:
             raise RefusionError(f"max_queue={max_queue!r} (--max-queue) must be an integer >= 0.")
         if not drain_timeout_s >= 0:
@@ -51,8 +54,9 @@ class OpenAIServer:
         self.metrics = ServerMetrics()
         self.frontend: Frontend[Arrival] = Frontend(gen, max_queue, on_end=self.metrics.ended)
         self.metrics.watch(self.frontend)
-        app = create_app(self.frontend, self.metrics, AppConfig(model_name, max_body, body_timeout_s))
-        self.socket = _bind(address, port)
+        limit = max_body if max_body is not None else body_limit(gen.max_prompt_bytes)
+        app = create_app(self.frontend, self.metrics, AppConfig(model_name, limit, body_timeout_s, api_key))
+        self.socket = _bind(bind_address(address), port)
         self.address, self.port = address, self.socket.getsockname()[1]
         config = uvicorn.Config(app, http="h11", loop="asyncio", lifespan="off", log_config=None,
                                 log_level="info" if verbose else "warning", access_log=verbose,

@@ -45,8 +45,9 @@ def _ready(server) -> None:
 @pytest.mark.parametrize("raw, says", [
     (b"{", "not JSON"), (b"", "not JSON"), (b"[1, 2]", "a JSON list, not an object"), (b"null", "not an object"),
     (b'"hi"', "not an object"), (b"\xff\xfe{}", "not UTF-8"), (b'{"model": "refusion", "temperature": NaN}', "NaN"),
-    (b"[" * 100_000 + b"]" * 100_000, "nests too deep"), (b'{"model": "refusion", "messages": ' + b"[" * 30_000 +
-                                                         b"]" * 30_000 + b"}", "nests too deep"),
+    (b"[" * 60_000 + b"]" * 60_000, "over the limit of 32"), (b'{"model": "refusion", "messages": ' + b"[" * 30_000 +
+                                                               b"]" * 30_000 + b"}", "over the limit of 32"),
+    (b'{"model": "refusion", "model": "refusion"}', "gives 'model' twice"),
 ])
 def test_malformed_bodies_are_400s(serve, raw, says):
     server = serve()
@@ -239,3 +240,35 @@ def test_a_drain_lets_the_stream_in_flight_finish_or_cancels_it_at_its_deadline(
         sock.close()
     server._thread.join(60)
     assert not server._thread.is_alive()
+
+
+def test_with_a_key_every_path_but_health_needs_it(serve):
+    key = "k" * 24
+    server = serve(api_key=key)
+    status, headers, body = post(server, CHAT_PATH, HI)
+    assert "needs its API key" in _error(status, body) and status == 401 and headers["www-authenticate"] == "Bearer"
+    assert body["error"]["type"] == "authentication_error" and body["error"]["code"] == "invalid_api_key"
+    status, _, body = post(server, CHAT_PATH, HI, {"Authorization": "Bearer " + "x" * 24})
+    assert "not this server's" in _error(status, body)
+    status, _, body = post(server, CHAT_PATH, HI, {"Authorization": f"Bearer {key}"})
+    assert status == 200 and body["choices"][0]["message"]["content"] is not None
+    for path, needs_key in (("/health", False), ("/metrics", True), ("/v1/models", True)):
+        with connect(server) as sock:
+            sock.sendall(request_bytes(path, b"", method="GET"))
+            status, _, _ = read_response(sock)
+        assert status == (401 if needs_key else 200), path
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong-key-wrong-key", max_retries=0).models.list()
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=key, max_retries=0)
+    assert [m.id for m in client.models.list().data] == ["refusion"]
+
+
+def test_the_body_limit_is_the_longest_prompt_that_fits_and_the_rest(serve, gen):
+    from refusion.serve.security import body_limit
+
+    server = serve()
+    limit = body_limit(gen.max_prompt_bytes)
+    status, _, body = post(server, CHAT_PATH, {**HI, "messages": [{"role": "user", "content": "x" * limit}]})
+    assert f"over {limit} bytes" in _error(status, body)
+    status, _, body = post(server, CHAT_PATH, {**HI, "messages": [{"role": "user", "content": "x" * (gen.max_prompt_bytes + 1)}]})
+    assert "bytes of UTF-8" in _error(status, body)  # under the body limit, over the prompt's: the runtime's check

@@ -26,6 +26,20 @@ def test_tritons_ports_are_refused_with_the_openai_api(tiny_export):
     assert result.exit_code != 0 and "--grpc-port is Triton's" in result.output
 
 
+def test_every_interface_without_a_key_is_warned_about_and_a_taken_port_is_one_error_line(tiny_export):
+    taken = socket.socket()
+    taken.bind(("0.0.0.0", 0))
+    taken.listen()
+    try:
+        result = CliRunner().invoke(cli, ["serve", str(tiny_export), "--address", "0.0.0.0", "--backend", "ort-cpu",
+                                          "--http-port", str(taken.getsockname()[1])])
+    finally:
+        taken.close()
+    assert result.output.startswith("warning: serving on 0.0.0.0 without an API key")
+    assert result.exit_code == 1 and result.output.splitlines()[-1].startswith("error: port ")
+    assert "is in use" in result.output.splitlines()[-1]
+
+
 @pytest.mark.slow
 def test_serve_answers_the_openai_client_and_drains_on_sigterm_with_exit_0(tiny_export):
     server = subprocess.Popen([str(REFUSION_RUN), "serve", str(tiny_export), "--http-port", "0", "--backend", "ort-cpu",
