@@ -1,7 +1,7 @@
 """Train refusion-tiny: a small Qwen3ForCausalLM trained with the ReFusion objective on the
 generated tasks of `refusion.tools.tasks`, small enough to ship in the repository.
 
-The one command (2 CPU cores, about 40 minutes; resumes where it stopped if rerun):
+The one command (about 2.5 hours on 2 CPU cores at --threads 1; resumes where it stopped if rerun):
 
     nice -n 5 .venv/bin/python tools/train/tiny.py train
 
@@ -276,7 +276,7 @@ def batch_for_step(step: int, enc: Encoder, args) -> list[Sequence]:
 def easier_lookup(rng: random.Random, progress: float) -> T.Example:
     """A lookup of 2 keys and 1 query at progress 0, up to 2-9 keys and 1-8 queries at 1. Retrieval by
     key (an induction circuit) forms only after a long plateau on the full task; on small tables it forms
-    early and then carries over (docs/training.md, "Curriculum")."""
+    early and then carries over (docs/training.md, "Recipe and why")."""
     grow = round(7 * progress)
     while True:
         prompt, answer = T.lookup_example(rng, (2, 2 + grow), (1, 1 + grow))
