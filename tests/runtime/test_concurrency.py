@@ -122,7 +122,7 @@ def test_a_waiting_request_that_is_cancelled_or_expires_ends_without_waiting_its
     (its deadline measured on the real clock), while the busy one is still held mid-decode."""
     with Generator.from_dir(export, backend="ort-cpu", threads=1, max_requests=1, max_batch=1) as gen, \
             ForwardGate(gen.runner) as gate:
-        busy = gen.submit(prompt_ids=[5, 6, 7], gen_length=64, mode="ar")
+        busy = gen.submit("sort: 9 8 7 6 5 4 3 2 1", chat=True, gen_length=64, mode="ar")  # 18 forwards: 17 characters, EOS
         gate.wait_held()  # busy's prefill, held
         waiting = gen.submit(prompt_ids=[5, 6, 7], gen_length=64, mode="ar", timeout_s=0.05)
         if stop == "cancel":
@@ -225,7 +225,7 @@ def test_batched_rows_equal_single_rows_on_the_runner(export):
         for a, b in zip(single, packed):
             assert a.keys() == b.keys()
             for name in a:
-                np.testing.assert_allclose(a[name], b[name], rtol=0, atol=1e-5)
+                np.testing.assert_allclose(a[name], b[name], rtol=1e-6, atol=1e-5)  # logits reach ~25
         for s in range(3):
             for k_single, k_packed in zip(keys_single[s], runner.keys[s]):
                 np.testing.assert_allclose(k_single, k_packed, rtol=0, atol=1e-5)
@@ -234,7 +234,7 @@ def test_batched_rows_equal_single_rows_on_the_runner(export):
 def test_stream_ends_with_the_results_text_across_a_gap(export):
     """Slots dropped after an EOS leave a gap in positions (upstream's reading joins what follows
     it in the result): the stream still ends with the result's text."""
-    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "sort: 3 1 2"}]
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "add: 75+72"}]  # a gap, on this model
     with Generator.from_dir(export, backend="ort-cpu", threads=1) as gen:
         result = gen.generate(messages=messages)
         positions = sorted(p for c in result.commits for p in c.positions)

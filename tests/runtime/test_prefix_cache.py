@@ -182,6 +182,10 @@ def test_under_concurrency_with_evictions_every_request_gets_its_tokens(tiny_exp
     assert all(got[j] == [alone[j]] * 2 for j in range(len(jobs)))
 
 
+# Answers of 8-16 tokens, so an AR answer fills a cache block past its prompt; three turns fit the 256 positions.
+CONVERSATION = ["reverse: robotics", "sort: 9 8 7 6 5 4 3 2 1", "list: 3,1,12"]
+
+
 def test_an_ar_conversation_reuses_its_earlier_answers(tiny_export):
     """AR's answers are fed causally, so the next turn copies them; ReFusion's are not and are re-prefilled."""
     def common(a: list[int], b: list[int]) -> int:
@@ -192,7 +196,7 @@ def test_an_ar_conversation_reuses_its_earlier_answers(tiny_export):
         with (Generator.from_dir(tiny_export, backend="ort-cpu", threads=1) as gen,
               Generator.from_dir(tiny_export, backend="ort-cpu", threads=1, prefix_cache_mb=0) as off):
             messages = [{"role": "system", "content": SYSTEMS[2][:60]}]
-            for question in QUESTIONS[:3]:  # 256 positions
+            for question in CONVERSATION:
                 messages.append({"role": "user", "content": question})
                 before = gen.prompt_ids(messages=messages)
                 res = gen.generate(messages=messages, mode=mode, max_tokens=16)

@@ -268,7 +268,10 @@ def test_a_typed_session(tiny_dir, gen):
         term.expect("> ")
         term.type(f"{SORT}\r")
         shown = term.expect("> ")
-        assert shown.endswith(f"{SORT}\n{answer(gen, SORT, SORT, mode='ar')}\n") and "tokens/s" not in shown
+        history = [{"role": "user", "content": SORT}, {"role": "assistant", "content": answer(gen, SORT)},
+                   {"role": "user", "content": SORT}]  # the first answer was ReFusion's, this one AR's
+        second = "".join(gen.stream(messages=history, mode="ar"))
+        assert shown.endswith(f"{SORT}\n{second}\n") and "tokens/s" not in shown
         term.type("\x04")  # Ctrl-D leaves
     finally:
         code = term.exit_code()
