@@ -394,13 +394,13 @@ def write_engines_dir(plan: BuildPlan, directory: Path, engine: bytes | memoryvi
     import hashlib
 
     export = plan.export
-    for name in (MANIFEST_NAME, *export.tokenizer_files):
+    for name in (MANIFEST_NAME, *export.tokenizer_files, *export.embeddings.files):  # a host table: the runner maps it
         shutil.copyfile(export.path / name, directory / name)
     with memoryview(engine).cast("B") as view, open(directory / ENGINE_FILE, "wb") as file:
         file.write(view)
         digest, size = hashlib.sha256(view).hexdigest(), view.nbytes
     # the planner graph is in the sources: `refusion-export check` compares the planner forwards with it
-    sources = [*export.graph_files.values(), export.weights_file, MANIFEST_NAME]
+    sources = [*export.model_files, MANIFEST_NAME]
     manifest = EngineManifest(
         path=directory,
         target=target,

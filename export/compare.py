@@ -19,6 +19,7 @@ import numpy as np
 
 from refusion.runtime.core.contract import GRAPH_NAMES, GraphName, past_key_name, past_value_name
 from refusion.runtime.core.dtypes import dtype
+from refusion.runtime.core.embeddings import EmbeddingTable, token_feed
 from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.core.export_manifest import ExportManifest
 from refusion.runtime.decode.masks import causal_after, rows_over_prefix
@@ -269,6 +270,7 @@ def cases(manifest: ExportManifest, seed: int = 0, prefix: int = 12, block: int 
     rng = np.random.default_rng(seed)
     kv_dtype = dtype(manifest.dtype).numpy
     vocab = manifest.vocab_size
+    table = EmbeddingTable.of(manifest.path, manifest.embeddings)  # a host table: its rows are fed, as runners do
 
     def case(name: str, graphs: tuple[GraphName, ...], ids: np.ndarray, positions: np.ndarray, mask: np.ndarray,
              batch: int = 1, heads: np.ndarray | None = None) -> Case:
@@ -276,7 +278,7 @@ def cases(manifest: ExportManifest, seed: int = 0, prefix: int = 12, block: int 
         seq, past = mask.shape[1], mask.shape[2] - mask.shape[1]
         at = np.arange(seq) if heads is None else heads
         feed = {
-            "input_ids": np.broadcast_to(np.asarray(ids, np.int64), (batch, seq)).copy(),
+            **token_feed(table, np.broadcast_to(np.asarray(ids, np.int64), (batch, seq)).copy()),
             "position_ids": np.broadcast_to(np.asarray(positions, np.int64), (batch, seq)).copy(),
             "attention_mask": np.broadcast_to(mask, (batch, seq, past + seq)).copy(),  # writable: torch wants it
             "head_positions": np.broadcast_to(np.asarray(at, np.int64), (batch, len(at))).copy(),

@@ -26,6 +26,7 @@ from refusion.runtime.core.contract import DEFAULT_CANDIDATES, GRAPH_NAMES, cand
 from refusion.runtime.core.dims import expected_weights
 from refusion.runtime.core.dtypes import dtype as dtype_row
 from refusion.runtime.core.dtypes import from_flag
+from refusion.runtime.core.embeddings import EMBEDDING_WEIGHT, TABLE_FILE, Embeddings
 from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.core.export_manifest import MANIFEST_NAME, PENDING_NAME, ExportManifest, WeightEntry, with_files
 from refusion.runtime.core.quantization import weight_index
@@ -43,12 +44,15 @@ def export_onnx(
     validate: bool = True,
     quantize: QuantizeOptions | None = None,
     candidates: int = DEFAULT_CANDIDATES,
+    embeddings: str = "graph",
     progress: Progress = silent,
 ) -> Path:
     """Export `checkpoint` (a local Hugging Face directory) to `output`. `progress` receives
     ProgressEvents (export/progress.py): the weights by bytes, the graphs, validation by forwards.
     `quantize` makes the decoder layers' linear weights int4 (export/quantize.py). `candidates`: K, the most
-    likely tokens the graphs emit at each position for sampling (top_k may not exceed it; at most the vocabulary)."""
+    likely tokens the graphs emit at each position for sampling (top_k may not exceed it; at most the vocabulary).
+    `embeddings`: "graph" (the graphs gather the table) or "host" (embeddings.bin beside them, which the runtime
+    maps and gathers from; the graphs take inputs_embeds)."""
     output = Path(output)
     if isinstance(candidates, bool) or not isinstance(candidates, int) or candidates <= 0:
         raise RefusionError(f"candidates={candidates!r} (--candidates) must be a positive number of tokens.")
@@ -63,6 +67,7 @@ def export_onnx(
     ckpt = Checkpoint.open(checkpoint, mask_token_id)
     eos_id = ckpt.eos_token_id()
     d = ckpt.dims
+    placement = Embeddings.for_export(embeddings, d, export_dtype)
     line(progress, f"checkpoint {ckpt.path}: {d.num_layers} layers, hidden {d.hidden_size}, heads "
                    f"{d.num_heads}/{d.kv_heads} kv, head_dim {d.head_dim}, vocab {d.vocab_size}, {ckpt.source_dtype} "
                    f"weights, {len(ckpt.files)} tensors")
@@ -77,7 +82,7 @@ def export_onnx(
             raise RefusionError(f"cannot write to {output.parent} ({why}); choose a writable --output.") from e
         try:
             _write_export(ckpt, staging, export_dtype, logits, candidates_for(d.vocab_size, candidates), eos_id,
-                          quant_plan, progress)
+                          quant_plan, placement, progress)
             if validate:
                 from refusion.export.validate import validate_export
 
@@ -116,10 +121,12 @@ def _replaceable(output: Path) -> bool:
 
 
 def _write_export(ckpt: Checkpoint, out: Path, dtype: str, logits: bool, candidates: int, eos_id: int,
-                  quant_plan: QuantPlan | None, progress: Progress) -> None:
+                  quant_plan: QuantPlan | None, embeddings: Embeddings, progress: Progress) -> None:
     dims = ckpt.dims
     t0 = time.perf_counter()
     writer = WeightsWriter(out / ExportManifest.weights_file, dtype)
+    # a host table: raw rows, alone in a file of its own (offset 0), which the graphs do not reference
+    table = WeightsWriter(out / TABLE_FILE, dtype) if embeddings.on_host else None
     quantization = quant_plan.quantization if quant_plan else None
     layout = weight_index(dims, dtype, quantization)
     names = list(expected_weights(dims))
@@ -130,10 +137,12 @@ def _write_export(ckpt: Checkpoint, out: Path, dtype: str, logits: bool, candida
     # between two tensors (the embedding's 1.2 GiB stayed resident through layer 0's search on ReFusion-8B).
     for name, tensor in float_tensors(ckpt, quant_plan, progress):
         n += 1
-        for init in write_weight(writer, name, tensor, quantization):
+        target = table if table is not None and name == EMBEDDING_WEIGHT else writer
+        for init in write_weight(target, name, tensor, quantization):
             ext = {e.key: e.value for e in init.external_data}
-            index[init.name] = WeightEntry(layout[init.name][0], tuple(init.dims), int(ext["offset"]),
-                                           int(ext["length"]))
+            if target is writer:  # weights.bin's index; the host table's file holds it alone
+                index[init.name] = WeightEntry(layout[init.name][0], tuple(init.dims), int(ext["offset"]),
+                                               int(ext["length"]))
             done += int(ext["length"])
         del tensor  # its checkpoint pages are released before the next tensor is mapped
         if n % max(1, len(names) // 10) == 0 or n == len(names):
@@ -142,8 +151,11 @@ def _write_export(ckpt: Checkpoint, out: Path, dtype: str, logits: bool, candida
         else:
             tick(progress, "weights", done, total, "B")
     writer.close()
+    if table is not None:
+        table.close()
 
-    specs = graph_specs(dims.num_layers, dims.kv_heads, dims.head_dim, dims.vocab_size, dtype, logits, candidates)
+    specs = graph_specs(dims.num_layers, dims.kv_heads, dims.head_dim, dims.vocab_size, dtype, logits, candidates,
+                        dims.hidden_size if embeddings.on_host else None)
     for name in GRAPH_NAMES:
         model = build_graph(specs[name], dims, dtype, writer.initializers)
         onnx.save_model(model, out / ExportManifest.graph_files[name])
@@ -158,7 +170,7 @@ def _write_export(ckpt: Checkpoint, out: Path, dtype: str, logits: bool, candida
         path=out, dims=dims, dtype=dtype, mask_token_id=ckpt.mask_token_id, eos_token_id=eos_id,
         defaults=defaults, graphs=specs, opset=graph_opset(writer.initializers), has_logits=logits,
         candidates=candidates, weights=index,
-        tokenizer_files=tokenizer_files, files={}, quantization=quantization,
+        tokenizer_files=tokenizer_files, files={}, quantization=quantization, embeddings=embeddings,
         source={"checkpoint": str(ckpt.path.resolve()), "dtype": ckpt.source_dtype,
                 "export_seconds": round(time.perf_counter() - t0, 2)},
     )

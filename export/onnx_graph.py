@@ -19,7 +19,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from refusion.runtime.core.contract import GraphSpec
+from refusion.runtime.core.contract import INPUTS_EMBEDS, GraphSpec
 from refusion.runtime.core.dims import ModelDims
 from refusion.runtime.core.dtypes import dtype as core_dtype
 from refusion.runtime.core.quantization import INT4_OPSET, scale_name
@@ -84,14 +84,16 @@ class _Builder:
 def build_graph(
     spec: GraphSpec, dims: ModelDims, dtype: str, initializers: dict[str, TensorProto]
 ) -> onnx.ModelProto:
-    """One graph of the contract: embed, decoder layers with explicit KV, heads at the head positions."""
+    """One graph of the contract: embed (or take the embedded rows), decoder layers with explicit KV, heads at the head positions."""
     g = _Builder(initializers)
     onnx_dtype = core_dtype(dtype).onnx
     wants = {t.name for t in spec.outputs}
     n_rep = dims.num_heads // dims.kv_heads
     d = dims.head_dim
 
-    x = g.op("Gather", "model.embed_tokens.weight", "input_ids")  # [b, s, hidden]
+    # [b, s, hidden]: fed, where the contract takes the rows (a host table), else gathered from the initializer
+    fed = any(t.name == INPUTS_EMBEDS for t in spec.inputs)
+    x = INPUTS_EMBEDS if fed else g.op("Gather", "model.embed_tokens.weight", "input_ids")
     rope = _Rotary(g, dims, onnx_dtype)
     # Additive attention bias from the boolean mask: [b, 1, 1, s, total]
     mask5 = g.op("Unsqueeze", "attention_mask", g.ints(1, 2))

@@ -15,6 +15,7 @@ import numpy as np
 from onnx import TensorProto
 
 from refusion.runtime.core.dtypes import dtype
+from refusion.runtime.core.embeddings import EMBEDDING_WEIGHT, TABLE_FILE
 from refusion.runtime.core.export_manifest import ExportManifest
 
 if TYPE_CHECKING:
@@ -84,12 +85,15 @@ class WeightsWriter:
 
 
 def map_weights(manifest: ExportManifest) -> dict[str, np.ndarray]:
-    """name -> read-only view into weights file; nothing is copied or read until touched."""
-    manifest.check_files(names=(manifest.weights_file,))  # the index lies inside the recorded size
+    """name -> view into the weights file (and a host embedding table's); nothing is copied or read until touched."""
+    manifest.check_files(names=manifest.model_files[2:])  # the index lies inside the recorded size
     file = manifest.path / manifest.weights_file
     blob = np.memmap(file, dtype=np.uint8, mode="c")  # copy-on-write: writable views for torch, pages still shared
     views = {}
     for name, e in manifest.weights.items():  # bf16 tensors come as their raw uint16 bits, int4 as packed bytes
         row = dtype(e.dtype)
         views[name] = blob[e.offset : e.offset + e.nbytes].view(row.numpy).reshape(row.storage_shape(e.shape))
+    e = manifest.embeddings
+    if e.on_host:  # the torch oracle embeds ids itself, from the same rows the runtime gathers
+        views[EMBEDDING_WEIGHT] = np.memmap(manifest.path / TABLE_FILE, dtype(e.dtype).numpy, "c", shape=e.shape)
     return views

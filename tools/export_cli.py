@@ -54,6 +54,10 @@ def _need_export_extra() -> None:
 @click.option("--candidates", type=int, default=DEFAULT_CANDIDATES, show_default=True,
               help="Top-K candidates (ids and log-probabilities) the graphs emit at each position for sampling: "
                    "requests' top_k may not exceed it (at most the vocabulary).")
+@click.option("--embeddings", type=click.Choice(["graph", "host"]), default="graph", show_default=True,
+              help="Where the token embedding lives: in the graphs, or host (embeddings.bin beside them, memory-mapped "
+                   "by the runtime, which feeds the rows it looks up as inputs_embeds: the engine holds no table). "
+                   "host needs an untied lm_head.")
 @click.option("--mask-token-id", type=int, default=None, help="Mask token id, when config.json lacks mask_token_id.")
 @click.option("--validate/--no-validate", default=True, show_default=True,
               help="Check the graphs against the torch definition on onnxruntime CPU before publishing.")
@@ -68,7 +72,7 @@ def _need_export_extra() -> None:
               help="With int4-awq: use the first N calibration prompts [default: 64].")
 @quiet_option
 def onnx_command(checkpoint: str, revision: str | None, output: Path, dtype: str, force: bool, logits: bool,
-                 candidates: int, mask_token_id: int | None, validate: bool, quantize: str | None, block_size: int | None,
+                 candidates: int, embeddings: str, mask_token_id: int | None, validate: bool, quantize: str | None, block_size: int | None,
                  calibration: Path | None, calibration_samples: int | None) -> None:
     """Export CHECKPOINT to planner/infiller ONNX graphs. CHECKPOINT is a Qwen3/ReFusion directory in the
     Hugging Face layout, or a model id ORG/NAME fetched from the hub into its cache (HF_HOME; offline with
@@ -84,10 +88,12 @@ def onnx_command(checkpoint: str, revision: str | None, output: Path, dtype: str
     options = QuantizeOptions(quantize, block_size, calibration, calibration_samples) if quantize else None
     path = resolve_checkpoint(checkpoint, revision, progress)  # after the flags are checked: it may download
     block = f" block {block_size}" if block_size else ""  # left out: the exporter says which it takes
-    what = f"{dtype}{f', {quantize}{block}' if options else ''}{', with logits' if logits else ''}"
+    what = (f"{dtype}{f', {quantize}{block}' if options else ''}{', with logits' if logits else ''}"
+            f"{', embeddings on the host' if embeddings == 'host' else ''}")
     progress(f"exporting {path} -> {output} ({what})")
     out = export_onnx(path, output, dtype=dtype, logits=logits, mask_token_id=mask_token_id,
-                      force=force, validate=validate, quantize=options, candidates=candidates, progress=progress)
+                      force=force, validate=validate, quantize=options, candidates=candidates,
+                      embeddings=embeddings, progress=progress)
     size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
     progress(f"done in {time.perf_counter() - t0:.1f} s: {out} ({_size(size)})")
     click.echo(str(out))
@@ -141,6 +147,9 @@ def inspect_command(export_dir: Path) -> None:
     echo("model    " + "  ".join(f"{k}={v}" for k, v in m.dims.to_json().items()))
     echo(f"tokens   mask_token_id={m.mask_token_id}  eos_token_id={m.eos_token_id}")
     echo(f"weights  {_quantization(m.quantization)}")
+    e = m.embeddings
+    echo("embeds   " + (f"host: {e.files[0]} {e.dtype} {list(e.shape)} (fed as inputs_embeds)" if e.on_host
+                        else "graph (the graphs gather the table)"))
     echo("defaults " + "  ".join(f"{k}={v}" for k, v in m.defaults.to_json().items()))
     if m.source:
         echo(f"source   {m.source.get('checkpoint')} ({m.source.get('dtype')})")

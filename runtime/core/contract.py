@@ -12,6 +12,10 @@ past is a view, and a forward's present KV can be written straight into its slot
 forward computes: only the positions the decode step reads (a prefill reads none of its prompt's),
 so the vocabulary head's vocab x hidden MatMul runs on those rows alone.
 
+`inputs_embeds` [batch, seq, hidden] (an export with `--embeddings host` only) are the fed tokens' embedding
+rows, gathered by the runtime from the table beside the graphs; `input_ids` stays an input of every graph,
+since the verification head reads the next fed token's id.
+
 `attention_mask[b, i, t]` is True when new token i may attend to token t of
 `concat(past, new)`. One boolean input expresses every mask the decode loop needs:
 causal plan and verify passes over the committed prefix, and n independent slot rows
@@ -30,6 +34,7 @@ GRAPH_NAMES: tuple[GraphName, ...] = ("planner", "infiller")
 # Symbolic axes. `total_seq` is past_seq + seq; the name carries no arithmetic. `heads`: positions whose
 # vocabulary heads are computed (head_positions), at most seq.
 BATCH, SEQ, PAST_SEQ, TOTAL_SEQ, HEADS = "batch", "seq", "past_seq", "total_seq", "heads"
+INPUTS_EMBEDS = "inputs_embeds"  # the graphs' input of embedding rows, with the table on the host
 
 
 @dataclass(frozen=True)
@@ -105,11 +110,15 @@ def candidates_for(vocab_size: int, asked: int = DEFAULT_CANDIDATES) -> int:
 
 def graph_specs(
     num_layers: int, kv_heads: int, head_dim: int, vocab_size: int, kv_dtype: str, logits: bool,
-    candidates: int = DEFAULT_CANDIDATES,
+    candidates: int = DEFAULT_CANDIDATES, embeds_hidden: int | None = None,
 ) -> dict[GraphName, GraphSpec]:
-    """The planner and infiller contracts for a model of these dimensions; `candidates`: K of the top-K outputs."""
+    """The planner and infiller contracts for a model of these dimensions; `candidates`: K of the top-K outputs;
+    `embeds_hidden`: the hidden size of `inputs_embeds`, which the graphs take when the embedding table is kept
+    on the host (None: the graphs gather it themselves)."""
+    embeds = [TensorSpec(INPUTS_EMBEDS, kv_dtype, (BATCH, SEQ, embeds_hidden))] if embeds_hidden else []
     inputs: list[TensorSpec] = [
         TensorSpec("input_ids", "int64", (BATCH, SEQ)),
+        *embeds,
         TensorSpec("position_ids", "int64", (BATCH, SEQ)),
         TensorSpec("attention_mask", "bool", (BATCH, SEQ, TOTAL_SEQ)),
         TensorSpec("head_positions", "int64", (BATCH, HEADS)),

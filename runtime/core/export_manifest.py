@@ -23,6 +23,7 @@ from refusion.runtime.core.contract import GRAPH_NAMES, GraphName, GraphSpec, Te
 from refusion.runtime.core.defaults import DecodeDefaults
 from refusion.runtime.core.dims import ModelDims
 from refusion.runtime.core.dtypes import EXPORT_DTYPES, dtype
+from refusion.runtime.core.embeddings import EMBEDDING_WEIGHT, Embeddings
 from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.core.fields import Fields
 from refusion.runtime.core.files import FileRecord
@@ -31,11 +32,12 @@ from refusion.runtime.core.quantization import INT4_OPSET, Quantization, weight_
 MANIFEST_NAME = "refusion.json"
 PENDING_NAME = "refusion.pending.json"
 FORMAT = "refusion-onnx"
-FORMAT_VERSION = 5  # 3: the quantization section; 4: the top-K sampling outputs (graphs.*.candidates); 5: heads at
-# head_positions only, input_probs as the next token's probability, the lean graphs
+FORMAT_VERSION = 6  # 3: the quantization section; 4: the top-K sampling outputs (graphs.*.candidates); 5: heads at
+# head_positions only, input_probs as the next token's probability, the lean graphs; 6: the embeddings section
+# (the table in the graphs, or on the host with inputs_embeds)
 REEXPORT = "re-export with `refusion-export onnx CHECKPOINT --output DIR --force`"
 WEIGHTS_LAYOUT = "linear weights [in, out]"
-_SECTIONS = ("model", "dtype", "quantization", "tokens", "defaults", "graphs", "weights", "tokenizer", "files")
+_SECTIONS = ("model", "dtype", "quantization", "embeddings", "tokens", "defaults", "graphs", "weights", "tokenizer", "files")
 
 
 def check_format(fields: Fields, fmt: str, version: int, redo: str) -> None:
@@ -77,6 +79,7 @@ class ExportManifest:
     tokenizer_files: tuple[str, ...]
     files: dict[str, FileRecord]  # every file above by name: graphs, weights.bin, tokenizer files
     quantization: Quantization | None = None  # int4 linear weights: method, bits, block size, calibration
+    embeddings: Embeddings = Embeddings()  # in the graphs, or a table on the host (inputs_embeds)
     source: dict[str, Any] = field(default_factory=dict)  # checkpoint path and dtype, export time: informative
 
     graph_files = {"planner": "planner.onnx", "infiller": "infiller.onnx"}
@@ -114,8 +117,8 @@ class ExportManifest:
     # -- files -----------------------------------------------------------------------------
     @property
     def model_files(self) -> tuple[str, ...]:
-        """What the onnxruntime backends load: both graphs and the weights."""
-        return (*self.graph_files.values(), self.weights_file)
+        """What the backends load: both graphs, the weights and a host embedding table."""
+        return (*self.graph_files.values(), self.weights_file, *self.embeddings.files)
 
     def file_problems(self, verify: bool = False, names: tuple[str, ...] | None = None) -> list[str]:
         """Every listed file (or those of `names`) whose size, and with `verify` sha256, differs from the record."""
@@ -135,6 +138,7 @@ class ExportManifest:
             "model": {"architecture": "Qwen3ForCausalLM", **self.dims.to_json()},
             "dtype": self.dtype,
             "quantization": self.quantization.to_json() if self.quantization else None,
+            "embeddings": self.embeddings.to_json(),
             "tokens": {"mask_token_id": self.mask_token_id, "eos_token_id": self.eos_token_id},
             "defaults": self.defaults.to_json(),
             "graphs": {name: {"file": self.graph_files[name], "opset": self.opset, "logits": self.has_logits,
@@ -213,6 +217,7 @@ def _parse(path: Path, f: Fields) -> ExportManifest:
     dims = ModelDims.read(f, "model")
     export_dtype = f.str("dtype", tuple(d.name for d in EXPORT_DTYPES.values()))
     quantization = Quantization.read(f, "quantization", dims, export_dtype)
+    embeddings = Embeddings.read(f, "embeddings", dims, export_dtype)
     vocab = dims.vocab_size
     logits = f.bool("graphs.planner.logits")
     candidates = f.int("graphs.planner.candidates", 1, vocab + 1)
@@ -221,7 +226,8 @@ def _parse(path: Path, f: Fields) -> ExportManifest:
         raise f.fail("graphs.planner.opset", opset,
                      f"{INT4_OPSET} for an int4 export (INT4 and blocked DequantizeLinear)")
     graphs: dict[GraphName, GraphSpec] = {}
-    expected = graph_specs(dims.num_layers, dims.kv_heads, dims.head_dim, vocab, export_dtype, logits, candidates)
+    expected = graph_specs(dims.num_layers, dims.kv_heads, dims.head_dim, vocab, export_dtype, logits, candidates,
+                           dims.hidden_size if embeddings.on_host else None)
     for name in GRAPH_NAMES:
         f.str(f"graphs.{name}.file", (ExportManifest.graph_files[name],))
         if f.positive_int(f"graphs.{name}.opset") != opset:
@@ -234,9 +240,9 @@ def _parse(path: Path, f: Fields) -> ExportManifest:
         graphs[name] = _read_spec(f, name, expected[name])
     f.str("weights.file", (ExportManifest.weights_file,))
     f.str("weights.layout", (WEIGHTS_LAYOUT,))
-    weights = _read_weights(f, dims, export_dtype, quantization)
+    weights = _read_weights(f, dims, export_dtype, quantization, embeddings)
     tokenizer_files = tuple(_name(f, "tokenizer.files", x) for x in f.list("tokenizer.files"))
-    listed = {*ExportManifest.graph_files.values(), ExportManifest.weights_file, *tokenizer_files}
+    listed = {*ExportManifest.graph_files.values(), ExportManifest.weights_file, *embeddings.files, *tokenizer_files}
     files_raw = f.object("files")
     if set(files_raw) != listed:
         raise f.fail("files", sorted(files_raw), f"records for exactly {sorted(listed)}")
@@ -256,9 +262,14 @@ def _parse(path: Path, f: Fields) -> ExportManifest:
         tokenizer_files=tokenizer_files,
         files=files,
         quantization=quantization,
+        embeddings=embeddings,
         source=f.raw.get("source") if isinstance(f.raw.get("source"), dict) else {},
     )
     _check_weights_fit(f, manifest)
+    for name in embeddings.files:
+        if files[name].bytes != embeddings.nbytes:
+            raise f.fail(("files", name, "bytes"), files[name].bytes,
+                         f"{embeddings.nbytes} ({list(embeddings.shape)} {embeddings.dtype}, the embeddings section)")
     if manifest.defaults.gen_length >= dims.max_position_embeddings:
         raise f.fail("defaults.gen_length", manifest.defaults.gen_length,
                      f"fewer than max_position_embeddings {dims.max_position_embeddings}")
@@ -299,13 +310,13 @@ def _read_spec(f: Fields, name: GraphName, expected: GraphSpec) -> GraphSpec:
     return expected
 
 
-def _read_weights(f: Fields, dims: ModelDims, export_dtype: str,
-                  quantization: Quantization | None) -> dict[str, WeightEntry]:
+def _read_weights(f: Fields, dims: ModelDims, export_dtype: str, quantization: Quantization | None,
+                  embeddings: Embeddings) -> dict[str, WeightEntry]:
     """The index must hold exactly the tensors the dims and the quantization imply: in the export dtype,
     linear ones [in, out]; in an int4 export the decoder layers' linear weights int4, each with its
-    scales [K / block_size, N]."""
+    scales [K / block_size, N]; the embedding only where the graphs hold it."""
     tensors = f.object("weights.tensors")
-    expected = weight_index(dims, export_dtype, quantization)
+    expected = graph_weights(weight_index(dims, export_dtype, quantization), embeddings)
     missing = [n for n in expected if n not in tensors]
     extra = sorted(set(tensors) - set(expected))
     if missing or extra:
@@ -343,7 +354,13 @@ def _check_weights_fit(f: Fields, m: ExportManifest) -> None:
         end = e.offset + e.nbytes
 
 
+def graph_weights(index: dict[str, tuple[str, tuple[int, ...]]],
+                  embeddings: Embeddings) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """The tensors of a weight index that weights.bin holds: all but a table kept on the host."""
+    return {name: entry for name, entry in index.items() if not (embeddings.on_host and name == EMBEDDING_WEIGHT)}
+
+
 def with_files(manifest: ExportManifest) -> ExportManifest:
     """The manifest with sizes and sha256 of its files as they are now on disk (the exporter's last step)."""
-    names = [*manifest.graph_files.values(), manifest.weights_file, *manifest.tokenizer_files]
+    names = [*manifest.model_files, *manifest.tokenizer_files]
     return replace(manifest, files={name: FileRecord.of(manifest.path / name) for name in sorted(names)})

@@ -24,6 +24,7 @@ import numpy as np
 
 from refusion.runtime.core.contract import GraphName
 from refusion.runtime.core.dtypes import dtype
+from refusion.runtime.core.embeddings import EmbeddingTable, token_feed
 from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.core.export_manifest import ExportManifest
 from refusion.runtime.runners.stats import RunnerStats
@@ -45,6 +46,7 @@ class Runner(ABC):
         self.kv_capacities = [0] * self.max_requests
         self.stats = RunnerStats()  # what the benches read
         self.is_active = False
+        self.embeddings = EmbeddingTable.of(manifest.path, manifest.embeddings)  # a host table, mapped on first use
 
     # -- lifecycle -------------------------------------------------------------------
     def activate(self) -> None:
@@ -57,6 +59,8 @@ class Runner(ABC):
             self._deactivate()
             self.is_active = False
             self.kv_capacities = [0] * self.max_requests
+            if self.embeddings is not None:
+                self.embeddings.close()
 
     def __enter__(self) -> Runner:
         self.activate()
@@ -165,6 +169,13 @@ class Runner(ABC):
             raise RefusionError(f"{len(rows)} rows exceed this runner's max_batch {self.max_batch}.")
         self.stats.graph(graph).add(rows, time.perf_counter() - t0)
         return out
+
+    def _feed(self, ids: np.ndarray, pos: np.ndarray, mask: np.ndarray, heads: np.ndarray) -> dict[str, np.ndarray]:
+        """A forward's inputs but KV, by the contract's names, as host arrays every backend binds as they come:
+        the ids as `token_feed` makes them (where the export keeps its embedding table on the host, the rows
+        are gathered from its map here, for every backend), positions, mask and head positions."""
+        return {**token_feed(self.embeddings, ids), "position_ids": pos, "attention_mask": np.ascontiguousarray(mask),
+                "head_positions": np.ascontiguousarray(heads)}
 
     @contextmanager
     def _in_backend(self, graph: GraphName) -> Iterator[None]:

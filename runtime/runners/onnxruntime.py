@@ -130,8 +130,7 @@ class OrtRunner(Runner):
     def _run_batch(self, graph, rows):
         m, batch, packed = self.manifest, len(rows), pack_rows(rows)
         past = packed.past
-        feed = {"input_ids": packed.input_ids, "position_ids": packed.position_ids,
-                "attention_mask": packed.attention_mask, "head_positions": packed.heads}
+        feed = self._feed(packed.input_ids, packed.position_ids, packed.attention_mask, packed.heads)
         shape = (batch, past, m.kv_heads, m.head_dim)
         for i in range(m.num_layers):
             key, value = np.zeros(shape, self.dtype), np.zeros(shape, self.dtype)
@@ -168,10 +167,8 @@ class OrtRunner(Runner):
                  heads: np.ndarray) -> tuple[Any, list[str]]:
         """A fresh IO binding with the feed on the host and the heads to come back to it."""
         binding = self.sessions[graph].io_binding()
-        binding.bind_cpu_input("input_ids", ids)
-        binding.bind_cpu_input("position_ids", pos)
-        binding.bind_cpu_input("attention_mask", np.ascontiguousarray(mask))
-        binding.bind_cpu_input("head_positions", np.ascontiguousarray(heads))
+        for name, array in self._feed(ids, pos, mask, heads).items():
+            binding.bind_cpu_input(name, array)
         wanted = self._outputs[graph]
         for name in wanted:  # bound first, so they come first in get_outputs()
             binding.bind_output(name, "cpu")

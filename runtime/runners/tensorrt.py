@@ -401,8 +401,7 @@ class TensorRTRunner(Runner):
 
     def _bind_feed(self, context: tensorrt.IExecutionContext, ids: np.ndarray, pos: np.ndarray,
                    mask: np.ndarray, heads: np.ndarray) -> None:
-        feed = (("input_ids", ids), ("position_ids", pos), ("attention_mask", mask), ("head_positions", heads))
-        for name, array in feed:
+        for name, array in self._feed(ids, pos, mask, heads).items():
             buf = self._buffer(name, array.nbytes)
             buf.copy_from_host(array)
             self._bind_input(context, name, buf.ptr, array.shape)

@@ -33,8 +33,9 @@ def _spec_io(tensors) -> list[tuple[str, str, list]]:
     return [(t.name, t.dtype, list(t.axes)) for t in tensors]
 
 
-@pytest.fixture(scope="module", params=[("gqa4", "fp32", False), ("gqa2", "fp16", False), ("gqa2", "fp32", True)],
-                ids=["fp32", "fp16", "fp32-logits"])
+@pytest.fixture(scope="module", params=[("gqa4", "fp32", False), ("gqa2", "fp16", False), ("gqa2", "fp32", True),
+                                        ("gqa2", "fp16", False, "host")],
+                ids=["fp32", "fp16", "fp32-logits", "fp16-embeddings-host"])
 def export(request, store):
     return store.export(*request.param)
 
@@ -42,7 +43,9 @@ def export(request, store):
 def test_io_exactly_as_declared(export):
     manifest = ExportManifest.load(export.path)
     m = manifest.dims
-    declared = graph_specs(m.num_layers, m.kv_heads, m.head_dim, m.vocab_size, manifest.dtype, export.logits)
+    hidden = m.hidden_size if manifest.embeddings.on_host else None
+    declared = graph_specs(m.num_layers, m.kv_heads, m.head_dim, m.vocab_size, manifest.dtype, export.logits,
+                           embeds_hidden=hidden)
     for name in GRAPH_NAMES:
         graph = _load(export.path, name).graph
         assert manifest.graphs[name] == declared[name], "refusion.json disagrees with runtime.contract"
@@ -97,7 +100,8 @@ def test_one_weights_file_shared_at_identical_offsets(export):
     assert (export.path / "weights.bin").stat().st_size == manifest.files["weights.bin"].bytes
     # nothing else holds weights: two small graph files beside one weights file
     assert sorted(p.name for p in export.path.glob("*.onnx")) == ["infiller.onnx", "planner.onnx"]
-    assert not list(export.path.glob("*.data")) and [p.name for p in export.path.glob("*.bin")] == ["weights.bin"]
+    bins = sorted(["weights.bin", *manifest.embeddings.files])  # and a host embedding table, which no graph reads
+    assert not list(export.path.glob("*.data")) and sorted(p.name for p in export.path.glob("*.bin")) == bins
     assert all((export.path / f"{g}.onnx").stat().st_size < 200_000 for g in GRAPH_NAMES)
 
 
