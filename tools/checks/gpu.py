@@ -11,7 +11,8 @@ onnxruntime on the comparator's shared cases, and against the fp32 export at the
 alone and with requests batched (--max-batch 4, on TensorRT and on onnxruntime CUDA); per-forward latency.
 The fp16 engine is built strongly typed (the default; --weakly-typed for the other), then in the other
 typing mode for the build-log, island and comparator checks; the fp32 engine is compared with onnxruntime
-with TF32 off; the int4 engine gets the fp16 engine's checks. The fixture's KV (256 bytes per token and
+with TF32 off; the int4 engine gets the fp16 engine's checks; the engine of an fp16 export with its embedding
+table on the host (inputs_embeds) gets them too, and generates the fp16 engine's tokens. The fixture's KV (256 bytes per token and
 layer) is aligned, so present KV is written straight into the cache, as for real models.
 """
 
@@ -45,8 +46,9 @@ def line(ok: bool, what: str) -> bool:
     return ok
 
 
-def fixture(work: Path) -> tuple[Path, Path, Path]:
-    """The fixture checkpoint's fp16, fp32 and int4 (fp16 scales) exports."""
+def fixture(work: Path) -> tuple[Path, Path, Path, Path]:
+    """The fixture checkpoint's fp16, fp32 and int4 (fp16 scales) exports, and fp16 with its embedding table on
+    the host (--embeddings host)."""
     from refusion.export.exporter import export_onnx
     from refusion.export.quantize import QuantizeOptions
     from refusion.tools.checks.fixtures.checkpoints import TinySpec, make_checkpoint
@@ -57,7 +59,8 @@ def fixture(work: Path) -> tuple[Path, Path, Path]:
     return (export_onnx(ckpt, work / "onnx-fp16", dtype="fp16", force=True, progress=print),
             export_onnx(ckpt, work / "onnx-fp32", dtype="fp32", force=True, progress=print),
             export_onnx(ckpt, work / "onnx-int4", dtype="fp16", force=True, progress=print,
-                        quantize=QuantizeOptions("int4-rtn", INT4_BLOCK)))
+                        quantize=QuantizeOptions("int4-rtn", INT4_BLOCK)),
+            export_onnx(ckpt, work / "onnx-fp16-host", dtype="fp16", force=True, progress=print, embeddings="host"))
 
 
 def build(export: Path, work: Path, strongly_typed: bool, name: str = "engines") -> tuple[Path, list[str]]:
@@ -291,6 +294,22 @@ def batched(export: Path, engines: Path, cuda_runner: Any = None) -> bool:
     return ok
 
 
+def same_tokens(graph_engines: Path, host_engines: Path) -> bool:
+    """The engine of the host-embedding export generates the tokens of the graph-embedding export's engine
+    (the same checkpoint, dtype and limits), on every parity request."""
+    from refusion.runtime.generator import Generator
+
+    jobs = [(prompt, dict(gen_length=g, slot_size=k, serial_num_blocks=b, slot_threshold=st, token_threshold=tt))
+            for prompt in PROMPTS for g, k, b, st, tt in DECODES] + [(p, dict(gen_length=32, mode="ar")) for p in PROMPTS]
+    tokens = []
+    for engines in (graph_engines, host_engines):
+        with Generator.from_dir(engines) as gen:
+            tokens.append([gen.generate(prompt_ids=prompt, **params).token_ids for prompt, params in jobs])
+    differ = [i for i, (a, b) in enumerate(zip(*tokens)) if a != b]
+    return line(not differ, f"embeddings host: {len(jobs)} generations token-identical to the graph-embedding "
+                            f"engine's{f'; request(s) {differ} differ' if differ else ''}")
+
+
 def _serve(runner: Any, jobs: list[tuple[list[int], dict[str, Any]]]) -> list[list[int]]:
     """The jobs' tokens, all submitted at once to a Generator over `runner`."""
     from refusion.runtime.generator import Generator
@@ -379,7 +398,7 @@ def main() -> int:
     from refusion.engines.check import check_engines
 
     strongly = not args.weakly_typed
-    export, export32, export4 = fixture(work)
+    export, export32, export4, export_host = fixture(work)
     engines, ok = built(export, work, strongly, "engines")
     ok &= one_engine(export, engines)
     ok &= line(check_engines(engines), "TensorRT fp16 engines vs onnxruntime (comparator)")
@@ -395,6 +414,11 @@ def main() -> int:
     ok &= line(check_engines(engines4), f"TensorRT int4 (block {INT4_BLOCK}) engine vs onnxruntime (comparator)")
     ok &= parity(export4, engines4)
     latency(engines4)
+    engines_host, good = built(export_host, work, strongly, "engines-host")  # inputs_embeds, the table on the host
+    ok &= good & one_engine(export_host, engines_host)
+    ok &= line(check_engines(engines_host), "TensorRT fp16 engine, embeddings host, vs onnxruntime (comparator)")
+    ok &= parity(export_host, engines_host)
+    ok &= same_tokens(engines, engines_host)
     line(ok, f"GPU check ({time.perf_counter() - t0:.0f} s, work directory {work})")
     return 0 if ok else 1
 

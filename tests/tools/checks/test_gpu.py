@@ -153,5 +153,7 @@ def test_the_whole_check_runs_on_the_fakes(fakes, tmp_path, monkeypatch, capsys)
                   "generation parity", "TensorRT: 8 requests together", "engines-weak (weakly typed)",
                   "fp32 islands (engines-weak)", "TensorRT fp16 engines, weakly typed, vs onnxruntime",
                   "TensorRT fp32 engines vs onnxruntime with TF32 off", "engines-int4 (strongly typed)",
-                  "fp32 islands (engines-int4)", "TensorRT int4 (block 64) engine"):
+                  "fp32 islands (engines-int4)", "TensorRT int4 (block 64) engine", "engines-host (strongly typed)",
+                  "fp32 islands (engines-host)", "TensorRT fp16 engine, embeddings host, vs onnxruntime",
+                  "embeddings host: 8 generations token-identical to the graph-embedding engine's"):
         assert f"PASS: {check}" in out, check
