@@ -99,12 +99,15 @@ def test_tokens_as_the_graph_export_on_tensorrt(tiny_host, jobs, graph_tokens, f
         assert shapes["inputs_embeds"] == tuple((*ids, manifest.dims.hidden_size) for ids in shapes["input_ids"])
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "fp16"])
-def test_tokens_as_the_graph_export_of_a_test_checkpoint(peaky_export, tmp_path, dtype):
-    """The peaky tiny checkpoint (confident drafts: every branch of the loop), at fp32 and fp16."""
+@pytest.mark.parametrize("dtype, quantize", [("fp32", None), ("fp16", None), ("fp16", "int4-rtn")])
+def test_tokens_as_the_graph_export_of_a_test_checkpoint(peaky_export, tmp_path, dtype, quantize):
+    """The peaky tiny checkpoint (confident drafts: every branch of the loop), at fp32, fp16 and int4."""
+    from refusion.export.quantize import QuantizeOptions
+
     ckpt = peaky_export.parent / "ckpt0"
-    graph = peaky_export if dtype == "fp32" else _export(ckpt, tmp_path / "graph", dtype=dtype)
-    host = _export(ckpt, tmp_path / "host", dtype=dtype, embeddings="host")
+    options = dict(dtype=dtype, quantize=QuantizeOptions(quantize, 32) if quantize else None)
+    graph = peaky_export if dtype == "fp32" else _export(ckpt, tmp_path / "graph", **options)
+    host = _export(ckpt, tmp_path / "host", embeddings="host", **options)
     assert decode_alone(host, PEAKY_JOBS) == decode_alone(graph, PEAKY_JOBS)
 
 

@@ -99,7 +99,9 @@ def main() -> None:
     ckpt = args.work / "ckpt"
     if not (ckpt / "config.json").is_file():
         make_checkpoint(ckpt, TinySpec(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=512))
-    results: dict = {"model": {"vocab_size": VOCAB, "hidden_size": HIDDEN, "layers": 2, "dtype": "float16"},
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), "unknown")
+    results: dict = {"cpu": cpu, "model": {"vocab_size": VOCAB, "hidden_size": HIDDEN, "layers": 2, "dtype": "float16"},
                      "prompts": len(PROMPTS), "settings": SETTINGS}
     for placement in ("graph", "host"):
         out = args.work / placement
