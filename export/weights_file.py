@@ -86,7 +86,7 @@ class WeightsWriter:
 
 def map_weights(manifest: ExportManifest) -> dict[str, np.ndarray]:
     """name -> view into the weights file (and a host embedding table's); nothing is copied or read until touched."""
-    manifest.check_files(names=manifest.model_files[2:])  # the index lies inside the recorded size
+    manifest.check_files(names=(manifest.weights_file, *manifest.embeddings.files))  # the index lies inside them
     file = manifest.path / manifest.weights_file
     blob = np.memmap(file, dtype=np.uint8, mode="c")  # copy-on-write: writable views for torch, pages still shared
     views = {}

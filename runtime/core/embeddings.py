@@ -105,17 +105,31 @@ class EmbeddingTable:
     def rows(self) -> np.ndarray:
         """The table as a read-only [vocab, hidden] array over the map (mapped on first use)."""
         if self._rows is None:
-            e = self.embeddings
-            with open(self.path, "rb") as file:
-                _drop_cached(file.fileno())
-                self._map = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
-            if hasattr(mmap, "MADV_RANDOM"):  # no readahead: a lookup reads its rows' pages, not their neighbours
-                self._map.madvise(mmap.MADV_RANDOM)
-            if len(self._map) != e.nbytes:
-                raise RefusionError(f"{self.path} holds {len(self._map)} bytes; refusion.json's embeddings section "
-                                    f"says {e.nbytes} ({list(e.shape)} {e.dtype}): the export is damaged, re-export it.")
-            self._rows = np.frombuffer(self._map, dtype(e.dtype).numpy).reshape(e.shape)
+            self._rows = self._mapped()
         return self._rows
+
+    def load(self) -> None:
+        """Map the table now (a runner's activation: a missing or damaged file is refused before any request)."""
+        _ = self.rows
+
+    def _mapped(self) -> np.ndarray:
+        """The file mapped read-only, its size checked against the section; its cached pages dropped first."""
+        e = self.embeddings
+        try:
+            file = open(self.path, "rb")
+        except OSError as err:
+            raise RefusionError(f"{self.path} cannot be read ({err.strerror}): the export's embedding table is "
+                                "missing; re-export it (an engines directory: rebuild it from the export).") from err
+        with file:
+            size = os.fstat(file.fileno()).st_size
+            if size != e.nbytes:  # an empty file cannot even be mapped
+                raise RefusionError(f"{self.path} holds {size} bytes; refusion.json's embeddings section says "
+                                    f"{e.nbytes} ({list(e.shape)} {e.dtype}): the export is damaged, re-export it.")
+            _drop_cached(file.fileno())
+            self._map = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
+        if hasattr(mmap, "MADV_RANDOM"):  # no readahead: a lookup reads its rows' pages, not their neighbours
+            self._map.madvise(mmap.MADV_RANDOM)
+        return np.frombuffer(self._map, dtype(e.dtype).numpy).reshape(e.shape)
 
     def gather(self, ids: np.ndarray) -> np.ndarray:
         """inputs_embeds for `ids` [batch, seq]: [batch, seq, hidden] in the export dtype, a fresh array."""

@@ -51,6 +51,8 @@ class Runner(ABC):
     # -- lifecycle -------------------------------------------------------------------
     def activate(self) -> None:
         if not self.is_active:
+            if self.embeddings is not None:
+                self.embeddings.load()  # a missing or damaged table refused before any device work
             self._activate()
             self.is_active = True
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import onnx
@@ -65,8 +66,8 @@ def test_cli_option_and_inspect(host, store, tmp_path):
     assert result.exit_code == 2 and "'device' is not one of 'graph', 'host'" in result.output
 
 
-def _damages() -> dict[str, object]:
-    def edit(key: str, value: object):
+def _damages() -> dict[str, Callable[[Path], None]]:
+    def edit(key: str, value: object) -> Callable[[Path], None]:
         def apply(d: Path) -> None:
             raw = json.loads((d / "refusion.json").read_text())
             raw["embeddings"][key] = value
@@ -92,7 +93,7 @@ def _damages() -> dict[str, object]:
 @pytest.mark.parametrize("damage", list(_damages()))
 def test_every_damage_to_the_table_is_one_refusion_error(host, tmp_path, damage):
     d = Path(shutil.copytree(host.path, tmp_path / "d"))
-    _damages()[damage](d)  # type: ignore[operator]
+    _damages()[damage](d)
     with pytest.raises(RefusionError), Generator.from_dir(d, backend="ort-cpu", threads=1, verify=True) as gen:
         gen.generate(prompt_ids=[5, 6, 7], gen_length=8, slot_size=4, serial_num_blocks=1)
     result = CliRunner().invoke(cli, ["check", str(d)])

@@ -146,3 +146,21 @@ def test_ids_outside_the_table_are_refused(tiny_host):
     vocab = manifest.vocab_size
     with pytest.raises(RefusionError, match=rf"token ids 3..{vocab} lie outside the embedding table's {vocab} rows"):
         table.gather(np.array([[3, vocab]]))
+
+
+@pytest.mark.parametrize("damage", ["missing", "empty", "short"])
+def test_an_engines_directory_with_a_damaged_table_is_refused(tiny_host, fakes, tmp_path, damage):
+    """The engines directory's copy is checked by size against refusion.json when the runner activates, an empty
+    file included (which cannot even be mapped): one RefusionError, before any device work."""
+    from refusion.runtime.core.errors import RefusionError
+
+    engines = fake_engines(tiny_host, tmp_path / "engines", LIMITS)
+    table = engines / "embeddings.bin"
+    if damage == "missing":
+        table.unlink()
+    else:
+        table.write_bytes(b"" if damage == "empty" else table.read_bytes()[:-8])
+    runner = TensorRTRunner.from_dir(engines)
+    with pytest.raises(RefusionError, match="embeddings.bin (cannot be read|holds)"):
+        runner.activate()
+    assert not runner.is_active and fakes[1].allocations == {}
