@@ -155,7 +155,7 @@ def _write_export(ckpt: Checkpoint, out: Path, dtype: str, logits: bool, candida
         table.close()
 
     specs = graph_specs(dims.num_layers, dims.kv_heads, dims.head_dim, dims.vocab_size, dtype, logits, candidates,
-                        dims.hidden_size if embeddings.on_host else None)
+                        embeddings.fed_hidden)
     for name in GRAPH_NAMES:
         model = build_graph(specs[name], dims, dtype, writer.initializers)
         onnx.save_model(model, out / ExportManifest.graph_files[name])

@@ -84,7 +84,8 @@ class _Builder:
 def build_graph(
     spec: GraphSpec, dims: ModelDims, dtype: str, initializers: dict[str, TensorProto]
 ) -> onnx.ModelProto:
-    """One graph of the contract: embed (or take the embedded rows), decoder layers with explicit KV, heads at the head positions."""
+    """One graph of the contract: embed (or take the rows fed), decoder layers with explicit KV, heads at the head
+    positions."""
     g = _Builder(initializers)
     onnx_dtype = core_dtype(dtype).onnx
     wants = {t.name for t in spec.outputs}

@@ -48,6 +48,11 @@ class Embeddings:
         return dtype(self.dtype).nbytes(self.shape[0] * self.shape[1]) if self.on_host else 0
 
     @property
+    def fed_hidden(self) -> int | None:
+        """The hidden size of the graphs' inputs_embeds (graph_specs' embeds_hidden): None where they gather."""
+        return self.shape[1] if self.on_host else None
+
+    @property
     def files(self) -> tuple[str, ...]:
         """The files of the section: the table's, on the host."""
         return (TABLE_FILE,) if self.on_host else ()

@@ -227,7 +227,7 @@ def _parse(path: Path, f: Fields) -> ExportManifest:
                      f"{INT4_OPSET} for an int4 export (INT4 and blocked DequantizeLinear)")
     graphs: dict[GraphName, GraphSpec] = {}
     expected = graph_specs(dims.num_layers, dims.kv_heads, dims.head_dim, vocab, export_dtype, logits, candidates,
-                           dims.hidden_size if embeddings.on_host else None)
+                           embeddings.fed_hidden)
     for name in GRAPH_NAMES:
         f.str(f"graphs.{name}.file", (ExportManifest.graph_files[name],))
         if f.positive_int(f"graphs.{name}.opset") != opset:

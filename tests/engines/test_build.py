@@ -53,3 +53,18 @@ def test_weak_typing_is_an_opt_in_tensorrt_11_refuses(exports, fakes, tmp_path, 
     with pytest.raises(RefusionError, match=r"--weakly-typed: TensorRT 11.1.0.3 builds strongly typed networks only"):
         build.build_engines(weak, force=True)
     build.build_engines(build.plan_build(exports["fp16"], tmp_path / "engines", LIMITS), force=True)
+
+
+def test_an_embeddings_host_export_plans_inputs_embeds_over_every_profile(checkpoint, fakes, tmp_path):
+    """The engine's 3-D inputs_embeds gets each profile's batch and seq ranges of input_ids, its hidden axis
+    fixed, from the contract like every input; the op check passes on a graph with no embedding Gather."""
+    from refusion.export.exporter import export_onnx
+
+    export = export_onnx(checkpoint, tmp_path / "host", dtype="fp16", embeddings="host", validate=False)
+    plan = build.plan_build(export, tmp_path / "engines", LIMITS)
+    spec = plan.export.graphs["infiller"]
+    hidden = plan.export.dims.hidden_size
+    assert spec.input("inputs_embeds").axes == ("batch", "seq", hidden)
+    for profile in plan.profiles:
+        shapes = profile.shapes(spec)
+        assert shapes["inputs_embeds"] == tuple((*ids, hidden) for ids in shapes["input_ids"]), profile.name

@@ -10,12 +10,13 @@ import pytest
 
 from refusion.export.compare import CaseRunner, ComparisonReport, Tolerance, cases, compare_runners, feed_shape
 from refusion.runtime.core.contract import GRAPH_NAMES
+from refusion.runtime.core.embeddings import Embeddings
 from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.decode import masks
 
 TOL = Tolerance(1e-4)
 MANIFEST = SimpleNamespace(path="tiny", dtype="float16", vocab_size=50, mask_token_id=49, num_layers=2, kv_heads=2,
-                           head_dim=4)
+                           head_dim=4, embeddings=Embeddings())
 
 
 def _report(*outputs: tuple[str, dict, dict], tol: Tolerance = TOL) -> ComparisonReport:

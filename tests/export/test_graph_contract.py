@@ -43,9 +43,8 @@ def export(request, store):
 def test_io_exactly_as_declared(export):
     manifest = ExportManifest.load(export.path)
     m = manifest.dims
-    hidden = m.hidden_size if manifest.embeddings.on_host else None
     declared = graph_specs(m.num_layers, m.kv_heads, m.head_dim, m.vocab_size, manifest.dtype, export.logits,
-                           embeds_hidden=hidden)
+                           embeds_hidden=manifest.embeddings.fed_hidden)
     for name in GRAPH_NAMES:
         graph = _load(export.path, name).graph
         assert manifest.graphs[name] == declared[name], "refusion.json disagrees with runtime.contract"

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from refusion.runtime.core.embeddings import Embeddings
 from refusion.runtime.core.export_manifest import ExportManifest
 from refusion.runtime.decode.steps import Tokens
 from refusion.runtime.generator import Generator
@@ -29,7 +30,8 @@ class TokenRunner(Runner):
 
     def __init__(self, regions: int = 2):
         self.max_requests = regions
-        super().__init__(SimpleNamespace(num_layers=1, kv_heads=1, head_dim=1, dtype="float32"))  # 8 B a token
+        super().__init__(SimpleNamespace(path=None, num_layers=1, kv_heads=1, head_dim=1, dtype="float32",  # 8 B a token
+                                         embeddings=Embeddings()))
         self.kv: list[np.ndarray] = [np.zeros(0) for _ in range(regions)]
 
     def prefill(self, region: int, ids: list[int]) -> None:
