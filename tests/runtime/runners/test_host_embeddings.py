@@ -114,7 +114,9 @@ def test_tokens_as_the_graph_export_of_a_test_checkpoint(peaky_export, tmp_path,
 def test_only_the_rows_looked_up_become_resident(tmp_path):
     """A tiny model with a 131,072-token vocabulary (a 32 MiB fp32 table): after AR and ReFusion generations the
     table's mapping holds about the pages of the rows fed, a small fraction of it. The bound is 16 pages a looked-up
-    page (the kernel's fault-around maps up to 16 cached neighbours), never the machine's speed."""
+    page (a filesystem whose cache cannot be dropped, tmpfs, lets the kernel's fault-around map up to 16 cached
+    neighbours; here, on ext4, it is 1.03 x), never the machine's speed. Without the drop of the cached pages this
+    fails here (a fault maps a whole large folio)."""
     if not Path("/proc/self/smaps").is_file():
         pytest.skip("needs Linux's /proc/self/smaps")
     from refusion.runtime.generator import Generator
@@ -132,7 +134,7 @@ def test_only_the_rows_looked_up_become_resident(tmp_path):
     least = row_pages(fed, rows.shape[1] * rows.itemsize)
     assert size >= rows.nbytes == 131_072 * 64 * 4
     assert least <= rss <= 16 * least, (rss, least, len(fed))
-    assert rss / rows.nbytes < 0.05, (rss, len(fed))
+    assert rss / rows.nbytes < 0.15, (rss, len(fed))  # 0.8% here (80 ids); 12.5% at the fault-around bound
 
 
 def test_ids_outside_the_table_are_refused(tiny_host):
