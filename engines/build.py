@@ -114,7 +114,7 @@ def plan_build(export_dir: str | Path, output: str | Path, limits: DecodeLimits,
             f"{export.path} holds int4 weights ({export.precision}) with fp32 activations; TensorRT documents INT4 "
             "only as weight-only W4A16 (fp16/bf16 activations), so an fp32 engine would dequantize every weight "
             "to fp32 (8x their bytes) or run no documented kernel. Re-export with `refusion-export onnx CHECKPOINT "
-            f"--dtype fp16 --quantize {export.quantization.method} --block-size {export.quantization.block_size} "
+            f"--dtype fp16 {export.quantization.flags()} "
             "--output DIR` and build from DIR (onnxruntime runs this export as it is)."
         )
     if workspace_gib is not None and workspace_gib <= 0:

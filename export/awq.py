@@ -9,7 +9,9 @@ input by s, folded into the op that produces it, which keeps the float model's f
     post_attention_layernorm / s  ->  gate, up rows x s
     up_proj columns / s           ->  down_proj rows x s  (silu(gate) * up is linear in up)
 
-so no Mul is added to the graphs. With grouped-query attention one v channel feeds `rep` o_proj
+so no Mul is added to the graphs. An int4 lm_head (`--quantize-head`) pairs the same way with the
+final norm (model.norm.weight / s -> lm_head rows x s), searched on the last layer's outputs after
+that norm. With grouped-query attention one v channel feeds `rep` o_proj
 input channels, so the v -> o scale is tied across each group (llm-awq skips this pair then).
 Per pair, s = mean|x| ** alpha (normalised), alpha on a grid of 20 in [0, 1), chosen to minimise
 the squared output error of the round-to-nearest linears on the calibration activations; then
@@ -108,9 +110,10 @@ def clip(w: torch.Tensor, limit: torch.Tensor, block: int) -> torch.Tensor:
     return torch.maximum(torch.minimum(w, bound), -bound)
 
 
-def awq_tensors(ckpt: Checkpoint, prompts: list[list[int]], block: int,
-                progress: Progress) -> Iterator[tuple[str, torch.Tensor]]:
-    """The checkpoint's tensors (HF layout, weight-file order) with every decoder layer rewritten by AWQ."""
+def awq_tensors(ckpt: Checkpoint, prompts: list[list[int]], block: int, progress: Progress,
+                head: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors (HF layout, weight-file order) with every decoder layer rewritten by AWQ,
+    and with `head` the lm_head too (with the final norm it scales against)."""
     dims = ckpt.dims
     names = list(expected_weights(dims))
     (embed_name, embed), = ckpt.tensors(["model.embed_tokens.weight"])
@@ -127,8 +130,36 @@ def awq_tensors(ckpt: Checkpoint, prompts: list[list[int]], block: int,
         line(progress, f"awq: layer {i + 1}/{dims.num_layers} rewritten (alpha qkv {alphas[0]:.2f}, "
                        f"vo {alphas[1]:.2f}, gate/up {alphas[2]:.2f}, down {alphas[3]:.2f})",
              "awq", i + 1, dims.num_layers, "layer")
+    rest = [n for n in names if not n.startswith("model.layers.") and n != embed_name]  # the final norm, lm_head
+    if not head:
+        del hidden
+        yield from ckpt.tensors(rest)
+        return
+    tensors = {n: t.float() for n, t in ckpt.tensors(rest)}
+    alpha = rewrite_head(tensors, head_inputs(hidden, tensors[NORM], dims.rms_norm_eps), block)
     del hidden
-    yield from ckpt.tensors([n for n in names if not n.startswith("model.layers.") and n != embed_name])
+    yield from tensors.items()
+    line(progress, f"awq: lm_head rewritten (alpha {alpha:.2f})")
+
+
+NORM, HEAD = "model.norm.weight", "lm_head.weight"
+
+
+def head_inputs(hidden: list[torch.Tensor], norm: torch.Tensor, eps: float) -> torch.Tensor:
+    """What lm_head reads: the last layer's outputs [1, s, hidden] per prompt after the final RMSNorm, [tokens, hidden]."""
+    x = torch.cat([h.reshape(-1, h.shape[-1]) for h in hidden]).float()
+    return norm.float() * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def rewrite_head(t: dict[str, torch.Tensor], x: torch.Tensor, block: int) -> float:
+    """Scale lm_head's rows against its input x [tokens, hidden] (1/s folded into the final norm's weight), then
+    clip its blocks, in place (HF layout); returns alpha."""
+    s, alpha = search_scale(x, [t[HEAD].T], block)
+    t[NORM] = t[NORM] / s
+    w = t[HEAD].T * s[:, None]
+    x = x / s
+    t[HEAD] = clip(w, search_clip(x, w, block), block).T.contiguous()
+    return alpha
 
 
 def _run_layer(dims: ModelDims, tensors: dict[str, torch.Tensor], prefix: str,

@@ -36,8 +36,8 @@ from refusion.runtime.core.quantization import (
     Quantization,
     block_problem,
     input_sizes,
-    is_quantized_weight,
     scale_name,
+    tied_head_problem,
 )
 
 if TYPE_CHECKING:
@@ -59,6 +59,7 @@ class QuantizeOptions:
     block_size: int | None = None  # None: the largest of TESTED_BLOCKS that divides the model (default_block)
     calibration: Path | None = None  # int4-awq: a text file, one prompt per line; None: the built-in set
     calibration_samples: int | None = None  # the first N prompts; None: export/calibration.py's default
+    head: bool = False  # --quantize-head: lm_head int4 too (untied heads only)
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,8 @@ def plan_quantization(options: QuantizeOptions, ckpt: Checkpoint, export_dtype: 
             f"--quantize {options.method} with --dtype {dtype(export_dtype).flag} is not supported: "
             "onnxruntime's CPU provider runs no bfloat16 MatMul (so the export cannot be validated) and TensorRT "
             "documents fp32 and fp16 scales only; use --dtype fp16 (TensorRT) or fp32.")
+    if options.head and ckpt.dims.tie_word_embeddings:
+        raise RefusionError(f"--quantize-head: {tied_head_problem()}.")
     block = default_block(ckpt.dims, progress) if options.block_size is None else options.block_size
     problem = block_problem(ckpt.dims, block)
     if problem:
@@ -90,11 +93,11 @@ def plan_quantization(options: QuantizeOptions, ckpt: Checkpoint, export_dtype: 
         if options.calibration is not None or options.calibration_samples is not None:
             raise RefusionError(f"--calibration and --calibration-samples apply to "
                                 f"{', '.join(CALIBRATED)} only, not {options.method}; drop them.")
-        return QuantPlan(Quantization(options.method, block), [])
+        return QuantPlan(Quantization(options.method, block, head=options.head), [])
     from refusion.export.calibration import calibration_set
 
     prompts, sha = calibration_set(ckpt, options.calibration, options.calibration_samples, progress)
-    return QuantPlan(Quantization(options.method, block, len(prompts), sha), prompts)
+    return QuantPlan(Quantization(options.method, block, len(prompts), sha, options.head), prompts)
 
 
 def default_block(dims: ModelDims, progress: Progress) -> int:
@@ -118,7 +121,7 @@ def float_tensors(ckpt: Checkpoint, plan: QuantPlan | None, progress: Progress) 
         return ckpt.tensors(list(expected_weights(ckpt.dims)))
     from refusion.export.awq import awq_tensors
 
-    return awq_tensors(ckpt, plan.prompts, plan.quantization.block_size, progress)
+    return awq_tensors(ckpt, plan.prompts, plan.quantization.block_size, progress, plan.quantization.head)
 
 
 def write_weight(writer: WeightsWriter, name: str, tensor: torch.Tensor,
@@ -126,7 +129,7 @@ def write_weight(writer: WeightsWriter, name: str, tensor: torch.Tensor,
     """Write one checkpoint tensor (HF layout; linear weights become [in, out]); a quantized one as
     int4 plus its scales. Returns the initializers written."""
     t = tensor.T if is_linear_weight(name) else tensor
-    if quantization is None or not is_quantized_weight(name):
+    if quantization is None or not quantization.quantizes(name):
         return [writer.add(name, t)]
     q, scale = rtn(t, quantization.block_size, writer.torch_dtype)
     return [writer.add_packed(name, pack_int4(q.numpy()), "int4", tuple(t.shape)),

@@ -66,14 +66,17 @@ def _need_export_extra() -> None:
 @click.option("--block-size", type=int, default=None,
               help="With --quantize: input rows per int4 scale, a power of two >= 16 dividing every linear's input "
                    "[default: 128, else 64: the largest TensorRT documents that divides the model].")
+@click.option("--quantize-head", is_flag=True,
+              help="With --quantize: lm_head int4 too (an untied head only; a tied one is the embedding table).")
 @click.option("--calibration", type=click.Path(path_type=Path), default=None,
               help="With int4-awq: a text file, one prompt per line [default: the built-in set].")
 @click.option("--calibration-samples", type=int, default=None,
               help="With int4-awq: use the first N calibration prompts [default: 64].")
 @quiet_option
 def onnx_command(checkpoint: str, revision: str | None, output: Path, dtype: str, force: bool, logits: bool,
-                 candidates: int, embeddings: str, mask_token_id: int | None, validate: bool, quantize: str | None, block_size: int | None,
-                 calibration: Path | None, calibration_samples: int | None) -> None:
+                 candidates: int, embeddings: str, mask_token_id: int | None, validate: bool, quantize: str | None,
+                 block_size: int | None, quantize_head: bool, calibration: Path | None,
+                 calibration_samples: int | None) -> None:
     """Export CHECKPOINT to planner/infiller ONNX graphs. CHECKPOINT is a Qwen3/ReFusion directory in the
     Hugging Face layout, or a model id ORG/NAME fetched from the hub into its cache (HF_HOME; offline with
     HF_HUB_OFFLINE=1); a local directory of that name wins."""
@@ -83,12 +86,15 @@ def onnx_command(checkpoint: str, revision: str | None, output: Path, dtype: str
     from refusion.export.quantize import QuantizeOptions
 
     t0 = time.perf_counter()
-    if quantize is None and (block_size, calibration, calibration_samples) != (None, None, None):
-        raise RefusionError("--block-size, --calibration and --calibration-samples need --quantize int4-rtn|int4-awq.")
-    options = QuantizeOptions(quantize, block_size, calibration, calibration_samples) if quantize else None
+    if quantize is None and ((block_size, calibration, calibration_samples) != (None, None, None) or quantize_head):
+        raise RefusionError("--block-size, --quantize-head, --calibration and --calibration-samples need "
+                            "--quantize int4-rtn|int4-awq.")
+    options = (QuantizeOptions(quantize, block_size, calibration, calibration_samples, quantize_head)
+               if quantize else None)
     path = resolve_checkpoint(checkpoint, revision, progress)  # after the flags are checked: it may download
     block = f" block {block_size}" if block_size else ""  # left out: the exporter says which it takes
-    what = (f"{dtype}{f', {quantize}{block}' if options else ''}{', with logits' if logits else ''}"
+    head = ", int4 lm_head" if quantize_head else ""
+    what = (f"{dtype}{f', {quantize}{block}{head}' if options else ''}{', with logits' if logits else ''}"
             f"{', embeddings on the host' if embeddings == 'host' else ''}")
     progress(f"exporting {path} -> {output} ({what})")
     out = export_onnx(path, output, dtype=dtype, logits=logits, mask_token_id=mask_token_id,
@@ -183,7 +189,8 @@ def _quantization(q: Quantization | None) -> str:
 
     calibration = (f"  calibration={q.calibration_samples} prompts sha256:{q.calibration_sha256}"
                    if q.calibration_sha256 else "")
-    return (f"{q.method}  bits={q.bits}  block_size={q.block_size}{calibration}  onnxruntime accuracy_level="
+    return (f"{q.method}  bits={q.bits}  block_size={q.block_size}  lm_head={'int4' if q.head else 'float'}"
+            f"{calibration}  onnxruntime accuracy_level="
             f"{RUNTIME_ACCURACY_LEVEL} (runners), {EXACT_ACCURACY_LEVEL} (check)")
 
 

@@ -107,9 +107,10 @@ class ExportManifest:
 
     @property
     def precision(self) -> str:
-        """The dtype, and the int4 quantization of an int4 export: "float32, int4-awq block 64"."""
+        """The dtype, and the int4 quantization of an int4 export: "float32, int4-awq block 64" (", int4 lm_head"
+        when the head is int4 too)."""
         q = self.quantization
-        return f"{self.dtype}, {q.method} block {q.block_size}" if q else self.dtype
+        return f"{self.dtype}, {q.method} block {q.block_size}{', int4 lm_head' if q.head else ''}" if q else self.dtype
 
     def graph_path(self, name: GraphName) -> Path:
         return self.path / self.graph_files[name]
@@ -313,8 +314,9 @@ def _read_spec(f: Fields, name: GraphName, expected: GraphSpec) -> GraphSpec:
 def _read_weights(f: Fields, dims: ModelDims, export_dtype: str, quantization: Quantization | None,
                   embeddings: Embeddings) -> dict[str, WeightEntry]:
     """The index must hold exactly the tensors the dims and the quantization imply: in the export dtype,
-    linear ones [in, out]; in an int4 export the decoder layers' linear weights int4, each with its
-    scales [K / block_size, N]; the embedding only where the graphs hold it."""
+    linear ones [in, out]; in an int4 export the decoder layers' linear weights (and lm_head with
+    quantization.head) int4, each with its scales [K / block_size, N]; the embedding only where the graphs
+    hold it."""
     tensors = f.object("weights.tensors")
     expected = graph_weights(weight_index(dims, export_dtype, quantization), embeddings)
     missing = [n for n in expected if n not in tensors]
@@ -322,6 +324,7 @@ def _read_weights(f: Fields, dims: ModelDims, export_dtype: str, quantization: Q
     if missing or extra:
         what = f"lacks {missing[0]!r}" if missing else f"has unexpected {extra[0]!r}"
         kind = f", {quantization.method} block {quantization.block_size}" if quantization else ""
+        kind += ", int4 lm_head" if quantization and quantization.head else ""
         raise RefusionError(f"{f.file}: field weights.tensors {what} for a {dims.num_layers}-layer model "
                             f"(tie_word_embeddings={dims.tie_word_embeddings}{kind}); {REEXPORT}.")
     block = f" and block_size {quantization.block_size}" if quantization else ""

@@ -152,7 +152,7 @@ def test_torch_reads_the_scales_the_graphs_read(rtn, tmp_path):
 
 def test_manifest_records_the_quantization(rtn, awq_export):
     raw = json.loads((rtn / "refusion.json").read_text())
-    assert raw["quantization"] == {"method": "int4-rtn", "bits": 4, "block_size": 32, "calibration": None}
+    assert raw["quantization"] == {"method": "int4-rtn", "bits": 4, "block_size": 32, "head": False, "calibration": None}
     assert raw["graphs"]["planner"]["opset"] == 21
     tensors = raw["weights"]["tensors"]
     q = tensors["model.layers.0.self_attn.q_proj.weight"]
@@ -342,5 +342,5 @@ def test_cli_refuses_calibration_options_without_quantize(store, tmp_path):
     result = CliRunner().invoke(cli, ["onnx", str(store.checkpoint("gqa2")), "-o", str(tmp_path / "x"),
                                       "--block-size", "64"])
     assert result.exit_code == 1
-    assert "--block-size, --calibration and --calibration-samples need --quantize" in result.stderr
+    assert "--block-size, --quantize-head, --calibration and --calibration-samples need --quantize" in result.stderr
     assert not (tmp_path / "x").exists()
