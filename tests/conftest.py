@@ -59,6 +59,16 @@ def peaky_int4(peaky_export) -> dict[int, Path]:
                            quantize=QuantizeOptions("int4-rtn", b)) for b in (32, 64)}
 
 
+@pytest.fixture(scope="session")
+def peaky_int4_head(peaky_export) -> Path:
+    """The peaky model as int4-rtn block 64 with its lm_head int4 too (--quantize-head), fp16 graphs."""
+    from refusion.export.exporter import export_onnx
+    from refusion.export.quantize import QuantizeOptions
+
+    return export_onnx(peaky_export.parent / "ckpt0", peaky_export.parent / "int4-head", dtype="fp16", validate=False,
+                       quantize=QuantizeOptions("int4-rtn", 64, head=True))
+
+
 @pytest.fixture
 def fakes(monkeypatch) -> tuple[FakeTensorRT, FakeCudart]:
     """Install the fakes where the code imports tensorrt and cuda-python from."""

@@ -48,6 +48,11 @@ def test_int4_with_fp32_activations_is_refused_with_the_reason(peaky_export, tmp
                                             r"TensorRT documents INT4 only as weight-only W4A16.*--dtype fp16 "
                                             r"--quantize int4-rtn --block-size 64"):
         plan_build(fp32, tmp_path / "engines", LIMITS)
+    head = export_onnx(peaky_export.parent / "ckpt0", tmp_path / "int4-head-fp32", validate=False,
+                       quantize=QuantizeOptions("int4-rtn", 64, head=True))
+    with pytest.raises(RefusionError, match=r"\(float32, int4-rtn block 64, int4 lm_head\) with fp32 activations.*"
+                                            r"--dtype fp16 --quantize int4-rtn --block-size 64 --quantize-head "):
+        plan_build(head, tmp_path / "engines", LIMITS)
 
 
 def test_rebuild_command_carries_every_choice(exports, tmp_path):
@@ -128,6 +133,21 @@ def test_fp32_island_is_what_the_export_keeps_in_fp32(exports):
                       if n.op_type == "MatMul" and any(i.endswith("_proj.weight") for i in n.input)]
     assert weight_matmuls and not island & set(weight_matmuls)
     assert fp32_island(onnx.load(str(exports["fp32"] / "infiller.onnx"), load_external_data=False)) == set()
+
+
+def test_an_int4_head_stays_out_of_the_island_and_its_argmax_and_topk_in(peaky_int4_head):
+    """With --quantize-head the logits MatMul reads a DequantizeLinear of fp16 scales: both stay half precision
+    (TensorRT's W4A16 GEMM), and the Cast to fp32 after them starts the island that holds ArgMax and TopK."""
+    model = onnx.load(str(peaky_int4_head / "infiller.onnx"), load_external_data=False)
+    island = fp32_island(model)
+    (dq,) = [n for n in model.graph.node if n.op_type == "DequantizeLinear" and n.input[0] == "lm_head.weight"]
+    (matmul,) = [n for n in model.graph.node if dq.output[0] in n.input]
+    (cast,) = [n for n in model.graph.node if matmul.output[0] in n.input]
+    assert matmul.op_type == "MatMul" and cast.op_type == "Cast"
+    assert dq.name not in island and matmul.name not in island and cast.name in island
+    ops = {n.name: n.op_type for n in model.graph.node}
+    assert {"ArgMax", "TopK", "Softmax"} <= {ops[n] for n in island}
+    assert not any(ops[n] == "DequantizeLinear" for n in island)
 
 
 def test_a_node_with_fp32_and_integer_outputs_is_in_the_island():
@@ -249,14 +269,15 @@ def _parsed(model, trt):
     return layers, constants
 
 
-@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("dtype", ["fp16", "bf16", "int4-head"])
 @pytest.mark.parametrize("graph", ["planner", "infiller"])
-def test_every_constant_feeding_the_fp32_island_is_pinned(exports, fakes, dtype, graph):
+def test_every_constant_feeding_the_fp32_island_is_pinned(exports, peaky_int4_head, fakes, dtype, graph):
     """On the parse of a real export: each float initializer an fp32 node reads (inv_freq, the
     RMSNorm epsilon and exponent, the attention scale, the mask bias) is a constant pinned to fp32,
-    as is each broadcast between; the half weights are left to the builder."""
+    as is each broadcast between; the half weights are left to the builder, the int4 head's fp16 scales too."""
     trt, _ = fakes
-    model = onnx.load(str(exports[dtype] / f"{graph}.onnx"), load_external_data=False)
+    export = peaky_int4_head if dtype == "int4-head" else exports[dtype]
+    model = onnx.load(str(export / f"{graph}.onnx"), load_external_data=False)
     island = fp32_island(model)
     layers, constants = _parsed(model, trt)
     keep_fp32(_network(layers), island)
@@ -288,6 +309,9 @@ def test_every_constant_feeding_the_fp32_island_is_pinned(exports, fakes, dtype,
     # the mask bias's Where (its bool mask beside fp32 values) and ArgMax over the fp32 logits compute in fp32
     ops = {n.name: n.op_type for n in model.graph.node}
     assert {"Where", "ArgMax"} <= {ops.get(layer.name) for layer in layers if layer.precision is trt.float32}
+    if dtype == "int4-head":
+        scale = constants["lm_head.weight_scale"]
+        assert scale.dtype is trt.float16 and producer[scale.name].output_types == {}
 
 
 def test_progress_lines(fakes):

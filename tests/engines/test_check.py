@@ -122,3 +122,11 @@ def test_fp32_engines_are_compared_with_an_fp32_reference(monkeypatch):
     assert check.reference_providers("float32") == [("CUDAExecutionProvider", {"use_tf32": "0"}),
                                                     "CPUExecutionProvider"]
     assert check.reference_providers("float16") == ["CUDAExecutionProvider", "CPUExecutionProvider"]
+
+
+def test_check_passes_on_an_int4_head_engine(peaky_int4_head, fakes, tmp_path):
+    """An export with an int4 lm_head (--quantize-head): its engine's heads match onnxruntime on the shared cases."""
+    lines: list[str] = []
+    assert check.check_engines(fake_engines(peaky_int4_head, tmp_path / "engines"), report=lines.append)
+    assert "  result: PASS" in lines
+    assert any(line.startswith("  infiller argmax_ids") and line.endswith("ok") for line in lines)

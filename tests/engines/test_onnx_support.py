@@ -61,8 +61,9 @@ def test_require_supported_names_the_node_and_the_source(exports, tmp_path, monk
     assert onnx.load(str(exports["fp32"] / "planner.onnx"), load_external_data=False)
 
 
-def test_int4_exports_with_documented_blocks_are_supported(peaky_int4):
+def test_int4_exports_with_documented_blocks_are_supported(peaky_int4, peaky_int4_head):
     assert check_export(peaky_int4[64]) == []
+    assert check_export(peaky_int4_head) == []  # the logits MatMul reads an INT4 DequantizeLinear too
     findings = check_export(peaky_int4[32])
     assert findings and all("blocked along axis 0 by 32" in str(f) and "--block-size 128" in str(f) for f in findings)
     with pytest.raises(RefusionError, match=r"blocks of 64 or 128 along axis 0"):

@@ -2,7 +2,8 @@
 
     python -m refusion.tools.checks.gpu [--workdir DIR] [--weakly-typed]
 
-On a fixture checkpoint (tools/checks/fixtures) exported fp16, fp32 and int4 it builds engines and checks,
+On a fixture checkpoint (tools/checks/fixtures) exported fp16, fp32, int4 and int4 with an int4 lm_head
+(`--quantize-head`: the logits MatMul reads a DequantizeLinear) it builds engines and checks,
 one PASS/FAIL line each, exit 0 only if all pass: no weight converted between types in TensorRT's build log
 (each build's own log: Polygraphy logs a warning once per process); the fp32 islands' layers in fp32, as
 the engine inspector reports them; one engine whose profiles serve both roles; the engine against
@@ -11,7 +12,7 @@ onnxruntime on the comparator's shared cases, and against the fp32 export at the
 alone and with requests batched (--max-batch 4, on TensorRT and on onnxruntime CUDA); per-forward latency.
 The fp16 engine is built strongly typed (the default; --weakly-typed for the other), then in the other
 typing mode for the build-log, island and comparator checks; the fp32 engine is compared with onnxruntime
-with TF32 off; the int4 engine gets the fp16 engine's checks; the engine of an fp16 export with its embedding
+with TF32 off; each int4 engine gets the fp16 engine's checks; the engine of an fp16 export with its embedding
 table on the host (inputs_embeds) gets them too, and generates the fp16 engine's tokens. The fixture's KV (256 bytes per token and
 layer) is aligned, so present KV is written straight into the cache, as for real models.
 """
@@ -39,6 +40,7 @@ WEIGHT_CONVERSION = "converting weights between types"  # TensorRT's warning, e.
 DECODES = ((64, 8, 2, 0.9, 0.4), (32, 4, 4, 0.0, 0.0), (64, 8, 4, 0.2, 0.7))
 PROMPTS = ([5, 17, 42, 99, 7, 3, 12], list(range(40, 88)))
 INT4_BLOCK = 64  # a block size TensorRT documents for INT4 weights (64, 128) that divides the fixture's dims
+INT4_EXPORTS = {"int4": False, "int4-head": True}  # name -> the lm_head int4 too
 
 
 def line(ok: bool, what: str) -> bool:
@@ -46,9 +48,10 @@ def line(ok: bool, what: str) -> bool:
     return ok
 
 
-def fixture(work: Path) -> tuple[Path, Path, Path, Path]:
-    """The fixture checkpoint's fp16, fp32 and int4 (fp16 scales) exports, and fp16 with its embedding table on
-    the host (--embeddings host)."""
+def fixture(work: Path) -> tuple[Path, Path, dict[str, Path], Path]:
+    """The fixture checkpoint's fp16 and fp32 exports, its int4 ones (fp16 scales) by name: the layers'
+    linears int4 ("int4"), and the lm_head too ("int4-head"), and fp16 with its embedding table on the host
+    (--embeddings host)."""
     from refusion.export.exporter import export_onnx
     from refusion.export.quantize import QuantizeOptions
     from refusion.tools.checks.fixtures.checkpoints import TinySpec, make_checkpoint
@@ -58,8 +61,9 @@ def fixture(work: Path) -> tuple[Path, Path, Path, Path]:
     ckpt = make_checkpoint(work / "ckpt", spec)
     return (export_onnx(ckpt, work / "onnx-fp16", dtype="fp16", force=True, progress=print),
             export_onnx(ckpt, work / "onnx-fp32", dtype="fp32", force=True, progress=print),
-            export_onnx(ckpt, work / "onnx-int4", dtype="fp16", force=True, progress=print,
-                        quantize=QuantizeOptions("int4-rtn", INT4_BLOCK)),
+            {name: export_onnx(ckpt, work / f"onnx-{name}", dtype="fp16", force=True, progress=print,
+                               quantize=QuantizeOptions("int4-rtn", INT4_BLOCK, head=head))
+             for name, head in INT4_EXPORTS.items()},
             export_onnx(ckpt, work / "onnx-fp16-host", dtype="fp16", force=True, progress=print, embeddings="host"))
 
 
@@ -398,7 +402,7 @@ def main() -> int:
     from refusion.engines.check import check_engines
 
     strongly = not args.weakly_typed
-    export, export32, export4, export_host = fixture(work)
+    export, export32, int4, export_host = fixture(work)
     engines, ok = built(export, work, strongly, "engines")
     ok &= one_engine(export, engines)
     ok &= line(check_engines(engines), "TensorRT fp16 engines vs onnxruntime (comparator)")
@@ -409,11 +413,14 @@ def main() -> int:
     ok &= other_typing(export, work, not strongly)
     engines32, _ = build(export32, work, True, "engines-fp32")
     ok &= line(check_engines(engines32), "TensorRT fp32 engines vs onnxruntime with TF32 off (comparator)")
-    engines4, good = built(export4, work, strongly, "engines-int4")
-    ok &= good & one_engine(export4, engines4)
-    ok &= line(check_engines(engines4), f"TensorRT int4 (block {INT4_BLOCK}) engine vs onnxruntime (comparator)")
-    ok &= parity(export4, engines4)
-    latency(engines4)
+    for name, export4 in int4.items():
+        engines4, good = built(export4, work, strongly, f"engines-{name}")
+        ok &= good & one_engine(export4, engines4)
+        head = ", int4 lm_head" if INT4_EXPORTS[name] else ""
+        ok &= line(check_engines(engines4), f"TensorRT int4 (block {INT4_BLOCK}{head}) engine vs onnxruntime "
+                                            "(comparator)")
+        ok &= parity(export4, engines4)
+        latency(engines4)
     engines_host, good = built(export_host, work, strongly, "engines-host")  # inputs_embeds, the table on the host
     ok &= good & one_engine(export_host, engines_host)
     ok &= line(check_engines(engines_host), "TensorRT fp16 engine, embeddings host, vs onnxruntime (comparator)")

@@ -68,14 +68,15 @@ def test_decode_parity_with_the_ort_runner(peaky_export, fakes, tmp_path):
     assert cudart.allocations == {}
 
 
-def test_int4_engine_decodes_as_the_ort_runner(peaky_int4, fakes, tmp_path, monkeypatch):
-    """An int4 export (block 64) builds (plan and op check) and its engine decodes token for token as the ORT
-    Runner, both computing fp32 over the dequantized weights (the fake as TensorRT's float GEMM does; the ORT
-    Runner's int8-activation level is gpu_check's comparison, not an identity)."""
+@pytest.mark.parametrize("head", [False, True], ids=["float-head", "int4-head"])
+def test_int4_engine_decodes_as_the_ort_runner(peaky_int4, peaky_int4_head, fakes, tmp_path, monkeypatch, head):
+    """An int4 export (block 64; with --quantize-head the lm_head too) builds (plan and op check) and its engine
+    decodes token for token as the ORT Runner, both computing fp32 over the dequantized weights (the fake as
+    TensorRT's float GEMM does; the ORT Runner's int8-activation level is gpu_check's comparison, not an identity)."""
     from refusion.runtime.runners import ort_session
 
     monkeypatch.setattr(ort_session, "RUNTIME_ACCURACY_LEVEL", ort_session.EXACT_ACCURACY_LEVEL)
-    export = peaky_int4[64]
+    export = peaky_int4_head if head else peaky_int4[64]
     engines = fake_engines(export, tmp_path / "engines")
     ort = OrtRunner(ExportManifest.load(export), threads=1)
     with TensorRTRunner.from_dir(engines) as trt, ort:

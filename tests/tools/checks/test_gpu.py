@@ -104,11 +104,14 @@ def test_one_engine_for_both_roles(exports, fakes, tmp_path, capsys):
     assert not gpu_check.one_engine(exports["fp16"], engines)
 
 
-def test_int4_parity_runs_at_the_exact_accuracy_level(peaky_int4, fakes, tmp_path, capsys):
-    """The int4 half of the check on the fakes: the int4 engine generates the onnxruntime Runner's tokens."""
+@pytest.mark.parametrize("head", [False, True], ids=["float-head", "int4-head"])
+def test_int4_parity_runs_at_the_exact_accuracy_level(peaky_int4, peaky_int4_head, fakes, tmp_path, capsys, head):
+    """The int4 half of the check on the fakes: the int4 engine (with an int4 lm_head too) generates the
+    onnxruntime Runner's tokens."""
     limits = DecodeLimits(max_prompt=64, gen_length=128, slot_size=8, serial_blocks=2)
-    engines = fake_engines(peaky_int4[gpu_check.INT4_BLOCK], tmp_path / "engines", limits)
-    assert gpu_check.parity(peaky_int4[gpu_check.INT4_BLOCK], engines)
+    export = peaky_int4_head if head else peaky_int4[gpu_check.INT4_BLOCK]
+    engines = fake_engines(export, tmp_path / "engines", limits)
+    assert gpu_check.parity(export, engines)
     out = capsys.readouterr().out
     assert out.count("PASS: generation parity") == len(gpu_check.PROMPTS) * (len(gpu_check.DECODES) + 1)
 
@@ -153,7 +156,9 @@ def test_the_whole_check_runs_on_the_fakes(fakes, tmp_path, monkeypatch, capsys)
                   "generation parity", "TensorRT: 8 requests together", "engines-weak (weakly typed)",
                   "fp32 islands (engines-weak)", "TensorRT fp16 engines, weakly typed, vs onnxruntime",
                   "TensorRT fp32 engines vs onnxruntime with TF32 off", "engines-int4 (strongly typed)",
-                  "fp32 islands (engines-int4)", "TensorRT int4 (block 64) engine", "engines-host (strongly typed)",
-                  "fp32 islands (engines-host)", "TensorRT fp16 engine, embeddings host, vs onnxruntime",
+                  "fp32 islands (engines-int4)", "TensorRT int4 (block 64) engine", "engines-int4-head (strongly typed)",
+                  "fp32 islands (engines-int4-head)", "TensorRT int4 (block 64, int4 lm_head) engine",
+                  "engines-host (strongly typed)", "fp32 islands (engines-host)",
+                  "TensorRT fp16 engine, embeddings host, vs onnxruntime",
                   "embeddings host: 8 generations token-identical to the graph-embedding engine's"):
         assert f"PASS: {check}" in out, check
