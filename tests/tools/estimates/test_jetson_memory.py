@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
+
 import pytest
 
 from refusion.runtime.core.export_manifest import ExportManifest
@@ -41,10 +44,55 @@ def test_memory_of_a_tiny_export(tiny, capsys):
     assert jetson_memory.main([str(tiny), "--max-prompt", "16", "--gen-length", "64", "--slot-size", "4",
                                "--serial-blocks", "2", "--block-size", "32"]) == 0
     out = capsys.readouterr().out
-    assert "| fp16 | 0.00 GiB (0.00 GB) |" in out and out.count("fits (+61.0)") == 2
+    assert "| fp16 | 0.00 GiB (0.00 GB) | in the engine |" in out and out.count("fits (+61.0)") == 6
+
+
+def test_int4_head_and_host_embeddings_of_a_tiny_export(tiny, tmp_path):
+    rows = jetson_memory.memory(ExportManifest.read(tiny).dims, LIMITS, 32, heads=(False, True), host=(False, True))
+    by = {(m.precision, m.host_embeddings): m for m in rows}
+    assert len(rows) == 6
+    int4, head = by["int4-awq block 32", False], by["int4-awq block 32, int4 lm_head", False]
+    # the int4 head: 64 x 384 values two a byte, scales [64 / 32, 384] fp16, instead of 64 x 384 fp16
+    assert head.weights == int4.weights - 49152 + 64 * 384 // 2 + 2 * 384 * 2 == 98304
+    # on the host the engine holds all but the 384 x 64 fp16 table; resident: 112 rows (the KV capacity) of
+    # 128 bytes, a page each, is more than the 49152-byte table, so the table; plus inputs_embeds at the
+    # prefill's 48 tokens x 128 bytes
+    host = by["int4-awq block 32", True]
+    assert (host.weights, host.embeddings) == (int4.weights - 49152, 49152 + 48 * 128)
+    assert host.total == int4.total - 49152 + 49152 + 48 * 128
+    assert by["fp16", True].weights == by["fp16", False].weights - 49152
+    assert jetson_memory.main([str(tiny), "--max-prompt", "16", "--gen-length", "64", "--slot-size", "4",
+                               "--serial-blocks", "2", "--block-size", "32", "--head", "int4", "--embeddings", "host",
+                               "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "jetson.json").read_text())
+    assert [(r["precision"], r["host_embeddings"]) for r in report["rows"]] == [
+        ("fp16", True), ("int4-awq block 32, int4 lm_head", True)]
+    assert report["rows"][1]["weights"] == head.weights - 49152
+    assert "only the rows looked up" in (tmp_path / "jetson.md").read_text()
+
+
+def test_a_tied_head_stays_in_the_engine():
+    """A tied head is the embedding table: neither an int4 head nor the table out of the engine applies."""
+    tied = dataclasses.replace(jetson_memory.REFUSION_8B, tie_word_embeddings=True)
+    rows = jetson_memory.memory(tied, DecodeLimits(), 128, heads=(False, True), host=(False, True))
+    assert [(m.precision, m.host_embeddings, m.embeddings) for m in rows] == [
+        ("fp16", False, 0), ("fp16", False, 0), ("int4-awq block 128", False, 0), ("int4-awq block 128", False, 0)]
 
 
 def test_refusion_8b_int4_weights_fit_the_target():
     fp16, int4 = jetson_memory.memory(jetson_memory.REFUSION_8B, DecodeLimits(), 128)
     assert int4.weights / 2**30 <= 6 < fp16.weights / 2**30
     assert int4.kv == 2688 * 36 * 2 * 8 * 128 * 2
+
+
+def test_refusion_8b_int4_on_an_orin_nano_fits_with_the_embeddings_on_the_host():
+    """Issue 22's target at --max-prompt 512 --gen-length 256 with the 3 GiB headroom: int4 fits with the table on
+    the host (with or without the int4 head, which adds margin), not with it in the engine."""
+    rows = jetson_memory.memory(jetson_memory.REFUSION_8B, DecodeLimits(max_prompt=512, gen_length=256), 128,
+                                heads=(False, True), host=(False, True))
+    fits = {(m.precision.endswith("int4 lm_head"), m.host_embeddings): m.total / 2**30 + 3 <= 8
+            for m in rows if m.precision != "fp16"}
+    assert fits == {(False, False): False, (False, True): True, (True, False): False, (True, True): True}
+    # the table's resident pages: 832 rows (KV capacity) x 8 KiB, plus inputs_embeds at the prefill's 576 tokens
+    host = next(m for m in rows if m.host_embeddings)
+    assert host.embeddings == 832 * 8192 + 576 * 8192
