@@ -83,7 +83,8 @@ def main() -> None:
     for gen in gens.values():
         gen.close()
     # the head's error is measured where greedy AR reads it: each prompt followed by fp32's AR answer
-    held_out_ids = [(ids + list(answer[1]), len(ids) - 1) for ids, answer in zip(prompts, results["fp32"]["ar"])]
+    held_out_ids = [(ids + list(answer[1]), len(ids) - 1, len(ids) + len(answer[1]) - 1)
+                    for ids, answer in zip(prompts, results["fp32"]["ar"])]
     report["settings"] = settings
     report["runs"] = _table(results)
     report["head_error"] = head_error(held_out_ids, args.block_size)
@@ -113,41 +114,43 @@ def _table(results: dict[str, dict[str, list]]) -> dict[str, dict]:
     return table
 
 
-def _norm_outputs(model: Qwen3, sequences: list[tuple[list[int], int]]) -> torch.Tensor:
-    """What lm_head reads at the positions from each sequence's start on, but its last (causal, no past):
-    [positions, hidden]."""
+def _norm_outputs(model: Qwen3, sequences: list[tuple[list[int], int, int]]) -> torch.Tensor:
+    """What lm_head reads at positions [start, stop) of each (ids, start, stop) (causal, no past): [positions, hidden]."""
     captured: list[torch.Tensor] = []
     hook = model.norm.register_forward_hook(lambda _, __, out: captured.append(out[0]))
     d = model.dims
     empty = [(torch.zeros(1, 0, d.kv_heads, d.head_dim),) * 2 for _ in range(d.num_layers)]
     rows = []
-    for ids, start in sequences:
+    for ids, start, stop in sequences:
         s = len(ids)
         model(torch.tensor([ids]), torch.arange(s)[None], torch.ones(s, s, dtype=torch.bool).tril()[None], empty)
-        rows.append(captured.pop()[start : s - 1])
+        rows.append(captured.pop()[start:stop])
     hook.remove()
     return torch.cat(rows).float()
 
 
-def head_error(held_out: list[tuple[list[int], int]], block: int) -> dict[str, dict[str, float]]:
-    """lm_head alone, int4: round-to-nearest; AWQ's clipping alone; AWQ's scale alone (searched on the calibration
-    set's final-norm outputs at every position, folded into the norm); both (what int4-awq --quantize-head writes).
+def head_error(held_out: list[tuple[list[int], int, int]], block: int) -> dict[str, dict[str, float]]:
+    """lm_head alone, int4: round-to-nearest; AWQ's clipping alone (what int4-awq --quantize-head writes); AWQ's
+    scale alone (s searched as for the layers, 1/s folded into the final norm); scale then clipping. Both searches
+    run on the calibration set's final-norm outputs at every position, as the export's.
     On the held-out prompts followed by fp32's AR answers, at the positions that predict the answer's tokens (what
     greedy AR reads): the relative squared logit error and how often the argmax stays the float head's."""
     ckpt = Checkpoint.open(EMBEDDED_MODEL)
     model = Qwen3.from_checkpoint(ckpt)
     prompts, _ = calibration_set(ckpt, None, None, lambda *_: None)
     norm, w = model.norm.weight.detach().clone(), model.lm_head.weight.detach().clone()  # HF layout [vocab, hidden]
-    x, calibration = _norm_outputs(model, held_out), _norm_outputs(model, [(ids, 0) for ids in prompts])
+    x, calibration = _norm_outputs(model, held_out), _norm_outputs(model, [(ids, 0, len(ids)) for ids in prompts])
     ref = x @ w.T
     wk = w.T.contiguous()  # [K, N]
     s, alpha = search_scale(calibration, [wk], block)
     t = {NORM: norm.clone(), HEAD: w.clone()}
-    assert rewrite_head(t, calibration, block) == alpha
+    rewrite_head(t, calibration, block)
+    scaled = wk * s[:, None]
     variants = {"rtn": x @ fake_quant(wk, block),
-                "clip": x @ fake_quant(clip(wk, search_clip(calibration, wk, block), block), block),
-                "scale": (x / s) @ fake_quant(wk * s[:, None], block),
-                "awq": (x * (t[NORM] / norm)) @ fake_quant(t[HEAD].T.contiguous(), block)}
+                "clip": x @ fake_quant(t[HEAD].T.contiguous(), block),
+                "scale": (x / s) @ fake_quant(scaled, block),
+                "scale_clip": (x / s) @ fake_quant(clip(scaled, search_clip(calibration / s, scaled, block), block),
+                                                   block)}
     out: dict[str, dict[str, float]] = {
         name: {"relative_sq_error": float((y - ref).square().sum() / ref.square().sum()),
                "same_argmax": float((y.argmax(-1) == ref.argmax(-1)).float().mean())}
@@ -178,8 +181,9 @@ def markdown(report: dict) -> str:
               f"predict fp32's AR answers; AWQ searched on {p['calibration']} calibration positions (alpha "
               f"{p['alpha']:.2f}):", "",
               "| head | relative squared logit error | same argmax as the float head |", "|---|---|---|"]
-    labels = {"rtn": "round-to-nearest", "clip": "AWQ's clipping alone", "scale": "AWQ's scale alone",
-              "awq": "AWQ's scale and clipping (int4-awq --quantize-head)"}
+    labels = {"rtn": "round-to-nearest (int4-rtn --quantize-head)",
+              "clip": "AWQ's clipping alone (int4-awq --quantize-head)", "scale": "AWQ's scale alone",
+              "scale_clip": "AWQ's scale, then its clipping"}
     for name, label in labels.items():
         lines.append(f"| {label} | {h[name]['relative_sq_error']:.2e} | {100 * h[name]['same_argmax']:.2f} % |")
     return "\n".join(lines)
