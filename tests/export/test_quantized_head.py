@@ -1,5 +1,5 @@
 """The int4 lm_head (`--quantize-head`): the head as the layers' blocked DequantizeLinear -> MatMul, recorded in
-refusion.json's quantization section (absent in older v5 exports: a float head), its logits against an
+refusion.json's quantization section (absent in older v6 exports: a float head), its logits against an
 independent dequantization, AWQ's scaling folded into the final norm, and a tied head refused."""
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def test_refusion_json_records_the_head(head_exports):
     assert (head_exports["int4-head"] / "weights.bin").stat().st_size < (head_exports["float-head"] / "weights.bin").stat().st_size
 
 
-def test_a_v5_export_without_the_field_has_a_float_head(head_exports, tmp_path):
+def test_an_export_without_the_field_has_a_float_head(head_exports, tmp_path):
     """Exports made before --quantize-head (same format version) have no `head` field: their head is float."""
     d = _edit(head_exports["float-head"], tmp_path, lambda r: r["quantization"].pop("head"))
     assert ExportManifest.load(d).quantization.head is False
