@@ -398,7 +398,7 @@ HYPER = (  # what a saved state must agree on to be resumed
     "seed", "layers", "hidden", "intermediate", "heads", "kv_heads", "head_dim", "rope_theta", "max_positions",
     "steps", "batch_size", "lr", "min_lr_ratio", "warmup", "weight_decay", "beta2", "grad_clip", "slot_sizes",
     "tail_slot_prob", "eps", "tasks", "task_weights", "lookup_curriculum", "ordered_prob", "ar_steps", "system_prob",
-    "history_prob", "max_prompt",
+    "history_prob", "max_prompt", "init_from",
 )
 
 
@@ -455,6 +455,18 @@ def save_model(model, tok, out: Path) -> None:
         f.chmod(0o644)
 
 
+def init_state(model, opt, path: Path, log: Log) -> None:
+    """A second stage starts from another run's saved state: its weights and Adam moments (the moments
+    keep the first steps from lurching), under this run's own schedule, data and step count from 0."""
+    if not path.is_file():
+        sys.exit(f"--init-from {path}: no such state file; pass the state.pt of a run's --work-dir.")
+    state = torch.load(path, weights_only=False)
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["opt"])
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    log(f"initialized from {path} (step {state['step']} of its run, sha256 {digest})")
+
+
 def train(args) -> None:
     # Bit-for-bit reproducible for a given --threads and CPU: eager ops only (two torch.compile'd
     # runs of the same command differed within 40 steps) and no nondeterministic kernels.
@@ -483,6 +495,8 @@ def train(args) -> None:
         torch.set_rng_state(state["torch_rng"])
         step, elapsed0 = state["step"], state["elapsed"]
         log(f"resumed from {state_path} at step {step}")
+    elif args.init_from:
+        init_state(model, opt, Path(args.init_from), log)
     n_params = sum(p.numel() for p in model.parameters())
     log(f"model: {args.layers} layers, hidden {args.hidden}, {n_params / 1e6:.2f}M parameters, vocab {len(tok)}; "
         f"{args.steps} steps of {args.batch_size}; work dir {work}")
@@ -604,6 +618,8 @@ def parser() -> argparse.ArgumentParser:
     tr.add_argument("--out", default=str(REPO / "models" / "refusion-tiny"))
     tr.add_argument("--work-dir", default="/tmp/refusion-tiny-train", help="training state and log")
     tr.add_argument("--restart", action="store_true", help="ignore a saved state and start over")
+    tr.add_argument("--init-from", default="",
+                    help="start from another run's state.pt (weights and optimizer; docs/training.md's second stage)")
     tr.add_argument("--seed", type=int, default=0)
     tr.add_argument("--threads", type=int, default=1,
                     help="torch threads: with 2, a busy second core stalls every step (docs/training.md)")

@@ -131,3 +131,14 @@ def test_resuming_with_other_hyperparameters_is_refused(tmp_path):
     _train(tmp_path / "run")
     with pytest.raises(SystemExit, match=r"other hyperparameters .*'lr': \(0.002, 0.001\).*--restart"):
         _train(tmp_path / "run", "--lr", "1e-3")
+
+
+def test_a_second_stage_starts_from_another_runs_state_and_is_itself_reproducible(tmp_path):
+    first = _train(tmp_path / "first")
+    init = ["--init-from", str(tmp_path / "first" / "state.pt"), "--seed", "1", "--task-weights", "add:5"]
+    second = _train(tmp_path / "second", *init)
+    assert _train(tmp_path / "again", *init) == second
+    assert second not in (first, _train(tmp_path / "scratch", "--seed", "1", "--task-weights", "add:5"))
+    assert "initialized from" in (tmp_path / "second" / "train.log").read_text()
+    with pytest.raises(SystemExit, match="no such state file"):
+        _train(tmp_path / "missing", "--init-from", str(tmp_path / "nothing.pt"))
