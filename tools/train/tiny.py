@@ -505,7 +505,8 @@ def train(args) -> None:
     t_start, tokens_seen, first_step = time.time(), 0, step
     loss_sum = ar_sum = mdm_sum = 0.0
     n_sum = 0
-    while step < args.steps:
+    stop = min(args.steps, args.stop_after or args.steps)
+    while step < stop:
         seqs = batch_for_step(step, enc, args)
         n_tok = sum(len(s.ids) for s in seqs)
         n_ar = max(1, sum(sum(t != IGNORE for t in s.ar) for s in seqs))
@@ -531,13 +532,16 @@ def train(args) -> None:
                 f"lr {lr_at(step - 1, args):.2e} {rate:.0f} tok/s elapsed {fmt_time(elapsed0 + run)} ETA {fmt_time(eta)}")
             loss_sum = ar_sum = mdm_sum = 0.0
             n_sum = 0
-        if step % args.save_every == 0 or step == args.steps:
+        if step % args.save_every == 0 or step == stop:
             save_state(state_path, model, opt, step, args, elapsed0 + time.time() - t_start)
         if args.eval_every and (step % args.eval_every == 0 or step == args.steps):
             t0 = time.time()
             res = quick_eval(model, enc, args.eval_n)
             log(f"eval step {step} ({time.time() - t0:.0f}s) AR: {fmt_acc(res['ar'])}")
             log(f"eval step {step} one-shot fill: {fmt_acc(res['one_shot'])}")
+    if step < args.steps:
+        log(f"stopped at step {step} (--stop-after): {state_path} holds it; rerun without --stop-after to go on")
+        return
     out = Path(args.out)
     save_model(model, tok, out)
     total = elapsed0 + time.time() - t_start
@@ -618,6 +622,8 @@ def parser() -> argparse.ArgumentParser:
     tr.add_argument("--out", default=str(REPO / "models" / "refusion-tiny"))
     tr.add_argument("--work-dir", default="/tmp/refusion-tiny-train", help="training state and log")
     tr.add_argument("--restart", action="store_true", help="ignore a saved state and start over")
+    tr.add_argument("--stop-after", type=int, default=0,
+                    help="save the state at this step and stop, the schedule still that of --steps (a stage's source)")
     tr.add_argument("--init-from", default="",
                     help="start from another run's state.pt (weights and optimizer; docs/training.md's second stage)")
     tr.add_argument("--seed", type=int, default=0)

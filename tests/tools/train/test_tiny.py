@@ -142,3 +142,12 @@ def test_a_second_stage_starts_from_another_runs_state_and_is_itself_reproducibl
     assert "initialized from" in (tmp_path / "second" / "train.log").read_text()
     with pytest.raises(SystemExit, match="no such state file"):
         _train(tmp_path / "missing", "--init-from", str(tmp_path / "nothing.pt"))
+
+
+def test_stop_after_saves_the_state_of_that_step_and_a_rerun_goes_on_to_the_same_weights(tmp_path):
+    straight = _train(tmp_path / "straight")
+    TT.main(["train", *TINY_RUN, "--work-dir", str(tmp_path / "cut"), "--out", str(tmp_path / "cut" / "model"),
+             "--stop-after", "4"])
+    assert torch.load(tmp_path / "cut" / "state.pt", weights_only=False)["step"] == 4
+    assert not (tmp_path / "cut" / "model").exists()
+    assert _train(tmp_path / "cut") == straight
