@@ -1,11 +1,12 @@
 """Train refusion-tiny: a small Qwen3ForCausalLM trained with the ReFusion objective on the
 generated tasks of `refusion.tools.tasks`, small enough to ship in the repository.
 
-The one command (about 2.5 hours on 2 CPU cores at --threads 1; resumes where it stopped if rerun):
+One run of `train` is one stage; tools/train/recipe.sh runs the embedded model's four (about 2.5 hours on
+2 CPU cores at --threads 1; each resumes where it stopped if rerun; docs/training.md):
 
-    nice -n 5 .venv/bin/python tools/train/tiny.py train
+    nice -n 5 .venv/bin/python tools/train/tiny.py train [--stop-after N] [--init-from STATE]
 
-It writes models/refusion-tiny/ (config.json with mask_token_id, model.safetensors,
+The last stage writes models/refusion-tiny/ (config.json with mask_token_id, model.safetensors,
 tokenizer.json, tokenizer_config.json, chat_template.jinja), loadable with
 transformers' Qwen3ForCausalLM / AutoTokenizer. Training state and the log go to
 --work-dir (default /tmp/refusion-tiny-train), never into the repository.

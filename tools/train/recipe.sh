@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# The embedded model's recipe (docs/training.md, "Recipe and why"): four runs of tiny.py train, each starting
+# from the state the previous one saved. Rerun to resume: every stage resumes from its own work dir.
+#   tools/train/recipe.sh [WORK_BASE]      # default /tmp/refusion-tiny-train; writes models/refusion-tiny
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+base=${1:-/tmp/refusion-tiny-train}
+python=${PYTHON:-.venv/bin/python}
+train() { nice -n 5 "$python" tools/train/tiny.py train "$@"; }
+short=(--warmup 30 --lookup-curriculum 0 --eval-every 300)
+
+# 1. AR first, the lookup curriculum, then the mixed objective: the 6000-step schedule, stopped at 5200.
+train --work-dir "$base/1" --stop-after 5200
+# 2. add, in plain AR: the first stage left it unlearned (the model copied the operands and guessed the sum).
+train --work-dir "$base/2" --out "$base/2/model" --init-from "$base/1/state.pt" --seed 1 --steps 600 "${short[@]}" \
+      --lr 2e-3 --min-lr-ratio 0.1 --ar-steps 600 --task-weights add:40,lookup:2 --history-prob 0.1 --system-prob 0.1
+# 3. back to the mixed objective: the second stage's plain AR had erased the masked reading.
+train --work-dir "$base/3" --out "$base/3/model" --init-from "$base/2/state.pt" --seed 2 --steps 600 "${short[@]}" \
+      --lr 5e-4 --min-lr-ratio 0.2 --ar-steps 0 --ordered-prob 0.3 --task-weights add:4,lookup:4
+# 4. add under the mixed objective too, weighted up: ReFusion's reading of it was still at chance.
+train --work-dir "$base/4" --init-from "$base/3/state.pt" --seed 3 --steps 600 "${short[@]}" \
+      --lr 5e-4 --min-lr-ratio 0.2 --ar-steps 0 --ordered-prob 0.2 --task-weights add:10,lookup:2
