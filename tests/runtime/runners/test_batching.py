@@ -257,7 +257,7 @@ def test_packed_rows_equal_each_row_alone(tiny_export, fakes, tmp_path):
         for a, b in zip(alone, packed):
             assert a.keys() == b.keys()
             for name in a:
-                np.testing.assert_allclose(a[name], b[name], rtol=0, atol=1e-5)
+                np.testing.assert_allclose(a[name], b[name], rtol=1e-6, atol=1e-5)  # log-probabilities reach ~30
         for s in range(3):
             for name, array in trt.kv_to_host(0, 48, s).items():
                 np.testing.assert_allclose(array, kv_alone[s][name], rtol=0, atol=1e-5)
