@@ -112,10 +112,10 @@ class HttpGateway:
     def drain(self) -> None:
         """Close the connections idle between requests (the draining health refuses new ones; those busy close
         after their response), so that no keep-alive connection holds the shutdown."""
-        with self.gateway.lock:
-            idle = [conn for conn, is_idle in self.gateway.idle.items() if is_idle]
-        for conn in idle:
-            _shut(conn)
+        with self.gateway.lock:  # held while cutting: a handler cannot turn busy between the check and the cut
+            for conn, is_idle in self.gateway.idle.items():
+                if is_idle:
+                    _shut(conn)
 
     def close(self) -> None:
         if self._thread is not None:

@@ -286,6 +286,32 @@ def test_the_drain_closes_idle_keep_alive_connections(gateway):
     conn.close()
 
 
+def test_the_drain_cuts_a_connection_only_while_no_handler_can_turn_it_busy(gateway, monkeypatch):
+    """A connection idle when the drain looked may have taken a request since: cut outside the lock, a
+    readiness answer lost its body after its headers (seen under load). The cut happens under the lock
+    _busy takes, so a handler is either done before it or starts after it."""
+    front, port, _ = gateway
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    conn.request("GET", "/v2/health/live")
+    assert conn.getresponse().read() == b""
+    held_while_cutting = []
+    cut = gateway_module._shut
+
+    def checked_cut(sock):
+        free = front.gateway.lock.acquire(blocking=False)
+        if free:
+            front.gateway.lock.release()
+        held_while_cutting.append(not free)
+        cut(sock)
+
+    monkeypatch.setattr(gateway_module, "_shut", checked_cut)
+    front.gateway.health.draining = True
+    front.drain()
+    assert held_while_cutting == [True]
+    assert conn.sock.recv(1) == b""
+    conn.close()
+
+
 def test_connections_past_the_limit_are_answered_503(triton_http, monkeypatch):
     monkeypatch.setattr(gateway_module, "MAX_CONNECTIONS", 1)
     front, port, _ = _start(triton_http)
