@@ -225,7 +225,9 @@ def test_batched_rows_equal_single_rows_on_the_runner(export):
         for a, b in zip(single, packed):
             assert a.keys() == b.keys()
             for name in a:
-                np.testing.assert_allclose(a[name], b[name], rtol=1e-6, atol=1e-5)  # logits reach ~25
+                # Packed rows sum in another order: a log-probability is logit - logsumexp over logits that reach
+                # ~30, so its float32 error scales with them, not with its own value (1.6e-5 seen at -0.33).
+                np.testing.assert_allclose(a[name], b[name], rtol=1e-6, atol=5e-5)
         for s in range(3):
             for k_single, k_packed in zip(keys_single[s], runner.keys[s]):
                 np.testing.assert_allclose(k_single, k_packed, rtol=0, atol=1e-5)

@@ -31,9 +31,11 @@ def prompt(gen) -> list[int]:
 
 @pytest.mark.parametrize("mode", ["refusion", "ar"])
 def test_seeded_sampling_is_reproducible_and_seeds_differ(gen, prompt, mode):
-    draw = lambda seed: gen.generate(prompt_ids=prompt, temperature=2.0, seed=seed, **SETTINGS[mode]).token_ids  # noqa: E731
+    # Temperature 5 flattens even a confident model's choices enough that 12 seeds cannot all draw the same
+    # answer (at 2.0 the retrained model's ReFusion answers were one and the same for 6 seeds).
+    draw = lambda seed: gen.generate(prompt_ids=prompt, temperature=5.0, seed=seed, **SETTINGS[mode]).token_ids  # noqa: E731
     assert draw(7) == draw(7)
-    assert len({tuple(draw(seed)) for seed in range(6)}) > 1
+    assert len({tuple(draw(seed)) for seed in range(12)}) > 1
 
 
 @pytest.mark.parametrize("mode", ["refusion", "ar"])
