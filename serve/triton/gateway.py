@@ -291,14 +291,20 @@ class _Handler(BaseHTTPRequestHandler):
         refusal = self._body_refusal()
         if refusal is None:
             return self.rfile.read(self._length() or 0)
+        self._refuse(*refusal)
+        return None
+
+    def _refuse(self, status: int, message: str) -> None:
+        """An error answered before the body is read. A body up to DISCARD_LIMIT is read and dropped first: a
+        connection closed with bytes unread is reset, and the reset can reach the client before it reads the
+        answer. A larger one, or one the client waits to send (Expect: 100-continue), closes the connection."""
         length = self._length()
         if length is not None and length <= DISCARD_LIMIT and self.headers.get("Expect", "").lower() != "100-continue":
-            while length > 0:  # read and dropped: a client that sends it all, then reads, sees the 413
+            while length > 0:
                 length -= len(self.rfile.read(min(1 << 16, length)) or b"\0" * length)
         else:
             self.close_connection = True
-        self._error(*refusal)
-        return None
+        self._error(status, message)
 
     def _forward_get(self, port: int, path: str) -> None:
         conn = self.gateway.upstream.connection(port)
@@ -315,7 +321,7 @@ class _Handler(BaseHTTPRequestHandler):
     def _generate(self, streaming: bool) -> None:
         g = self.gateway
         if g.health.draining or g.health.failure is not None or g.calls is None:
-            return self._error(503, f"{g.health.reason}; send the request to another instance.")
+            return self._refuse(503, f"{g.health.reason}; send the request to another instance.")
         raw = self._body()
         if raw is None:
             return None

@@ -312,6 +312,19 @@ def test_the_drain_cuts_a_connection_only_while_no_handler_can_turn_it_busy(gate
     conn.close()
 
 
+def test_a_draining_refusal_reads_the_body_first_so_the_client_gets_the_answer(triton_http):
+    """Refused unread, a body left in the socket resets the connection as it closes, and the reset can reach
+    the client before it reads the 503 (test_sigterm_drains... lost one: "closed without response")."""
+    front, port, _ = _start(triton_http, max_body=16 << 20)
+    try:
+        front.gateway.health.draining = True
+        body = b'{"text_input": "' + b"x" * (8 << 20) + b'"}'  # more than the sockets buffer
+        status, answer, _ = request(port, "POST", f"/v2/models/{MODEL}/generate", body)
+        assert status == 503 and "shutting down" in json.loads(answer)["error"]
+    finally:
+        front.close()
+
+
 def test_connections_past_the_limit_are_answered_503(triton_http, monkeypatch):
     monkeypatch.setattr(gateway_module, "MAX_CONNECTIONS", 1)
     front, port, _ = _start(triton_http)
