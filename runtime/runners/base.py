@@ -27,7 +27,7 @@ from refusion.runtime.core.dtypes import dtype
 from refusion.runtime.core.embeddings import EmbeddingTable, token_feed
 from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.core.export_manifest import ExportManifest
-from refusion.runtime.runners.stats import RunnerStats
+from refusion.runtime.runners.stats import ForwardShape, MoveShape, RowShape, RunnerStats
 
 if TYPE_CHECKING:
     from refusion.runtime.decode.llada import DiffusionParams
@@ -131,6 +131,8 @@ class Runner(ABC):
         self.stats.moves += 1
         self.stats.moved_tokens += length
         self.stats.move_seconds += time.perf_counter() - t0
+        if self.stats.record is not None:
+            self.stats.record.append(MoveShape(src, dst, length))
 
     # -- forwards ----------------------------------------------------------------------
     def run(
@@ -170,6 +172,9 @@ class Runner(ABC):
         else:
             raise RefusionError(f"{len(rows)} rows exceed this runner's max_batch {self.max_batch}.")
         self.stats.graph(graph).add(rows, time.perf_counter() - t0)
+        if self.stats.record is not None:
+            self.stats.record.append(ForwardShape(graph, tuple(
+                RowShape(r.input_ids.shape[1], r.past, r.write_at, tuple(r.heads_at[0].tolist())) for r in rows)))
         return out
 
     def _feed(self, ids: np.ndarray, pos: np.ndarray, mask: np.ndarray, heads: np.ndarray) -> dict[str, np.ndarray]:

@@ -32,6 +32,36 @@ class ForwardStats:
         self.seconds += seconds
 
 
+@dataclass(frozen=True)
+class RowShape:
+    """One row of a recorded forward: tokens fed, the past read, where its KV went (infiller) and its heads."""
+
+    fed: int
+    past: int
+    write_at: int | None
+    heads: tuple[int, ...]  # indices into the row's fed tokens
+
+
+@dataclass(frozen=True)
+class ForwardShape:
+    """A run_batch call as the runner saw it: the graph and each row's shape."""
+
+    graph: str
+    rows: tuple[RowShape, ...]
+
+
+@dataclass(frozen=True)
+class MoveShape:
+    """A move_kv call that moved anything."""
+
+    src: int
+    dst: int
+    length: int
+
+
+Recorded = ForwardShape | MoveShape
+
+
 @dataclass
 class RunnerStats:
     """Forwards by graph, and KV moves; counters only grow (take differences with `since`)."""
@@ -44,6 +74,9 @@ class RunnerStats:
     # each on the GPU runners)
     copied_tokens: int = 0
     copy_seconds: float = 0.0
+    # A list to have every forward's and KV move's shape appended, in order (the scale bench records decodes
+    # to replay them on another model: tools/bench/replay.py); None, as by default: nothing kept.
+    record: list[Recorded] | None = None
 
     def graph(self, name: str) -> ForwardStats:
         return self.graphs.setdefault(name, ForwardStats())

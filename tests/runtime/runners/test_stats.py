@@ -11,7 +11,7 @@ from refusion.runtime.decode import masks
 from refusion.runtime.generator import Generator
 from refusion.runtime.runners.base import RowFeed
 from refusion.runtime.runners.onnxruntime import OrtRunner
-from refusion.runtime.runners.stats import RunnerStats
+from refusion.runtime.runners.stats import ForwardShape, MoveShape, RowShape, RunnerStats
 from refusion.runtime.runners.tensorrt import TensorRTRunner
 from tests.fakes import CpuBoundCudaRunner
 from tests.helpers import fake_engines
@@ -39,10 +39,12 @@ def test_each_runner_counts_its_forwards_rows_tokens_and_moves(kind, peaky_expor
         for region in range(runner.max_requests):
             runner.allocate_kv(32, region)
         before = runner.stats.copy()
+        runner.stats.record = recorded = []
         rows = _rows([(0, 5), (0, 3)][: runner.max_batch])
         runner.run_batch("infiller", rows)
         runner.run_batch("infiller", _rows([(5, 1)]))
         runner.move_kv(0, 8, 4)
+        runner.move_kv(3, 3, 4)  # moves nothing
         counted = runner.stats.since(before)
     infiller = counted.graphs["infiller"]
     fed = sum(r.input_ids.shape[1] for r in rows) + 1
@@ -52,6 +54,14 @@ def test_each_runner_counts_its_forwards_rows_tokens_and_moves(kind, peaky_expor
     assert (counted.moves, counted.moved_tokens) == (1, 4) and counted.move_seconds > 0
     assert counted.total.fed == fed and counted.busy_seconds == pytest.approx(infiller.seconds + counted.move_seconds)
     assert "planner" not in counted.graphs
+    assert recorded == [ForwardShape("infiller", tuple(RowShape(seq, 0, 0, tuple(range(seq))) for seq in (5, 3)[: len(rows)])),
+                        ForwardShape("infiller", (RowShape(1, 5, 5, (0,)),)), MoveShape(0, 8, 4)]
+
+
+def test_nothing_is_recorded_unless_asked(tiny_export):
+    with Generator.from_dir(tiny_export, backend="ort-cpu", threads=1) as gen:
+        gen.generate(prompt_ids=[5, 17, 42], gen_length=8, mode="ar")
+        assert gen.runner.stats.record is None
 
 
 def test_since_and_total_add_up_by_graph():
