@@ -36,3 +36,25 @@ def test_time_per_forward_is_the_larger_bound():
     assert roofline.tokens_per_second(ORIN, REFUSION_8B, ar) == pytest.approx(1 / memory)
     assert roofline.tokens_per_second(ORIN, REFUSION_8B, refusion) == pytest.approx(4 / (2 * memory))  # 4 a forward
     assert "| refusion:x | 0.250 |" in roofline.table(bench) and "(compute)" in roofline.table(bench)
+
+
+def test_each_recorded_forward_is_projected_at_its_own_shape():
+    """A recorded forward pays its own past's KV bytes, its linears at every fed token, the head at the heads read
+    alone and attention over past + fed: a decode is projected forward by forward, not from a mean."""
+    from refusion.runtime.runners.stats import ForwardShape, RowShape
+    from refusion.tools.bench.replay import Recording
+
+    memory = roofline.streamed_bytes(REFUSION_8B, ORIN.quantization) / ORIN.bandwidth
+    kv = 2 * 36 * 8 * 128 * 2  # fp16 K and V of one token, every layer
+    step = ForwardShape("infiller", (RowShape(1, 100, 100, (0,)),))
+    assert roofline.recorded_forward_seconds(ORIN, REFUSION_8B, step) == pytest.approx(memory + 100 * kv / ORIN.bandwidth)
+    fed, past = 1000, 24
+    prefill = ForwardShape("infiller", (RowShape(fed, past, past, (fed - 1,)),))
+    flops = 2 * LINEARS * fed + 2 * HEAD + 4 * 36 * 4096 * fed * (past + fed)
+    assert roofline.recorded_forward_seconds(ORIN, REFUSION_8B, prefill) == pytest.approx(flops / ORIN.fp16_flops)
+    recs = [Recording((prefill, step, step), 4)]
+    seconds = roofline.recorded_forward_seconds(ORIN, REFUSION_8B, prefill) + 2 * roofline.recorded_forward_seconds(
+        ORIN, REFUSION_8B, step)
+    assert roofline.recorded_tokens_per_second(ORIN, REFUSION_8B, recs) == pytest.approx(4 / seconds)
+    text = roofline.recorded_table({"recordings": {"refusion": [rec.to_json() for rec in recs]}})
+    assert "| refusion | 1 | 0.750 | 334.00 | 74.7 | 1.00 |" in text
