@@ -9,6 +9,7 @@ from refusion.runtime.generator import Generator
 from refusion.tools.bench import replay as R
 from refusion.tools.bench.measure import ar_genai
 from refusion.tools.tasks import held_out
+from tests.helpers import REPO
 
 pytest.importorskip("onnxruntime")
 
@@ -68,3 +69,13 @@ def test_the_report_reads_its_data(recordings, tmp_path):
     assert f"| refusion | 2 | {sum(rec.tokens for rec in recordings['refusion'])} |" in text
     ar_genai.plot(data, tmp_path / "scale.png")
     assert (tmp_path / "scale.png").stat().st_size > 0
+
+
+def test_the_docs_quote_the_committed_tables():
+    """docs/benchmark.md's scale-bench tables are lines of the committed results/ar-genai/ar-genai.md: quoted from
+    what the command wrote, never typed."""
+    generated = set((REPO / "results" / "ar-genai" / "ar-genai.md").read_text().splitlines())
+    doc = (REPO / "docs" / "benchmark.md").read_text()
+    section = doc[doc.index("## The scale bench"):]
+    rows = [line for line in section.split("\n## ")[0].splitlines() if line.startswith("|")]
+    assert len(rows) >= 8 and set(rows) <= generated

@@ -58,3 +58,15 @@ def test_each_recorded_forward_is_projected_at_its_own_shape():
     assert roofline.recorded_tokens_per_second(ORIN, REFUSION_8B, recs) == pytest.approx(4 / seconds)
     text = roofline.recorded_table({"recordings": {"refusion": [rec.to_json() for rec in recs]}})
     assert "| refusion | 1 | 0.750 | 334.00 | 74.7 | 1.00 |" in text
+
+
+def test_the_docs_quote_the_projections_of_the_committed_shapes():
+    """docs/quantization.md's tables are what the roofline prints for results/ar-genai/ar-genai.json (recorded
+    forwards) and results/bench/bench.json (the sweep's means)."""
+    import json
+
+    from tests.helpers import REPO
+
+    doc = (REPO / "docs" / "quantization.md").read_text()
+    assert roofline.recorded_table(json.loads((REPO / roofline.SHAPES).read_text())) in doc
+    assert roofline.table(json.loads((REPO / "results" / "bench" / "bench.json").read_text())) in doc
