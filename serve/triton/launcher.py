@@ -155,6 +155,7 @@ class TritonServer:
         self._relay: _Relay | None = None
         self._stopping = False
         self._watchdog: threading.Thread | None = None
+        self._guard: tuple[subprocess.Popen[bytes], int] | None = None  # kills the stubs if we are SIGKILLed
         self._wake: tuple[int, int] | None = None  # wakes the watchdog when Triton is stopped
 
     @property
@@ -230,9 +231,11 @@ class TritonServer:
         self._wait_ready(ready_timeout_s)
         self._relay.release()
         self._wake = os.pipe()
-        self._watchdog = threading.Thread(target=self._watch, args=(lifetime.stubs(self.process.pid),),
-                                          name="refusion-stub-watchdog", daemon=True)
+        stubs = lifetime.stubs(self.process.pid)
+        self._watchdog = threading.Thread(target=self._watch, args=(stubs,), name="refusion-stub-watchdog",
+                                          daemon=True)
         self._watchdog.start()
+        self._guard = lifetime.guard_stubs(stubs)
 
     def _wait_ready(self, timeout_s: float) -> None:
         assert self.process is not None and self._relay is not None and self._workdir is not None
@@ -402,6 +405,12 @@ class TritonServer:
             for fd in self._wake:
                 os.close(fd)
             self._watchdog = self._wake = None
+        if self._guard is not None:  # stood down: this is not a SIGKILL
+            guard, stand_down = self._guard
+            os.write(stand_down, b"x")
+            os.close(stand_down)
+            guard.wait()
+            self._guard = None
         try:
             os.killpg(self.process.pid, signal.SIGKILL)
         except ProcessLookupError:  # the group is gone: a clean exit

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -30,6 +31,29 @@ def exec_with_parent(command: list[str]) -> list[str]:
 # The parent may be gone before prctl ran: then exit rather than live on as an orphan.
 _PDEATHSIG_EXEC = ("import ctypes, os, signal, sys; ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0); "
                    "os.getppid() == int(sys.argv[1]) or os._exit(1); os.execv(sys.argv[2], sys.argv[2:])")
+
+
+def guard_stubs(stub_pids: list[int]) -> tuple[subprocess.Popen[bytes], int]:
+    """A process that SIGKILLs the stubs if this process ends without standing it down (a SIGKILL of the
+    launcher: pdeathsig ends tritonserver then, and its stubs, re-parented, would live on), and the pipe end
+    that stands it down (write a byte, close it). Not the stub's own watch thread: a stub thread inside a call
+    to a tritonserver that dies never returns from it and keeps the GIL, so no thread of the stub ends it."""
+    read, write = os.pipe()
+    try:
+        guard = subprocess.Popen([sys.executable, "-S", "-c", _GUARD_EXEC, str(read), *map(str, stub_pids)],
+                                 pass_fds=(read,), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                 stderr=subprocess.DEVNULL, start_new_session=True)
+    finally:
+        os.close(read)
+    return guard, write
+
+
+# The pipe's end of file (no byte) means the launcher is gone: only then are the stubs killed.
+_GUARD_EXEC = ("import os, signal, sys\n"
+               "if os.read(int(sys.argv[1]), 1) == b'':\n"
+               "    for p in map(int, sys.argv[2:]):\n"
+               "        try: os.kill(p, signal.SIGKILL)\n"
+               "        except ProcessLookupError: pass")
 
 
 def start_time(pid: int) -> str | None:

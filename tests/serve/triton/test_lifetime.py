@@ -31,9 +31,9 @@ def _serve_extra():
     pytest.importorskip("pytriton")
 
 
-def _children(pid: int) -> list[int]:
+def _children(pid: int, name: str) -> list[int]:
     return [int(p.parent.name) for p in Path("/proc").glob("[0-9]*/stat")
-            if _field(p, 1) == str(pid)]
+            if _field(p, 1) == str(pid) and (p.parent / "comm").read_text().strip() == name]
 
 
 def _field(stat: Path, index: int) -> str | None:
@@ -54,7 +54,7 @@ def _workdirs(pid: int) -> list[Path]:
 
 
 def _processes(cli_pid: int) -> tuple[int, int]:
-    (triton,) = _children(cli_pid)
+    (triton,) = _children(cli_pid, "tritonserver")
     (stub,) = lifetime.stubs(triton)
     return triton, stub
 
