@@ -36,8 +36,9 @@ _PDEATHSIG_EXEC = ("import ctypes, os, signal, sys; ctypes.CDLL(None).prctl(1, s
 def guard_stubs(stub_pids: list[int]) -> tuple[subprocess.Popen[bytes], int]:
     """A process that SIGKILLs the stubs if this process ends without standing it down (a SIGKILL of the
     launcher: pdeathsig ends tritonserver then, and its stubs, re-parented, would live on), and the pipe end
-    that stands it down (write a byte, close it). Not the stub's own watch thread: a stub thread inside a call
-    to a tritonserver that dies never returns from it and keeps the GIL, so no thread of the stub ends it."""
+    that stands it down (write a byte, close it). Not a thread of the stub: a stub thread inside a call to a
+    tritonserver that dies never returns from it, and a thread of its own did not end the stub either (2 starts
+    in 8: the GIL held in that call, we believe, not proven)."""
     read, write = os.pipe()
     try:
         guard = subprocess.Popen([sys.executable, "-S", "-c", _GUARD_EXEC, str(read), *map(str, stub_pids)],
