@@ -50,9 +50,9 @@ class _Builder:
         return name
 
     def ops(self, op_type: str, *inputs: str, outs: tuple[str | None, ...], **attrs: object) -> list[str]:
-        """A node of several outputs, each named as given or fresh (None)."""
+        """A node of several outputs, each named as given, fresh (None) or left out ("": an optional output)."""
         self._count += 1
-        names = [out or f"{op_type.lower()}_{self._count}_{i}" for i, out in enumerate(outs)]
+        names = [f"{op_type.lower()}_{self._count}_{i}" if out is None else out for i, out in enumerate(outs)]
         self.nodes.append(helper.make_node(op_type, list(inputs), names, name=f"n{self._count}_{op_type}", **attrs))
         return names
 

@@ -1,9 +1,10 @@
 """onnxruntime Runners: CPU (the fallback everywhere) and CUDA (IO binding, KV stays on the device).
 
 One session of the infiller graph serves both roles, so the weights are resident once, prepacked
-(docs/runtime.md, "Weights in memory"). A forward of one request goes through IO binding on both: the past
-is bound as the region's first tokens and the present is written by onnxruntime straight into the region at
-write_at (host arrays on the CPU, the device KV pool on CUDA), so no KV is copied in or out.
+(docs/runtime.md, "Weights in memory"). A forward of one request reads its past in place on both: on the CPU
+as views of the region fed to a plain run, its new KV then copied into the region at write_at; on CUDA through
+IO binding, the past bound as the region's first tokens and the present written by onnxruntime straight into
+the device KV pool at write_at.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import numpy as np
 from refusion.runtime.core.contract import (
     GRAPH_NAMES,
     GraphName,
-    kv_names,
     past_key_name,
     past_value_name,
     present_key_name,
@@ -39,11 +39,10 @@ class OrtRunner(Runner):
     Holds `max_requests` KV regions (host arrays, grown on demand) and packs up to `max_batch`
     requests' forwards into one call as batch rows: each row's past is copied from its region
     into a [batch, longest past] tensor and padded, its mask keeps it to its own past and
-    tokens. One row alone binds its region in place (IO binding), copying nothing."""
+    tokens. One row alone reads its past in place and copies its new tokens' KV into the region."""
 
     name = "ort-cpu"
     provider = "CPUExecutionProvider"
-    device = "cpu"  # IO binding's device type for the KV buffers
 
     def __init__(self, manifest: ExportManifest, threads: int | None = None, low_memory: bool = False,
                  verify: bool = False, max_requests: int = 1, max_batch: int = 1):
@@ -79,8 +78,6 @@ class OrtRunner(Runner):
             self._outputs[graph] = [t.name for t in self.manifest.graphs[graph].outputs
                                     if not t.name.startswith("present.")]
         self._presents = [name(i) for i in range(self.manifest.num_layers) for name in (present_key_name, present_value_name)]
-        self._past_names = kv_names(self.manifest.num_layers, past=True)  # the order of `_caches`
-        self._present_names = kv_names(self.manifest.num_layers, past=False)
 
     def _deactivate(self) -> None:
         self.sessions.clear()
@@ -106,26 +103,19 @@ class OrtRunner(Runner):
         for source, target in zip(sources, self.keys[dst_region] + self.values[dst_region]):
             target[:, dst : dst + length] = source[:, src : src + length]
 
-    def _caches(self, region: int) -> list[int]:
-        """Addresses of a region's K buffers then its V buffers, by layer (the order of kv_names)."""
-        return [buf.ctypes.data for buf in self.keys[region] + self.values[region]]
-
-    @property
-    def _token_bytes(self) -> int:
-        return self.kv_bytes_per_token // (2 * self.manifest.num_layers)  # one token's K (or V) in one layer
-
     def _run(self, graph, input_ids, position_ids, attention_mask, past_length, write_at, region, heads):
-        """Past bound as the region's first past_length tokens, present bound at write_at: both in place."""
-        m, t, seq = self.manifest, self._token_bytes, input_ids.shape[1]
-        binding, wanted = self._binding(graph, input_ids, position_ids, attention_mask, heads)
-        kv = [m.kv_heads, m.head_dim]
-        caches = self._caches(region)
-        for name, ptr in zip(self._past_names, caches):
-            binding.bind_input(name, self.device, 0, self.dtype, [1, past_length, *kv], ptr)
+        """The past fed as views of the region's first past_length tokens (no copy); the new tokens' KV copied
+        into the region at write_at. On the CPU a plain run is cheaper than IO binding: binding ~20 tensors a
+        call cost more than copying one forward's new KV (0.76 against 0.81 ms for a 1-token forward of the
+        embedded model)."""
+        feed = self._feed(input_ids, position_ids, attention_mask, heads)
+        for i in range(self.manifest.num_layers):
+            feed[past_key_name(i)] = self.keys[region][i][:, :past_length]
+            feed[past_value_name(i)] = self.values[region][i][:, :past_length]
+        outputs = self._session_run(graph, feed, write_at is not None)
         if write_at is not None:
-            for name, ptr in zip(self._present_names, caches):
-                binding.bind_output(name, self.device, 0, self.dtype, [1, seq, *kv], ptr + write_at * t)
-        return self._run_bound(graph, binding, wanted)
+            self._keep_present(graph, outputs, 0, input_ids.shape[1], region, write_at)
+        return {name: outputs[name] for name in self._outputs[graph]}
 
     def _run_batch(self, graph, rows):
         m, batch, packed = self.manifest, len(rows), pack_rows(rows)
@@ -163,22 +153,6 @@ class OrtRunner(Runner):
             self.keys[region][i][0, write_at : write_at + seq] = outputs[present_key_name(i)][row, :seq]
             self.values[region][i][0, write_at : write_at + seq] = outputs[present_value_name(i)][row, :seq]
 
-    def _binding(self, graph: GraphName, ids: np.ndarray, pos: np.ndarray, mask: np.ndarray,
-                 heads: np.ndarray) -> tuple[Any, list[str]]:
-        """A fresh IO binding with the feed on the host and the heads to come back to it."""
-        binding = self.sessions[graph].io_binding()
-        for name, array in self._feed(ids, pos, mask, heads).items():
-            binding.bind_cpu_input(name, array)
-        wanted = self._outputs[graph]
-        for name in wanted:  # bound first, so they come first in get_outputs()
-            binding.bind_output(name, "cpu")
-        return binding, wanted
-
-    def _run_bound(self, graph: GraphName, binding: Any, wanted: list[str]) -> dict[str, np.ndarray]:
-        with self._in_backend(graph):
-            self.sessions[graph].run_with_iobinding(binding)
-        outputs = binding.get_outputs()
-        return {name: outputs[j].numpy() for j, name in enumerate(wanted)}
 
 
 class OrtCudaRunner(OrtRunner):
@@ -236,6 +210,19 @@ class OrtCudaRunner(OrtRunner):
         """The device addresses of the region's caches (the pool keeps kv_names' order), 256-byte aligned."""
         return self._kv.addresses(region)
 
+    def _run(self, graph, input_ids, position_ids, attention_mask, past_length, write_at, region, heads):
+        """Past bound as the region's first past_length tokens, present bound at write_at: both in place."""
+        m, t, seq = self.manifest, self._kv.token_bytes, input_ids.shape[1]
+        binding, wanted = self._binding(graph, input_ids, position_ids, attention_mask, heads)
+        kv = [m.kv_heads, m.head_dim]
+        caches = self._caches(region)
+        for name, ptr in zip(self._kv.past_names, caches):
+            binding.bind_input(name, self.device, 0, self.dtype, [1, past_length, *kv], ptr)
+        if write_at is not None:
+            for name, ptr in zip(self._kv.present_names, caches):
+                binding.bind_output(name, self.device, 0, self.dtype, [1, seq, *kv], ptr + write_at * t)
+        return self._run_bound(graph, binding, wanted)
+
     def _run_batch(self, graph, rows):
         m, t, batch, packed = self.manifest, self._kv.token_bytes, len(rows), pack_rows(rows)
         seq, past, kv = packed.seq, packed.past, [m.kv_heads, m.head_dim]
@@ -259,6 +246,24 @@ class OrtCudaRunner(OrtRunner):
         self._stream.synchronize()  # the regions are whole before the next forward reads them
         return [{name: array[b : b + 1, : r.head_count] for name, array in outputs.items()}
                 for b, r in enumerate(rows)]
+
+
+    def _binding(self, graph: GraphName, ids: np.ndarray, pos: np.ndarray, mask: np.ndarray,
+                 heads: np.ndarray) -> tuple[Any, list[str]]:
+        """A fresh IO binding with the feed on the host and the heads to come back to it."""
+        binding = self.sessions[graph].io_binding()
+        for name, array in self._feed(ids, pos, mask, heads).items():
+            binding.bind_cpu_input(name, array)
+        wanted = self._outputs[graph]
+        for name in wanted:  # bound first, so they come first in get_outputs()
+            binding.bind_output(name, "cpu")
+        return binding, wanted
+
+    def _run_bound(self, graph: GraphName, binding: Any, wanted: list[str]) -> dict[str, np.ndarray]:
+        with self._in_backend(graph):
+            self.sessions[graph].run_with_iobinding(binding)
+        outputs = binding.get_outputs()
+        return {name: outputs[j].numpy() for j, name in enumerate(wanted)}
 
 
 def check_onnxruntime_cuda() -> None:

@@ -287,8 +287,9 @@ def test_packed_rows_equal_each_row_alone(tiny_export, fakes, tmp_path):
 def test_kv_copies_per_forward_are_counted(tiny_export, fakes, tmp_path):
     """RunnerStats counts each forward's KV copies. On the GPU runners a past bound in place and a present
     written in place copy nothing, a staged (unaligned) present is one copy, and a packed forward one copy a
-    row each way, its pasts gathered and its presents scattered, whatever the layers; the CPU runner binds one
-    row in place too (IO binding: nothing copied) and copies a K and a V per layer and row of a packed forward."""
+    row each way, its pasts gathered and its presents scattered, whatever the layers; the CPU runner reads one
+    row's past in place, copies its present in (a K and a V per layer) and copies a K and a V per layer and row
+    of a packed forward."""
     from refusion.runtime.runners.onnxruntime import OrtRunner
 
     manifest = ExportManifest.load(tiny_export)
@@ -315,10 +316,11 @@ def test_kv_copies_per_forward_are_counted(tiny_export, fakes, tmp_path):
                 runner.allocate_kv(48, region)
                 prefill = RowFeed(rng.integers(0, 100, (1, past)), np.arange(past)[None], masks.causal_after(0, past),
                                   0, 0, region)
-                assert counted("infiller", [prefill]) == (0, 0), name
+                lone = (caches, per_token * past) if name == "ort-cpu" else (0, 0)
+                assert counted("infiller", [prefill]) == lone, name
                 rows.append(RowFeed(rng.integers(0, 100, (1, seq)), np.arange(past, past + seq)[None],
                                     masks.causal_after(past, seq), past, write_at, region))
-            staged = (1, per_token * 5) if name == "trt" else (0, 0)
+            staged = {"trt": (1, per_token * 5), "ort-cuda": (0, 0), "ort-cpu": (caches, per_token * 5)}[name]
             assert counted("infiller", [rows[1]]) == staged, name  # write_at 13: unaligned
             assert counted("infiller", rows) == (2 * 3 * per_row, per_token * (pasts + seqs)), name
             planner = [RowFeed(r.input_ids, r.position_ids, r.attention_mask, r.past, None, r.region) for r in rows]
