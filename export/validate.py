@@ -26,12 +26,12 @@ from refusion.export.weights_file import map_weights
 from refusion.runtime.core.contract import GraphName, past_key_name, past_value_name
 from refusion.runtime.core.export_manifest import ExportManifest
 
-TOLERANCE = {"float32": Tolerance(1e-4), "float16": Tolerance(2e-2)}
-# int4 exports: torch runs the dequantized weights, onnxruntime's MatMulNBits (accuracy level 1) computes in
-# fp32 on the same values, so fp32 agrees as closely as a float export. In fp16 torch's CPU kernels round
-# intermediates to fp16 where MatMulNBits keeps fp32: 2.5e-2 measured on present values of magnitude 10
-# (~3 fp16 ulps; onnxruntime was 5.8e-3 from an fp32 run of the same weights), hence a relative term.
-INT4_TOLERANCE = {"float32": Tolerance(1e-4), "float16": Tolerance(2e-2, rel=2e-3)}
+# fp16 rounds relative to magnitude: log-probabilities of magnitude ~30 (the embedded model's confident heads)
+# differ by 3-4 fp16 ulps between onnxruntime and torch (5.9e-2 measured), hence a relative term. int4 exports:
+# torch runs the dequantized weights and onnxruntime's MatMulNBits (accuracy level 1) computes in fp32 on the same
+# values, so fp32 agrees as closely as a float export; in fp16 torch's CPU kernels round intermediates to fp16 where
+# MatMulNBits keeps fp32 (2.5e-2 measured on present values of magnitude 10): the same tolerance covers it.
+TOLERANCE = {"float32": Tolerance(1e-4), "float16": Tolerance(2e-2, rel=2e-3)}
 ValidationReport = ComparisonReport
 
 
@@ -49,8 +49,7 @@ def validate_export(path: str | Path, seed: int = 0, pending: bool = False,
     # peak memory is the larger of the two, not their sum, and torch runs half as often.
     todo = cases(manifest, seed)
     counter = _Counter(progress, 2 * sum(len(case.graphs) for case in todo))  # both runners take every forward
-    q = manifest.quantization
-    tolerance = (INT4_TOLERANCE if q else TOLERANCE)[manifest.dtype]
+    tolerance = TOLERANCE[manifest.dtype]
     # Unpacked sessions: measured on one ReFusion-8B layer, the session's peak 5.4 -> 4.3 GiB (fp16), 4.8 -> 3.7
     # GiB (int4), its forwards 2.5-7x slower (docs/quantization.md).
     sessions = OrtSessions(manifest, unpacked=True)
