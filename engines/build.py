@@ -99,6 +99,13 @@ def plan_build(export_dir: str | Path, output: str | Path, limits: DecodeLimits,
     from refusion.engines.onnx_support import require_supported
 
     export = ExportManifest.load(export_dir)
+    if export.ops != "standard":
+        raise RefusionError(
+            f"{export.path} was exported with --ops {export.ops}: its fused ops (opset {export.opset}, "
+            "com.microsoft) are onnxruntime's. TensorRT builds the standard graphs: re-export with `refusion-export "
+            "onnx CHECKPOINT --output DIR` (--ops standard, the default) and build from DIR (onnxruntime runs this "
+            "export as it is)."
+        )
     exported = dtype(export.dtype).flag
     precision = precision or exported
     if precision not in EXPORT_DTYPES:

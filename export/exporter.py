@@ -18,11 +18,19 @@ import onnx
 
 from refusion.export.checkpoint import Checkpoint
 from refusion.export.onnx_graph import build_graph, graph_opset
+from refusion.export.ort_graph import build_ort_graph
 from refusion.export.progress import Progress, line, silent, tick
 from refusion.export.publish import clean_leftovers, cleanup_on_signals, make_staging, publish
 from refusion.export.quantize import QuantizeOptions, QuantPlan, float_tensors, plan_quantization, write_weight
 from refusion.export.weights_file import WeightsWriter
-from refusion.runtime.core.contract import DEFAULT_CANDIDATES, GRAPH_NAMES, candidates_for, graph_specs
+from refusion.runtime.core.contract import (
+    DEFAULT_CANDIDATES,
+    GRAPH_NAMES,
+    GRAPH_OPS,
+    ORT_OPSET,
+    candidates_for,
+    graph_specs,
+)
 from refusion.runtime.core.dims import expected_weights
 from refusion.runtime.core.dtypes import dtype as dtype_row
 from refusion.runtime.core.dtypes import from_flag
@@ -45,6 +53,7 @@ def export_onnx(
     quantize: QuantizeOptions | None = None,
     candidates: int = DEFAULT_CANDIDATES,
     embeddings: str = "graph",
+    ops: str = "standard",
     progress: Progress = silent,
 ) -> Path:
     """Export `checkpoint` (a local Hugging Face directory) to `output`. `progress` receives
@@ -52,11 +61,14 @@ def export_onnx(
     `quantize` makes the decoder layers' linear weights int4 (export/quantize.py). `candidates`: K, the most
     likely tokens the graphs emit at each position for sampling (top_k may not exceed it; at most the vocabulary).
     `embeddings`: "graph" (the graphs gather the table) or "host" (embeddings.bin beside them, which the runtime
-    maps and gathers from; the graphs take inputs_embeds)."""
+    maps and gathers from; the graphs take inputs_embeds). `ops`: "standard" (opset 17, 21 with int4: what every
+    backend builds) or "onnxruntime" (opset 23's fused ops, about half the nodes: onnxruntime only; export/ort_graph.py)."""
     output = Path(output)
     if isinstance(candidates, bool) or not isinstance(candidates, int) or candidates <= 0:
         raise RefusionError(f"candidates={candidates!r} (--candidates) must be a positive number of tokens.")
     export_dtype = from_flag(dtype).name
+    if ops not in GRAPH_OPS:
+        raise RefusionError(f"ops={ops!r} (--ops) must be one of {', '.join(GRAPH_OPS)}.")
     if output.exists() and not force:
         raise RefusionError(f"output {output} already exists; pass --force to replace it.")
     if output.exists() and not _replaceable(output):
@@ -82,7 +94,7 @@ def export_onnx(
             raise RefusionError(f"cannot write to {output.parent} ({why}); choose a writable --output.") from e
         try:
             _write_export(ckpt, staging, export_dtype, logits, candidates_for(d.vocab_size, candidates), eos_id,
-                          quant_plan, placement, progress)
+                          quant_plan, placement, ops, progress)
             if validate:
                 from refusion.export.validate import validate_export
 
@@ -121,7 +133,7 @@ def _replaceable(output: Path) -> bool:
 
 
 def _write_export(ckpt: Checkpoint, out: Path, dtype: str, logits: bool, candidates: int, eos_id: int,
-                  quant_plan: QuantPlan | None, embeddings: Embeddings, progress: Progress) -> None:
+                  quant_plan: QuantPlan | None, embeddings: Embeddings, ops: str, progress: Progress) -> None:
     dims = ckpt.dims
     t0 = time.perf_counter()
     writer = WeightsWriter(out / ExportManifest.weights_file, dtype)
@@ -156,8 +168,9 @@ def _write_export(ckpt: Checkpoint, out: Path, dtype: str, logits: bool, candida
 
     specs = graph_specs(dims.num_layers, dims.kv_heads, dims.head_dim, dims.vocab_size, dtype, logits, candidates,
                         embeddings.fed_hidden)
+    build = build_ort_graph if ops == "onnxruntime" else build_graph
     for name in GRAPH_NAMES:
-        model = build_graph(specs[name], dims, dtype, writer.initializers)
+        model = build(specs[name], dims, dtype, writer.initializers)
         onnx.save_model(model, out / ExportManifest.graph_files[name])
         line(progress, f"{ExportManifest.graph_files[name]} written ({len(model.graph.node)} nodes)")
 
@@ -168,9 +181,10 @@ def _write_export(ckpt: Checkpoint, out: Path, dtype: str, logits: bool, candida
     defaults = ckpt.decode_defaults().clamped(dims.max_position_embeddings)
     manifest = ExportManifest(
         path=out, dims=dims, dtype=dtype, mask_token_id=ckpt.mask_token_id, eos_token_id=eos_id,
-        defaults=defaults, graphs=specs, opset=graph_opset(writer.initializers), has_logits=logits,
+        defaults=defaults, graphs=specs, opset=ORT_OPSET if ops == "onnxruntime" else graph_opset(writer.initializers),
+        has_logits=logits,
         candidates=candidates, weights=index,
-        tokenizer_files=tokenizer_files, files={}, quantization=quantization, embeddings=embeddings,
+        tokenizer_files=tokenizer_files, files={}, quantization=quantization, embeddings=embeddings, ops=ops,
         source={"checkpoint": str(ckpt.path.resolve()), "dtype": ckpt.source_dtype,
                 "export_seconds": round(time.perf_counter() - t0, 2)},
     )

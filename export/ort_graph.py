@@ -17,12 +17,11 @@ import onnx
 from onnx import TensorProto, helper
 
 from refusion.export.onnx_graph import _Builder, _heads, _tied_head, _used_initializers
-from refusion.runtime.core.contract import INPUTS_EMBEDS, GraphSpec
+from refusion.runtime.core.contract import INPUTS_EMBEDS, ORT_OPSET, GraphSpec
 from refusion.runtime.core.dims import ModelDims
 from refusion.runtime.core.dtypes import dtype as core_dtype
 
-OPSET = 23  # Attention, RMSNormalization, RotaryEmbedding
-IR_VERSION = 11  # what opset 23 needs
+IR_VERSION = 11  # what opset 23 (ORT_OPSET) needs
 MS_DOMAIN = "com.microsoft"  # SkipSimplifiedLayerNormalization: onnxruntime's own
 
 
@@ -31,19 +30,17 @@ def build_ort_graph(
 ) -> onnx.ModelProto:
     """One graph of the contract in the fused onnxruntime form; inputs, outputs and weights as `build_graph`'s."""
     g = _Builder(initializers)
-    g.opset = OPSET  # ReduceMax takes its axes as an input from opset 18
+    g.opset = ORT_OPSET  # ReduceMax takes its axes as an input from opset 18
     onnx_dtype = core_dtype(dtype).onnx
-    np_dtype = onnx.helper.tensor_dtype_to_np_dtype(onnx_dtype)
     wants = {t.name for t in spec.outputs}
     n, kv, d, eps = dims.num_heads, dims.kv_heads, dims.head_dim, dims.rms_norm_eps
 
     fed = any(t.name == INPUTS_EMBEDS for t in spec.inputs)
     x = INPUTS_EMBEDS if fed else g.op("Gather", "model.embed_tokens.weight", "input_ids")
     cos, sin = _rope_tables(g, dims, onnx_dtype)
-    # the boolean mask as an additive bias of the graph's dtype, [b, 1, s, total]: a row with nothing to attend
-    # (a packed batch's padding) softmaxes to uniform weights instead of NaN
-    mask4 = g.op("Unsqueeze", "attention_mask", g.ints(1))
-    bias = g.op("Where", mask4, g.const(np.array(0, np_dtype)), g.const(np.array(np.finfo(np_dtype).min, np_dtype)))
+    # the boolean mask as an fp32 additive bias [b, 1, s, total], as the standard graphs add it
+    zero, neg = g.const(np.array(0.0, np.float32)), g.const(np.array(np.finfo(np.float32).min, np.float32))
+    bias = g.op("Where", g.op("Unsqueeze", "attention_mask", g.ints(1)), zero, neg)
 
     def norm(v: str, weight: str) -> str:
         return g.op("RMSNormalization", v, weight, axis=-1, epsilon=eps)
@@ -64,7 +61,7 @@ def build_ort_graph(
                   out=f"present.{i}.value" if infill else None)
         keys = g.op("Reshape", g.op("Concat", f"past_key_values.{i}.key", k4, axis=1), g.ints(0, 0, kv * d))
         values = g.op("Reshape", g.op("Concat", f"past_key_values.{i}.value", v4, axis=1), g.ints(0, 0, kv * d))
-        attn = g.op("Attention", q, keys, values, bias, q_num_heads=n, kv_num_heads=kv)
+        attn = _attention(g, q, keys, values, bias, n, kv, onnx_dtype)
         h, x = _skip_norm(g, g.linear(attn, p + "self_attn.o_proj.weight"), x, p + "post_attention_layernorm.weight",
                           eps)
         gate = g.linear(h, p + "mlp.gate_proj.weight")
@@ -91,7 +88,7 @@ def build_ort_graph(
         [helper.make_tensor_value_info(t.name, core_dtype(t.dtype).onnx, list(t.axes)) for t in spec.outputs],
         initializer=[initializers[name] for name in _used_initializers(g, initializers)] + g.constants,
     )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(MS_DOMAIN, 1)],
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", ORT_OPSET), helper.make_opsetid(MS_DOMAIN, 1)],
                               producer_name="refusion-trt")
     model.ir_version = IR_VERSION
     return model
@@ -107,6 +104,17 @@ def _rope_tables(g: _Builder, dims: ModelDims, dtype: int) -> tuple[str, str]:
     if dtype == TensorProto.FLOAT:
         return tables
     return g.op("Cast", tables[0], to=dtype), g.op("Cast", tables[1], to=dtype)
+
+
+def _attention(g: _Builder, q: str, keys: str, values: str, bias: str, heads: int, kv_heads: int, dtype: int) -> str:
+    """Grouped-query attention of q [b, s, heads x d] over keys and values [b, total, kv_heads x d], in fp32: in
+    fp16, onnxruntime's CPU kernel rounds the scores to fp16 (top ids off the torch definition's in validation),
+    where the standard graphs take their softmax in fp32."""
+    if dtype == TensorProto.FLOAT:
+        return g.op("Attention", q, keys, values, bias, q_num_heads=heads, kv_num_heads=kv_heads)
+    q, keys, values = (g.op("Cast", t, to=TensorProto.FLOAT) for t in (q, keys, values))
+    out = g.op("Attention", q, keys, values, bias, q_num_heads=heads, kv_num_heads=kv_heads)
+    return g.op("Cast", out, to=dtype)
 
 
 def _skip_norm(g: _Builder, v: str, residual: str, weight: str, eps: float) -> tuple[str, str]:

@@ -102,6 +102,12 @@ def kv_names(num_layers: int, past: bool) -> list[str]:
 
 DEFAULT_CANDIDATES = 64  # top-K candidates the graphs emit for sampling (refusion-export onnx --candidates)
 
+# The ops a graph is written with (refusion-export onnx --ops), its contract the same either way. "standard": opset
+# 17 (21 with int4 weights), what every backend builds; "onnxruntime": opset 23's Attention, RMSNormalization and
+# RotaryEmbedding and onnxruntime's SkipSimplifiedLayerNormalization (export/ort_graph.py), onnxruntime only.
+GRAPH_OPS = ("standard", "onnxruntime")
+ORT_OPSET = 23
+
 
 def candidates_for(vocab_size: int, asked: int = DEFAULT_CANDIDATES) -> int:
     """The K an export of this vocabulary emits: as asked, at most the vocabulary."""

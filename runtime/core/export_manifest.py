@@ -19,7 +19,15 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from refusion.runtime.core.contract import GRAPH_NAMES, GraphName, GraphSpec, TensorSpec, graph_specs
+from refusion.runtime.core.contract import (
+    GRAPH_NAMES,
+    GRAPH_OPS,
+    ORT_OPSET,
+    GraphName,
+    GraphSpec,
+    TensorSpec,
+    graph_specs,
+)
 from refusion.runtime.core.defaults import DecodeDefaults
 from refusion.runtime.core.dims import ModelDims
 from refusion.runtime.core.dtypes import EXPORT_DTYPES, dtype
@@ -80,6 +88,7 @@ class ExportManifest:
     files: dict[str, FileRecord]  # every file above by name: graphs, weights.bin, tokenizer files
     quantization: Quantization | None = None  # int4 linear weights: method, bits, block size, calibration
     embeddings: Embeddings = Embeddings()  # in the graphs, or a table on the host (inputs_embeds)
+    ops: str = "standard"  # the graphs' ops: GRAPH_OPS (contract.py)
     source: dict[str, Any] = field(default_factory=dict)  # checkpoint path and dtype, export time: informative
 
     graph_files = {"planner": "planner.onnx", "infiller": "infiller.onnx"}
@@ -142,7 +151,8 @@ class ExportManifest:
             "embeddings": self.embeddings.to_json(),
             "tokens": {"mask_token_id": self.mask_token_id, "eos_token_id": self.eos_token_id},
             "defaults": self.defaults.to_json(),
-            "graphs": {name: {"file": self.graph_files[name], "opset": self.opset, "logits": self.has_logits,
+            "graphs": {name: {"file": self.graph_files[name], "ops": self.ops, "opset": self.opset,
+                              "logits": self.has_logits,
                               "candidates": self.candidates, **self.graphs[name].to_json()} for name in GRAPH_NAMES},
             "weights": {"file": self.weights_file, "layout": WEIGHTS_LAYOUT,
                         "tensors": {n: e.to_json() for n, e in self.weights.items()}},
@@ -222,8 +232,12 @@ def _parse(path: Path, f: Fields) -> ExportManifest:
     vocab = dims.vocab_size
     logits = f.bool("graphs.planner.logits")
     candidates = f.int("graphs.planner.candidates", 1, vocab + 1)
+    ops = _ops(f, "planner")
     opset = f.positive_int("graphs.planner.opset")
-    if quantization and opset != INT4_OPSET:
+    if ops == "onnxruntime" and opset != ORT_OPSET:
+        raise f.fail("graphs.planner.opset", opset, f"{ORT_OPSET} for --ops onnxruntime (Attention, RMSNormalization, "
+                                                    "RotaryEmbedding)")
+    if ops == "standard" and quantization and opset != INT4_OPSET:
         raise f.fail("graphs.planner.opset", opset,
                      f"{INT4_OPSET} for an int4 export (INT4 and blocked DequantizeLinear)")
     graphs: dict[GraphName, GraphSpec] = {}
@@ -231,6 +245,8 @@ def _parse(path: Path, f: Fields) -> ExportManifest:
                            embeddings.fed_hidden)
     for name in GRAPH_NAMES:
         f.str(f"graphs.{name}.file", (ExportManifest.graph_files[name],))
+        if _ops(f, name) != ops:
+            raise f.fail(f"graphs.{name}.ops", _ops(f, name), f"{ops}, as for the planner")
         if f.positive_int(f"graphs.{name}.opset") != opset:
             raise f.fail(f"graphs.{name}.opset", f.get(f"graphs.{name}.opset"), f"{opset}, as for the planner")
         if f.bool(f"graphs.{name}.logits") != logits:
@@ -264,6 +280,7 @@ def _parse(path: Path, f: Fields) -> ExportManifest:
         files=files,
         quantization=quantization,
         embeddings=embeddings,
+        ops=ops,
         source=f.raw.get("source") if isinstance(f.raw.get("source"), dict) else {},
     )
     _check_weights_fit(f, manifest)
@@ -283,6 +300,11 @@ def _parse(path: Path, f: Fields) -> ExportManifest:
                 f"{content}); refusion.json is not meant to be edited. {REEXPORT[0].upper()}{REEXPORT[1:]}."
             )
     return manifest
+
+
+def _ops(f: Fields, graph: GraphName) -> str:
+    """The graph's ops; "standard" where absent (v6 exports written before --ops)."""
+    return f.str(f"graphs.{graph}.ops", GRAPH_OPS) if "ops" in f.object(f"graphs.{graph}") else "standard"
 
 
 def _name(f: Fields, at: str, value: Any) -> str:

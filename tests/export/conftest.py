@@ -29,21 +29,23 @@ class Store:
     def __init__(self, root: Path):
         self.root = root
         self._checkpoints: dict[str, Path] = {}
-        self._exports: dict[tuple[str, str, bool, str], Export] = {}
+        self._exports: dict[tuple[str, str, bool, str, str], Export] = {}
 
     def checkpoint(self, name: str) -> Path:
         if name not in self._checkpoints:
             self._checkpoints[name] = make_checkpoint(self.root / "ckpt" / name, SPECS[name])
         return self._checkpoints[name]
 
-    def export(self, name: str, dtype: str = "fp32", logits: bool = False, embeddings: str = "graph") -> Export:
+    def export(self, name: str, dtype: str = "fp32", logits: bool = False, embeddings: str = "graph",
+               ops: str = "standard") -> Export:
         from refusion.export.exporter import export_onnx
         from refusion.export.validate import validate_export
 
-        key = (name, dtype, logits, embeddings)
+        key = (name, dtype, logits, embeddings, ops)
         if key not in self._exports:
-            out = self.root / "exports" / f"{name}-{dtype}{'-logits' if logits else ''}-{embeddings}"
-            export_onnx(self.checkpoint(name), out, dtype=dtype, logits=logits, embeddings=embeddings, validate=True)
+            out = self.root / "exports" / f"{name}-{dtype}{'-logits' if logits else ''}-{embeddings}-{ops}"
+            export_onnx(self.checkpoint(name), out, dtype=dtype, logits=logits, embeddings=embeddings, ops=ops,
+                        validate=True)
             self._exports[key] = Export(self.checkpoint(name), out, dtype, logits, validate_export(out))
         return self._exports[key]
 

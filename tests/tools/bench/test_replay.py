@@ -54,18 +54,24 @@ def test_a_recording_round_trips_through_json_and_sizes_its_region(recordings):
 
 
 def test_the_report_reads_its_data(recordings, tmp_path):
-    sides = {"ours": 2.0, "genai": 4.0, "ar_replay": 3.0, "refusion_replay": 6.0, "refusion": 5.0}
+    sides = {"ours": 2.0, "genai": 4.0, "ar_replay": 3.0, "refusion_replay": 6.0, "refusion": 5.0,
+             "ours_ort": 2.5, "ar_replay_ort": 3.5, "refusion_replay_ort": 7.0, "refusion_ort": 6.0}
     model = {"layers": 4, "hidden": 192, "prompts": 2, "tokens": dict.fromkeys(sides, 30),
              "tokens_per_second": sides, "tokens_per_second_range": {k: [v, v] for k, v in sides.items()},
              "ratios": {f"{a}/{b}": sides[a] / sides[b] for a, b in ar_genai.RATIOS},
              "ratios_range": {f"{a}/{b}": [sides[a] / sides[b]] * 2 for a, b in ar_genai.RATIOS},
-             "identical_before_eos": 2, "refusion_reproduces_recording": 2,
-             "graph_nodes": {"ours_infiller": 289, "genai": 87}}
+             "identical_before_eos": 2, "ort_ops_identical": 2, "refusion_reproduces_recording": 2,
+             "refusion_ort_reproduces_recording": 2,
+             "graph_nodes": {"ours_infiller": 289, "ours_ort_infiller": 143, "genai": 87}}
     data = {"cpu": "a CPU", "threads": 1, "host": {}, "models": {"embedded": model},
             "recorded_shapes": {d: ar_genai.shape_summary(recordings[d]) for d in ar_genai.DECODERS},
             "recordings": {d: [rec.to_json() for rec in recordings[d]] for d in ar_genai.DECODERS}}
     text = ar_genai.markdown(data)
-    assert "| embedded | 2 | 30 | 5.0 | 6.0 | 3.0 | 1.25x (1.25-1.25) | 2.00x (2.00-2.00) |" in text
+    assert ("| embedded (4 layers, hidden 192) | 2 | 30 | 2.0 | 2.5 | 4.0 | 0.50x (0.50-0.50) | 0.62x (0.62-0.62) | "
+            "2/2 | 2/2 | 289 / 143 / 87 |") in text
+    assert "| embedded | standard | 2 | 30 | 5.0 | 6.0 | 3.0 | 1.25x (1.25-1.25) | 2.00x (2.00-2.00) |" in text
+    assert ("| embedded | onnxruntime ops | 2 | 30 | 6.0 | 7.0 | 3.5 | 1.50x (1.50-1.50) | 2.00x (2.00-2.00) | "
+            "1.75x (1.75-1.75) | 2.80x (2.80-2.80) | 1.40x (1.40-1.40) |") in text
     assert f"| refusion | 2 | {sum(rec.tokens for rec in recordings['refusion'])} |" in text
     ar_genai.plot(data, tmp_path / "scale.png")
     assert (tmp_path / "scale.png").stat().st_size > 0

@@ -5,7 +5,8 @@ model and a random 8-layer hidden-1024 model made at run time (seeded, nothing d
     pip install -e '.[bench-genai]'
     python -m refusion.tools.bench.measure.ar_genai --work DIR [--out results/ar-genai] [--repeats 3]
 
-Both sides greedy, one onnxruntime thread, fp32, from a fresh request per prompt (ours: Generator.generate with
+Ours runs twice over: the standard graphs and those of `--ops onnxruntime` (export/ort_graph.py), the sides of the
+latter suffixed "_ort". Both sides greedy, one onnxruntime thread, fp32, from a fresh request per prompt (ours: Generator.generate with
 mode "ar", its scheduler thread and all; onnxruntime-genai: a Generator from its model builder's export, prompt
 appended, tokens generated to the end). Ours stops at its EOS; onnxruntime-genai is given exactly as many tokens
 (min_length = max_length, so its EOS is ignored), so both sides are timed over the same tokens, prefill included.
@@ -28,6 +29,8 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -40,9 +43,13 @@ RANDOM_SPEC = dict(num_layers=8, hidden_size=1024, num_heads=8, kv_heads=4, head
                    vocab_size=2048, rope_theta=10000.0)  # the theta onnxruntime-genai's builder reads (see below)
 PROMPTS = {"embedded": 40, "random": 8}  # the random model's forwards cost ~50x the embedded one's
 DECODERS = ("ar", "refusion")  # the decodes recorded on the embedded model, replayed on every model
-# reported ratios: (numerator side, denominator side), per pass
-RATIOS = (("ours", "genai"), ("refusion", "genai"), ("refusion", "ours"), ("refusion_replay", "ar_replay"),
-          ("refusion_replay", "genai"), ("refusion_replay", "ours"), ("ar_replay", "ours"), ("ar_replay", "genai"))
+OURS = {"": "onnx", "_ort": "onnx-ort"}  # side suffix -> export directory: standard ops, then --ops onnxruntime
+OPS_LABEL = {"": "standard", "_ort": "onnxruntime ops"}
+# reported ratios: (numerator side, denominator side), per pass; each of our exports' sides alike, then across them
+RATIOS = tuple((a + x, b if b == "genai" else b + x) for x in OURS for a, b in (
+    ("ours", "genai"), ("refusion", "genai"), ("refusion", "ours"), ("refusion_replay", "ar_replay"),
+    ("refusion_replay", "genai"), ("refusion_replay", "ours"), ("ar_replay", "ours"), ("ar_replay", "genai"),
+)) + (("ours_ort", "ours"), ("refusion_ort", "refusion"))
 
 
 def checkpoint(model: str, work: Path) -> Path:
@@ -56,15 +63,17 @@ def checkpoint(model: str, work: Path) -> Path:
     return ckpt if (ckpt / "config.json").is_file() else make_checkpoint(ckpt, TinySpec(**RANDOM_SPEC))
 
 
-def exports(ckpt: Path, out: Path, threads: int) -> tuple[Path, Path]:
-    """(our export, onnxruntime-genai's) of `ckpt` under `out`, each made once. onnxruntime-genai's builder reads
-    RoPE's theta from config.rope_theta alone (else 10000), which transformers >= 5 keeps in rope_parameters: the
-    random model uses 10000, and the tokens compared say whether both graphs compute one model."""
+def exports(ckpt: Path, out: Path, threads: int) -> tuple[dict[str, Path], Path]:
+    """(our exports by side suffix, onnxruntime-genai's) of `ckpt` under `out`, each made once. onnxruntime-genai's
+    builder reads RoPE's theta from config.rope_theta alone (else 10000), which transformers >= 5 keeps in
+    rope_parameters: the random model uses 10000, and the tokens compared say whether both graphs compute one
+    model."""
     from refusion.export.exporter import export_onnx
 
-    ours, genai = out / "onnx", out / "genai"
-    if not (ours / "refusion.json").is_file():
-        export_onnx(ckpt, ours, force=True, validate=False)
+    ours, genai = {suffix: out / name for suffix, name in OURS.items()}, out / "genai"
+    for suffix, path in ours.items():
+        if not (path / "refusion.json").is_file():
+            export_onnx(ckpt, path, force=True, validate=False, ops="onnxruntime" if suffix else "standard")
     if not (genai / "genai_config.json").is_file():
         subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(ckpt), "-o", str(genai),
                         "-p", "fp32", "-e", "cpu", "-c", str(out / "genai-cache")], check=True)
@@ -91,7 +100,7 @@ def record(work: Path, n: int, max_tokens: int, threads: int) -> dict[str, list[
     from refusion.runtime.generator import Generator
 
     ours, _ = exports(checkpoint("embedded", work), work / "embedded", threads)
-    with Generator.from_dir(ours, backend="ort-cpu", threads=threads, prefix_cache_mb=0) as gen:
+    with Generator.from_dir(ours[""], backend="ort-cpu", threads=threads, prefix_cache_mb=0) as gen:
         feeds = prompts("embedded", gen, n, gen.manifest.vocab_size)
         options: dict[str, dict[str, Any]] = {"ar": {"mode": "ar", "max_tokens": max_tokens}, "refusion": {}}
         return {decoder: [recorded(gen.runner, lambda: gen.generate(prompt_ids=ids, **options[decoder]),
@@ -134,34 +143,43 @@ def measure(model: str, work: Path, n: int, max_tokens: int, repeats: int, threa
     from refusion.runtime.generator import Generator
 
     ckpt = checkpoint(model, work)
-    ours_dir, genai_dir = exports(ckpt, work / model, threads)
+    ours_dirs, genai_dir = exports(ckpt, work / model, threads)
     genai = og.Model(og.Config(str(genai_dir)))
-    with Generator.from_dir(ours_dir, backend="ort-cpu", threads=threads, prefix_cache_mb=0) as gen:
-        m = gen.manifest
-        feeds = prompts(model, gen, n, m.vocab_size)
+    with ExitStack() as stack:
+        gens = {suffix: stack.enter_context(Generator.from_dir(path, backend="ort-cpu", threads=threads,
+                                                               prefix_cache_mb=0))
+                for suffix, path in ours_dirs.items()}
+        m = gens[""].manifest
+        feeds = prompts(model, gens[""], n, m.vocab_size)
         plans = {d: [prepare(rec, m.vocab_size, seed=i) for i, rec in enumerate(recs[d][:n])] for d in DECODERS}
 
-        def ours(ids: list[int]) -> list[int]:
+        def ours(gen: Any, ids: list[int]) -> list[int]:
             return list(gen.generate(prompt_ids=ids, mode="ar", max_tokens=max_tokens).token_ids)
 
-        # untimed pass (the warm-up): each prompt's tokens on both sides, compared before our EOS
-        want = [ours(ids) for ids in feeds]
+        # untimed pass (the warm-up): each prompt's tokens on every side, compared before our EOS
+        want = [ours(gens[""], ids) for ids in feeds]
         got = [genai_run(og, genai, ids, len(w)) for ids, w in zip(feeds, want)]
         before_eos = [w[:-1] if w and w[-1] == m.eos_token_id else w for w in want]
         identical = sum(g[: len(b)] == b for g, b in zip(got, before_eos))
-        sides = {"ours": lambda i: ours(feeds[i]), "genai": lambda i: genai_run(og, genai, feeds[i], len(want[i])),
-                 "ar_replay": lambda i: replay(gen.runner, plans["ar"][i]),
-                 "refusion_replay": lambda i: replay(gen.runner, plans["refusion"][i])}
-        tokens = {"ours": sum(len(w) for w in want), "genai": sum(len(w) for w in want),
-                  **{f"{d}_replay": sum(p.tokens for p in plans[d]) for d in DECODERS}}
-        reproduced = None
-        if model == "embedded":  # the recorded decodes, for real: their tokens are the recording's
-            sides["refusion"] = lambda i: gen.generate(prompt_ids=feeds[i]).stats.tokens
-            tokens["refusion"] = tokens["refusion_replay"]
-            reproduced = sum(sides["refusion"](i) == p.tokens for i, p in enumerate(plans["refusion"]))
-        for side in ("ar_replay", "refusion_replay"):
-            for i in range(len(feeds)):
-                sides[side](i)  # the replays' warm-up
+        identical_ort = sum(ours(gens["_ort"], ids) == w for ids, w in zip(feeds, want))
+        sides: dict[str, Callable[[int], Any]] = {
+            "genai": lambda i: genai_run(og, genai, feeds[i], len(want[i]))}
+        tokens = {"genai": sum(len(w) for w in want)}
+        reproduced = {}
+        for suffix, gen in gens.items():
+            sides["ours" + suffix] = lambda i, gen=gen: ours(gen, feeds[i])
+            sides["ar_replay" + suffix] = lambda i, gen=gen: replay(gen.runner, plans["ar"][i])
+            sides["refusion_replay" + suffix] = lambda i, gen=gen: replay(gen.runner, plans["refusion"][i])
+            tokens |= {"ours" + suffix: tokens["genai"],
+                       **{f"{d}_replay{suffix}": sum(p.tokens for p in plans[d]) for d in DECODERS}}
+            if model == "embedded":  # the recorded decodes, for real: their tokens are the recording's
+                sides["refusion" + suffix] = lambda i, gen=gen: gen.generate(prompt_ids=feeds[i]).stats.tokens
+                tokens["refusion" + suffix] = tokens["refusion_replay"]
+                reproduced[suffix] = sum(sides["refusion" + suffix](i) == p.tokens
+                                         for i, p in enumerate(plans["refusion"]))
+            for side in ("ar_replay" + suffix, "refusion_replay" + suffix):
+                for i in range(len(feeds)):
+                    sides[side](i)  # the replays' warm-up
         seconds: dict[str, list[float]] = {side: [] for side in sides}
         for r in range(repeats):
             spent = dict.fromkeys(sides, 0.0)
@@ -186,8 +204,11 @@ def measure(model: str, work: Path, n: int, max_tokens: int, repeats: int, threa
         "tokens_per_second_range": {side: [min(v), max(v)] for side, v in per_pass.items()},
         "ratios": {k: statistics.median(v) for k, v in ratios.items()},
         "ratios_range": {k: [min(v), max(v)] for k, v in ratios.items()},
-        "identical_before_eos": identical, "refusion_reproduces_recording": reproduced,
-        "graph_nodes": {"ours_infiller": graph_nodes(ours_dir / "infiller.onnx"),
+        "identical_before_eos": identical, "ort_ops_identical": identical_ort,
+        "refusion_reproduces_recording": reproduced.get("") if reproduced else None,
+        "refusion_ort_reproduces_recording": reproduced.get("_ort") if reproduced else None,
+        "graph_nodes": {"ours_infiller": graph_nodes(ours_dirs[""] / "infiller.onnx"),
+                        "ours_ort_infiller": graph_nodes(ours_dirs["_ort"] / "infiller.onnx"),
                         "genai": graph_nodes(genai_dir / "model.onnx")},
     }
 
@@ -206,34 +227,39 @@ def markdown(data: dict[str, Any]) -> str:
              f"{data['host'].get('onnxruntime_genai', '?')}; {data['threads']} thread(s), fp32, greedy. Written by "
              "`python -m refusion.tools.bench.measure.ar_genai`.", "",
              "## AR", "",
-             "| model | prompts | tokens | ours tokens/s | onnxruntime-genai tokens/s | ours / genai (range) | "
-             "identical before EOS | graph nodes ours / genai |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| model | prompts | tokens | ours tokens/s | ours, onnxruntime ops tokens/s | onnxruntime-genai tokens/s | "
+             "ours / genai (range) | onnxruntime ops / genai (range) | identical before EOS | onnxruntime ops' tokens "
+             "as ours | graph nodes ours / onnxruntime ops / genai |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in data["models"].items():
-        tps, tokens = r["tokens_per_second"], r["tokens"]
+        tps, tokens, nodes = r["tokens_per_second"], r["tokens"], r["graph_nodes"]
         lines.append(f"| {name} ({r['layers']} layers, hidden {r['hidden']}) | {r['prompts']} | {tokens['ours']} | "
-                     f"{tps['ours']:.1f} | {tps['genai']:.1f} | {ratio(r, 'ours/genai')} | "
-                     f"{r['identical_before_eos']}/{r['prompts']} | {r['graph_nodes']['ours_infiller']} / "
-                     f"{r['graph_nodes']['genai']} |")
+                     f"{tps['ours']:.1f} | {tps['ours_ort']:.1f} | {tps['genai']:.1f} | {ratio(r, 'ours/genai')} | "
+                     f"{ratio(r, 'ours_ort/genai')} | {r['identical_before_eos']}/{r['prompts']} | "
+                     f"{r['ort_ops_identical']}/{r['prompts']} | {nodes['ours_infiller']} / {nodes['ours_ort_infiller']} "
+                     f"/ {nodes['genai']} |")
     lines += ["", "## ReFusion, real and replayed", "",
               "ReFusion at the export's recorded setting decodes the embedded model's prompts; every forward's shape is "
-              "recorded and replayed on each model's export (the runner alone: no decode loop, no scheduler), beside "
+              "recorded and replayed on each model's exports (the runner alone: no decode loop, no scheduler), beside "
               "the replay of our AR's decodes of the same prompts. Replayed tokens are the recording's.", "",
-              "| model | prompts | ReFusion tokens | ReFusion tokens/s | replayed ReFusion tokens/s | "
+              "| model | graphs | prompts | ReFusion tokens | ReFusion tokens/s | replayed ReFusion tokens/s | "
               "replayed AR tokens/s | ReFusion / genai AR | replayed ReFusion / replayed AR | "
               "replayed ReFusion / genai AR | replayed ReFusion / our AR | replayed AR / our AR |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in data["models"].items():
         tps = r["tokens_per_second"]
-        real = f"{tps['refusion']:.1f}" if "refusion" in tps else "- (random weights)"
-        lines.append(f"| {name} | {r['prompts']} | {r['tokens']['refusion_replay']} | {real} | "
-                     f"{tps['refusion_replay']:.1f} | {tps['ar_replay']:.1f} | {ratio(r, 'refusion/genai')} | "
-                     f"{ratio(r, 'refusion_replay/ar_replay')} | {ratio(r, 'refusion_replay/genai')} | "
-                     f"{ratio(r, 'refusion_replay/ours')} | {ratio(r, 'ar_replay/ours')} |")
+        for x, label in OPS_LABEL.items():
+            real = f"{tps['refusion' + x]:.1f}" if "refusion" + x in tps else "- (random weights)"
+            lines.append(f"| {name} | {label} | {r['prompts']} | {r['tokens']['refusion_replay' + x]} | {real} | "
+                         f"{tps['refusion_replay' + x]:.1f} | {tps['ar_replay' + x]:.1f} | "
+                         f"{ratio(r, f'refusion{x}/genai')} | {ratio(r, f'refusion_replay{x}/ar_replay{x}')} | "
+                         f"{ratio(r, f'refusion_replay{x}/genai')} | {ratio(r, f'refusion_replay{x}/ours{x}')} | "
+                         f"{ratio(r, f'ar_replay{x}/ours{x}')} |")
     embedded = data["models"].get("embedded", {})
     if embedded.get("refusion_reproduces_recording") is not None:
         lines += ["", f"ReFusion's timed decodes generate the recording's token counts on "
-                      f"{embedded['refusion_reproduces_recording']}/{embedded['prompts']} prompts."]
+                      f"{embedded['refusion_reproduces_recording']}/{embedded['prompts']} prompts (standard graphs) and "
+                      f"{embedded['refusion_ort_reproduces_recording']}/{embedded['prompts']} (onnxruntime ops)."]
     lines += ["", "Recorded shapes (embedded model, all prompts recorded):", "",
               "| decoder | prompts | tokens | forwards / token | fed tokens / forward | past / forward | heads / forward |",
               "|---|---|---|---|---|---|---|"]
@@ -252,8 +278,9 @@ def plot(data: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    bars = (("ours/genai", "our AR"), ("ar_replay/genai", "replayed AR"), ("refusion/genai", "ReFusion"),
-            ("refusion_replay/genai", "replayed ReFusion"))
+    bars = (("ours/genai", "our AR"), ("ours_ort/genai", "our AR, onnxruntime ops"), ("refusion/genai", "ReFusion"),
+            ("refusion_ort/genai", "ReFusion, onnxruntime ops"), ("refusion_replay/genai", "replayed ReFusion"),
+            ("refusion_replay_ort/genai", "replayed ReFusion, onnxruntime ops"))
     fig, ax = plt.subplots(figsize=(7, 4))
     models = list(data["models"])
     width = 0.8 / len(bars)
