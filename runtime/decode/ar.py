@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -51,8 +52,8 @@ def ar_steps(tokens: Tokens, params: DecodeParams, trace: DecodeTrace) -> StepMa
         answer.append(int(token[0]))
         trace.tpf_sum += 1.0
         trace.iterations += 1
-        with np.errstate(divide="ignore"):  # a probability of 0 in fp32 is a log-probability of -inf
-            yield Commit(step, (int(token[0]),), (p0 + step - 1,), "ar", (float(np.log(prob[0])),))
+        p = float(prob[0])  # a probability of 0 in fp32 is a log-probability of -inf
+        yield Commit(step, (int(token[0]),), (p0 + step - 1,), "ar", (math.log(p) if p > 0 else -math.inf,))
         if int(token[0]) == tokens.eos_id:
             break
     # Fed one at a time, each over all before it: the answer's KV is causal too, so a conversation's next turn

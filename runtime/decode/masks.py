@@ -8,7 +8,8 @@ import numpy as np
 def causal_after(past: int, seq: int) -> np.ndarray:
     """New tokens see all of the past and the new tokens before them (plan, verify, prefill)."""
     mask = np.ones((1, seq, past + seq), dtype=bool)
-    mask[0, :, past:] = np.tri(seq, dtype=bool)
+    if seq > 1:  # one token (an AR step) sees everything: no triangle to cut
+        mask[0, :, past:] = np.tri(seq, dtype=bool)
     return mask
 
 
