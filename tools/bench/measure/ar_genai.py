@@ -222,8 +222,8 @@ def ratio(r: dict[str, Any], key: str) -> str:
 
 def markdown(data: dict[str, Any]) -> str:
     lines = ["# Our AR and ReFusion against onnxruntime-genai's AR", "",
-             f"CPU: {data['cpu']} (2 cores shared with a training job and other work: the ratios, measured within "
-             f"one run, are what to read); onnxruntime {data['host'].get('onnxruntime', '?')}, onnxruntime-genai "
+             f"CPU: {data['cpu']} (timings move with what else runs: the ratios, measured within one run, are what "
+             f"to read); onnxruntime {data['host'].get('onnxruntime', '?')}, onnxruntime-genai "
              f"{data['host'].get('onnxruntime_genai', '?')}; {data['threads']} thread(s), fp32, greedy. Written by "
              "`python -m refusion.tools.bench.measure.ar_genai`.", "",
              "## AR", "",
