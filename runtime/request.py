@@ -99,6 +99,7 @@ class Request:
         self._stops = (self._settled_text() if options.stop or options.stop_token_ids else None)
         self._cancelled = threading.Event()
         self._changed = threading.Condition()
+        self._event_waiters = 0  # events() callers waiting on _changed for a commit; result() waits for the end
         self._listeners: list[Callable[[], None]] = []  # called on the scheduler thread at each change (asyncio)
         self._result: GenerationResult | None = None
         self._error: BaseException | None = None
@@ -148,7 +149,11 @@ class Request:
         seen = 0
         while True:
             with self._changed:
-                self._changed.wait_for(lambda: len(self.commits) > seen or self.done)
+                self._event_waiters += 1
+                try:
+                    self._changed.wait_for(lambda: len(self.commits) > seen or self.done)
+                finally:
+                    self._event_waiters -= 1
                 fresh, finished = self.commits[seen:], self.done
             seen += len(fresh)
             yield from fresh
@@ -253,7 +258,8 @@ class Request:
             self.first_commit_at = time.perf_counter()
         with self._changed:
             self.commits.append(commit)
-            self._changed.notify_all()
+            if self._event_waiters:  # a result() waiter woken for each token would only wait again
+                self._changed.notify_all()
             listeners = list(self._listeners)
         for listener in listeners:
             listener()
