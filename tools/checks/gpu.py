@@ -48,10 +48,10 @@ def line(ok: bool, what: str) -> bool:
     return ok
 
 
-def fixture(work: Path) -> tuple[Path, Path, dict[str, Path], Path]:
+def fixture(work: Path) -> tuple[Path, Path, dict[str, Path], Path, Path]:
     """The fixture checkpoint's fp16 and fp32 exports, its int4 ones (fp16 scales) by name: the layers'
-    linears int4 ("int4"), and the lm_head too ("int4-head"), and fp16 with its embedding table on the host
-    (--embeddings host)."""
+    linears int4 ("int4"), and the lm_head too ("int4-head"), fp16 with its embedding table on the host
+    (--embeddings host), and fp16 in onnxruntime's fused ops (--ops onnxruntime)."""
     from refusion.export.exporter import export_onnx
     from refusion.export.quantize import QuantizeOptions
     from refusion.tools.checks.fixtures.checkpoints import TinySpec, make_checkpoint
@@ -64,7 +64,8 @@ def fixture(work: Path) -> tuple[Path, Path, dict[str, Path], Path]:
             {name: export_onnx(ckpt, work / f"onnx-{name}", dtype="fp16", force=True, progress=print,
                                quantize=QuantizeOptions("int4-rtn", INT4_BLOCK, head=head))
              for name, head in INT4_EXPORTS.items()},
-            export_onnx(ckpt, work / "onnx-fp16-host", dtype="fp16", force=True, progress=print, embeddings="host"))
+            export_onnx(ckpt, work / "onnx-fp16-host", dtype="fp16", force=True, progress=print, embeddings="host"),
+            export_onnx(ckpt, work / "onnx-fp16-ort", dtype="fp16", force=True, progress=print, ops="onnxruntime"))
 
 
 def build(export: Path, work: Path, strongly_typed: bool, name: str = "engines") -> tuple[Path, list[str]]:
@@ -314,6 +315,44 @@ def same_tokens(graph_engines: Path, host_engines: Path) -> bool:
                             f"engine's{f'; request(s) {differ} differ' if differ else ''}")
 
 
+def ort_ops_on_cuda(export: Path, standard: Path, provider: str = "CUDAExecutionProvider") -> bool:
+    """The --ops onnxruntime export on onnxruntime CUDA against the same graphs on its CPU provider (the
+    comparator's cases, the export validation's fp16 tolerance), then each parity request's tokens beside the
+    standard export's on CUDA (a count: the two graphs round differently, so a near-tie may go either way). A
+    fused op CUDA lacks runs on the CPU provider instead: still right, only slower, which the 1-token forward
+    time beside the standard graph's says. `provider`: the CPU one for the CPU test."""
+    from refusion.export.compare import OrtSessions, cases, compare_runners
+    from refusion.export.validate import TOLERANCE
+    from refusion.runtime.core.export_manifest import ExportManifest
+    from refusion.runtime.generator import Generator
+    from refusion.runtime.runners.ort_session import import_onnxruntime
+
+    if provider not in import_onnxruntime().get_available_providers():
+        print(f"SKIP: --ops onnxruntime on onnxruntime CUDA (onnxruntime here has no {provider}; "
+              "pip install 'refusion-trt[ort-gpu]')")
+        return True
+    manifest = ExportManifest.load(export)
+    report = compare_runners(OrtSessions(manifest, (provider,)), OrtSessions(manifest), cases(manifest),
+                             TOLERANCE[manifest.dtype], manifest.precision)
+    print(report.text())
+    ok = line(report.ok, f"--ops onnxruntime on {provider} vs the CPU provider (comparator)")
+    backend = "ort-cpu" if provider == "CPUExecutionProvider" else "ort-cuda"
+    jobs = [(prompt, dict(gen_length=g, slot_size=k, serial_num_blocks=b, slot_threshold=st, token_threshold=tt))
+            for prompt in PROMPTS for g, k, b, st, tt in DECODES] + [(p, dict(gen_length=32, mode="ar")) for p in PROMPTS]
+    tokens, seconds = [], []
+    for path in (export, standard):
+        with Generator.from_dir(path, backend=backend) as gen:
+            tokens.append([gen.generate(prompt_ids=prompt, **params).token_ids for prompt, params in jobs])
+            t0 = time.perf_counter()
+            for _ in range(20):
+                gen.generate(prompt_ids=PROMPTS[0], gen_length=16, mode="ar")
+            seconds.append((time.perf_counter() - t0) / (20 * 16))
+    same = sum(a == b for a, b in zip(*tokens))
+    print(f"INFO: --ops onnxruntime on {backend}: {same}/{len(jobs)} generations token-identical to the standard "
+          f"export's; AR {seconds[0] * 1e3:.2f} ms a token against {seconds[1] * 1e3:.2f} ms")
+    return ok
+
+
 def _serve(runner: Any, jobs: list[tuple[list[int], dict[str, Any]]]) -> list[list[int]]:
     """The jobs' tokens, all submitted at once to a Generator over `runner`."""
     from refusion.runtime.generator import Generator
@@ -402,7 +441,7 @@ def main() -> int:
     from refusion.engines.check import check_engines
 
     strongly = not args.weakly_typed
-    export, export32, int4, export_host = fixture(work)
+    export, export32, int4, export_host, export_ort = fixture(work)
     engines, ok = built(export, work, strongly, "engines")
     ok &= one_engine(export, engines)
     ok &= line(check_engines(engines), "TensorRT fp16 engines vs onnxruntime (comparator)")
@@ -426,6 +465,7 @@ def main() -> int:
     ok &= line(check_engines(engines_host), "TensorRT fp16 engine, embeddings host, vs onnxruntime (comparator)")
     ok &= parity(export_host, engines_host)
     ok &= same_tokens(engines, engines_host)
+    ok &= ort_ops_on_cuda(export_ort, export)
     line(ok, f"GPU check ({time.perf_counter() - t0:.0f} s, work directory {work})")
     return 0 if ok else 1
 

@@ -13,6 +13,7 @@ import onnx
 import pytest
 from onnx import numpy_helper
 
+from refusion.runtime.core.export_manifest import ExportManifest
 from refusion.runtime.core.profiles import DecodeLimits
 from refusion.tools.checks import gpu as gpu_check
 from tests.fakes import CpuBoundCudaRunner
@@ -162,3 +163,17 @@ def test_the_whole_check_runs_on_the_fakes(fakes, tmp_path, monkeypatch, capsys)
                   "TensorRT fp16 engine, embeddings host, vs onnxruntime",
                   "embeddings host: 8 generations token-identical to the graph-embedding engine's"):
         assert f"PASS: {check}" in out, check
+
+
+def test_the_onnxruntime_ops_step_runs_its_comparison_and_generations(exports, tmp_path, capsys):
+    """ort_ops_on_cuda's code on the CPU provider (on a GPU it compares CUDA with the CPU provider)."""
+    from refusion.export.exporter import export_onnx
+
+    ckpt = Path(ExportManifest.load(exports["fp16"]).source["checkpoint"])
+    fused = export_onnx(ckpt, tmp_path / "ort", dtype="fp16", ops="onnxruntime", validate=False)
+    assert gpu_check.ort_ops_on_cuda(fused, exports["fp16"], provider="CPUExecutionProvider")
+    out = capsys.readouterr().out
+    assert "PASS: --ops onnxruntime on CPUExecutionProvider vs the CPU provider (comparator)" in out
+    assert "generations token-identical to the standard export's; AR" in out
+    assert gpu_check.ort_ops_on_cuda(fused, exports["fp16"], provider="NoSuchExecutionProvider")  # a skip
+    assert "SKIP: --ops onnxruntime on onnxruntime CUDA" in capsys.readouterr().out
