@@ -18,6 +18,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from refusion.runtime.core.errors import RefusionError
+from refusion.runtime.core.signals import main_thread_signals
 from refusion.runtime.decode.steps import Forward, KVMove, PrefixKV
 from refusion.runtime.prefix_cache import PrefixCache
 from refusion.runtime.request import FinishReason, Request
@@ -51,7 +52,8 @@ class Scheduler:
             self._waiting.append(request)
             if self._thread is None:  # started before it is seen: `alive` never sees it unstarted
                 thread = threading.Thread(target=self._loop, name="refusion-scheduler", daemon=True)
-                thread.start()
+                with main_thread_signals():
+                    thread.start()
                 self._thread = thread
             self._lock.notify_all()
         return request

@@ -32,6 +32,7 @@ from tokenizers import Tokenizer as _Backend
 from tokenizers.models import BPE
 
 from refusion.runtime.core.errors import RefusionError
+from refusion.runtime.core.signals import main_thread_signals
 
 # Every tokenizer file a checkpoint may carry; the exporter copies those that exist.
 TOKENIZER_FILES: tuple[str, ...] = (
@@ -105,8 +106,10 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`, as transformers' `tokenizer(text)["input_ids"]`."""
         # encode_batch gives the same ids and releases the GIL while it works (encode holds it), so a long
-        # prompt tokenized on one thread does not stall the scheduler's.
-        return self._backend.encode_batch([text])[0].ids
+        # prompt tokenized on one thread does not stall the scheduler's. Its first call starts the tokenizers
+        # library's thread pool: inside main_thread_signals, so the pool takes no Ctrl-C.
+        with main_thread_signals():
+            return self._backend.encode_batch([text])[0].ids
 
     @cached_property
     def longest_token_bytes(self) -> int:

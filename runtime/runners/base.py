@@ -27,6 +27,7 @@ from refusion.runtime.core.dtypes import dtype
 from refusion.runtime.core.embeddings import EmbeddingTable, token_feed
 from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.core.export_manifest import ExportManifest
+from refusion.runtime.core.signals import main_thread_signals
 from refusion.runtime.runners.stats import ForwardShape, MoveShape, RowShape, RunnerStats
 
 if TYPE_CHECKING:
@@ -53,7 +54,8 @@ class Runner(ABC):
         if not self.is_active:
             if self.embeddings is not None:
                 self.embeddings.load()  # a missing or damaged table refused before any device work
-            self._activate()
+            with main_thread_signals():  # the backend's thread pools (onnxruntime's, the GPU driver's)
+                self._activate()
             self.is_active = True
 
     def deactivate(self) -> None:
