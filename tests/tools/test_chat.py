@@ -192,6 +192,11 @@ class Pty:
         self.pid, self.fd = pty.fork()
         if self.pid == 0:  # the child: its controlling terminal is the pty, so Ctrl-C is a SIGINT
             os.environ["TERM"] = "dumb"
+            # as a shell starts a program on a terminal: a suite run in the background (`cmd &` without job
+            # control, or nohup) ignores SIGINT and SIGQUIT, an ignored signal stays ignored across exec, and
+            # Python then leaves Ctrl-C ignored (the session hung at the half line)
+            for signum in (signal.SIGINT, signal.SIGQUIT, signal.SIGHUP):
+                signal.signal(signum, signal.SIG_DFL)
             os.execv(sys.executable, [sys.executable, "-m", "refusion.tools.run_cli", "chat", *args])
         self.screen = self.transcript = ""
 
