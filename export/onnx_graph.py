@@ -15,6 +15,8 @@ blocked DequantizeLinear), IR version 10; float graphs stay opset 17.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
@@ -134,24 +136,36 @@ def build_graph(
         act = g.op("Mul", g.op("Mul", gate, g.op("Sigmoid", gate)), up)  # SiLU as Mul+Sigmoid: portable
         x = g.op("Add", x, g.linear(act, p + "mlp.down_proj.weight"))
 
-    # Only the head positions' hidden states go on to the final norm and the vocabulary head: [b, heads, hidden]
+    final_heads(g, spec, dims, x, lambda v, w: _rms_norm(g, v, w, dims.rms_norm_eps, onnx_dtype), onnx_dtype)
+    return assemble(g, spec, f"refusion_{spec.name}", [helper.make_opsetid("", g.opset)], IR_VERSION[g.opset])
+
+
+def final_heads(g: _Builder, spec: GraphSpec, dims: ModelDims, x: str, norm: Callable[[str, str], str],
+                dtype: int) -> None:
+    """The outputs from the last hidden states `x`: only the head positions' rows go on to the final norm (`norm`,
+    the graph's RMSNorm) and the vocabulary head, [b, heads, hidden] -> the heads of `_heads` (and logits)."""
+    wants = {t.name for t in spec.outputs}
     at = g.op("Expand", g.op("Unsqueeze", "head_positions", g.ints(-1)), g.ints(1, 1, dims.hidden_size))
-    h = _rms_norm(g, g.op("GatherElements", x, at, axis=1), "model.norm.weight", dims.rms_norm_eps, onnx_dtype)
+    h = norm(g.op("GatherElements", x, at, axis=1), "model.norm.weight")
     head = _tied_head(g, h, dims) if dims.tie_word_embeddings else g.linear(h, "lm_head.weight")
-    logits = _to_f32(g, head, onnx_dtype)  # [b, heads, vocab] fp32
+    logits = _to_f32(g, head, dtype)  # [b, heads, vocab] fp32
     if "logits" in wants:
         logits = g.op("Identity", logits, out="logits")
     _heads(g, logits, "input_probs" in wants, spec.output("top_ids").axes[-1])
 
+
+def assemble(g: _Builder, spec: GraphSpec, name: str, opsets: list[onnx.OperatorSetIdProto],
+             ir_version: int) -> onnx.ModelProto:
+    """The model of `g`'s nodes: the contract's inputs and outputs, the weights its nodes read and its constants."""
     graph = helper.make_graph(
         g.nodes,
-        f"refusion_{spec.name}",
+        name,
         [helper.make_tensor_value_info(t.name, core_dtype(t.dtype).onnx, list(t.axes)) for t in spec.inputs],
         [helper.make_tensor_value_info(t.name, core_dtype(t.dtype).onnx, list(t.axes)) for t in spec.outputs],
-        initializer=[initializers[n] for n in _used_initializers(g, initializers)] + g.constants,
+        initializer=[g.initializers[n] for n in _used_initializers(g, g.initializers)] + g.constants,
     )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", g.opset)], producer_name="refusion-trt")
-    model.ir_version = IR_VERSION[g.opset]
+    model = helper.make_model(graph, opset_imports=opsets, producer_name="refusion-trt")
+    model.ir_version = ir_version
     return model
 
 

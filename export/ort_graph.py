@@ -16,7 +16,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from refusion.export.onnx_graph import _Builder, _heads, _tied_head, _used_initializers
+from refusion.export.onnx_graph import _Builder, assemble, final_heads
 from refusion.runtime.core.contract import INPUTS_EMBEDS, ORT_OPSET, GraphSpec
 from refusion.runtime.core.dims import ModelDims
 from refusion.runtime.core.dtypes import dtype as core_dtype
@@ -72,26 +72,9 @@ def build_ort_graph(
         else:
             x = g.op("Add", x, down)
 
-    # the final norm and the vocabulary head at the head positions alone: [b, heads, hidden]
-    at = g.op("Expand", g.op("Unsqueeze", "head_positions", g.ints(-1)), g.ints(1, 1, dims.hidden_size))
-    h = norm(g.op("GatherElements", x, at, axis=1), "model.norm.weight")
-    head = _tied_head(g, h, dims) if dims.tie_word_embeddings else g.linear(h, "lm_head.weight")
-    logits = head if onnx_dtype == TensorProto.FLOAT else g.op("Cast", head, to=TensorProto.FLOAT)
-    if "logits" in wants:
-        logits = g.op("Identity", logits, out="logits")
-    _heads(g, logits, "input_probs" in wants, spec.output("top_ids").axes[-1])
-
-    graph = helper.make_graph(
-        g.nodes,
-        f"refusion_{spec.name}_onnxruntime",
-        [helper.make_tensor_value_info(t.name, core_dtype(t.dtype).onnx, list(t.axes)) for t in spec.inputs],
-        [helper.make_tensor_value_info(t.name, core_dtype(t.dtype).onnx, list(t.axes)) for t in spec.outputs],
-        initializer=[initializers[name] for name in _used_initializers(g, initializers)] + g.constants,
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", ORT_OPSET), helper.make_opsetid(MS_DOMAIN, 1)],
-                              producer_name="refusion-trt")
-    model.ir_version = IR_VERSION
-    return model
+    final_heads(g, spec, dims, x, norm, onnx_dtype)
+    return assemble(g, spec, f"refusion_{spec.name}_onnxruntime",
+                    [helper.make_opsetid("", ORT_OPSET), helper.make_opsetid(MS_DOMAIN, 1)], IR_VERSION)
 
 
 def _rope_tables(g: _Builder, dims: ModelDims, dtype: int) -> tuple[str, str]:

@@ -136,3 +136,25 @@ def pyproject() -> dict[str, Any]:
     else:
         import tomli as tomllib
     return tomllib.loads((REPO / "pyproject.toml").read_text())
+
+
+def export_unvalidated(checkpoint: Path, out: Path, **options) -> Path:
+    """export_onnx without its validation (the tests that call it compare tokens instead)."""
+    from refusion.export.exporter import export_onnx
+
+    return export_onnx(checkpoint, out, validate=False, **options)
+
+
+def edited_export(export: Path, tmp_path: Path, change) -> Path:
+    """A copy of `export` whose refusion.json `change(raw)` edits, its digests recomputed: only the field checks
+    can refuse it."""
+    import shutil
+
+    from refusion.runtime.core.export_manifest import _SECTIONS, _digest
+
+    d = Path(shutil.copytree(export, tmp_path / "edited"))
+    raw = json.loads((d / "refusion.json").read_text())
+    change(raw)
+    raw["digests"] = {k: _digest(raw[k]) for k in _SECTIONS}
+    (d / "refusion.json").write_text(json.dumps(raw))
+    return d

@@ -4,8 +4,6 @@ build with the command that makes a standard export."""
 
 from __future__ import annotations
 
-import json
-import shutil
 from collections import Counter
 from pathlib import Path
 
@@ -16,6 +14,7 @@ from click.testing import CliRunner
 from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.core.export_manifest import ExportManifest
 from refusion.tools.export_cli import cli
+from tests.helpers import edited_export
 
 
 def _ops(path: Path, graph: str = "infiller") -> Counter:
@@ -59,20 +58,8 @@ def test_half_the_nodes_of_the_standard_graphs(store):
     assert {(o.domain, o.version) for o in model.opset_import} == {("", 23), ("com.microsoft", 1)}
 
 
-def _edit(export: Path, tmp_path: Path, change) -> Path:
-    """A copy whose refusion.json is changed and its digests recomputed: only the field checks can refuse it."""
-    from refusion.runtime.core.export_manifest import _SECTIONS, _digest
-
-    d = Path(shutil.copytree(export, tmp_path / "edited"))
-    raw = json.loads((d / "refusion.json").read_text())
-    change(raw)
-    raw["digests"] = {k: _digest(raw[k]) for k in _SECTIONS}
-    (d / "refusion.json").write_text(json.dumps(raw))
-    return d
-
-
 def test_an_export_before_the_field_reads_as_standard(store, tmp_path):
-    edited = _edit(store.export("gqa2").path, tmp_path, lambda r: [g.pop("ops") for g in r["graphs"].values()])
+    edited = edited_export(store.export("gqa2").path, tmp_path, lambda r: [g.pop("ops") for g in r["graphs"].values()])
     assert ExportManifest.load(edited).ops == "standard"
 
 
@@ -84,7 +71,7 @@ def test_an_export_before_the_field_reads_as_standard(store, tmp_path):
      r"graphs.planner.ops is 'tensorrt'.*one of standard, onnxruntime"),
 ])
 def test_inconsistent_records_are_refused(store, tmp_path, change, match):
-    edited = _edit(store.export("gqa2", ops="onnxruntime").path, tmp_path, change)
+    edited = edited_export(store.export("gqa2", ops="onnxruntime").path, tmp_path, change)
     with pytest.raises(RefusionError, match=match):
         ExportManifest.load(edited)
 

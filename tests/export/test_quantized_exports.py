@@ -25,7 +25,7 @@ from refusion.runtime.core.export_manifest import ExportManifest
 from refusion.runtime.core.quantization import scale_name
 from refusion.runtime.generator import Generator
 from refusion.tools.export_cli import cli
-from tests.helpers import assert_nothing_published
+from tests.helpers import assert_nothing_published, edited_export
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "models" / "refusion-tiny"
@@ -165,18 +165,6 @@ def test_manifest_records_the_quantization(rtn, awq_export):
     assert len(awq["calibration"]["sha256"]) == 64
 
 
-def _edit(export: Path, tmp_path: Path, change) -> Path:
-    """A copy whose refusion.json is changed and its digests recomputed: only the field checks can refuse it."""
-    from refusion.runtime.core.export_manifest import _SECTIONS, _digest
-
-    d = Path(shutil.copytree(export, tmp_path / "edited"))
-    raw = json.loads((d / "refusion.json").read_text())
-    change(raw)
-    raw["digests"] = {k: _digest(raw[k]) for k in _SECTIONS}
-    (d / "refusion.json").write_text(json.dumps(raw))
-    return d
-
-
 Q = "model.layers.0.self_attn.q_proj.weight"
 
 
@@ -201,13 +189,13 @@ Q = "model.layers.0.self_attn.q_proj.weight"
 ], ids=["method", "bits", "block vs scales", "block not power of two", "block not dividing", "calibration for rtn",
         "section removed", "bf16", "opset", "weight dtype", "weight bytes", "scale missing", "scale shape"])
 def test_strict_reader_refuses_inconsistent_quantization(rtn, tmp_path, change, match):
-    d = _edit(rtn, tmp_path, change)
+    d = edited_export(rtn, tmp_path, change)
     with pytest.raises(RefusionError, match=match):
         ExportManifest.load(d)
 
 
 def test_strict_reader_checks_the_calibration_record(awq_export, tmp_path):
-    d = _edit(awq_export, tmp_path, lambda r: r["quantization"]["calibration"].update(sha256="xyz"))
+    d = edited_export(awq_export, tmp_path, lambda r: r["quantization"]["calibration"].update(sha256="xyz"))
     with pytest.raises(RefusionError, match=r"quantization.calibration.sha256 is 'xyz'.*64 lowercase hex"):
         ExportManifest.load(d)
 

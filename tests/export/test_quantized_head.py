@@ -23,7 +23,8 @@ from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.core.export_manifest import ExportManifest
 from refusion.runtime.core.quantization import scale_name
 from refusion.tools.export_cli import cli
-from tests.export.test_quantized_exports import _edit, _refused
+from tests.export.test_quantized_exports import _refused
+from tests.helpers import edited_export
 
 HEAD = "lm_head.weight"
 
@@ -70,12 +71,12 @@ def test_refusion_json_records_the_head(head_exports):
 
 def test_an_export_without_the_field_has_a_float_head(head_exports, tmp_path):
     """Exports made before --quantize-head (same format version) have no `head` field: their head is float."""
-    d = _edit(head_exports["float-head"], tmp_path, lambda r: r["quantization"].pop("head"))
+    d = edited_export(head_exports["float-head"], tmp_path, lambda r: r["quantization"].pop("head"))
     assert ExportManifest.load(d).quantization.head is False
-    d = _edit(head_exports["float-head"], tmp_path / "b", lambda r: r["quantization"].update(head=True))
+    d = edited_export(head_exports["float-head"], tmp_path / "b", lambda r: r["quantization"].update(head=True))
     with pytest.raises(RefusionError, match=r"weights.tensors lacks 'lm_head.weight_scale' .*int4 lm_head\)"):
         ExportManifest.load(d)
-    d = _edit(head_exports["int4-head"], tmp_path / "c", lambda r: r["quantization"].update(head="yes"))
+    d = edited_export(head_exports["int4-head"], tmp_path / "c", lambda r: r["quantization"].update(head="yes"))
     with pytest.raises(RefusionError, match=r"quantization.head is 'yes'"):
         ExportManifest.load(d)
 

@@ -13,7 +13,7 @@ from refusion.runtime.runners.onnxruntime import OrtRunner
 from refusion.runtime.runners.tensorrt import TensorRTRunner
 from refusion.tools.bench.measure.embedding_memory import mapped_rss, row_pages
 from tests.fakes import CpuBoundCudaRunner
-from tests.helpers import MIXED_SETTINGS, REPO, chat_jobs, decode_alone, decode_alone_on, fake_engines
+from tests.helpers import MIXED_SETTINGS, REPO, chat_jobs, decode_alone, decode_alone_on, export_unvalidated, fake_engines
 from tests.runtime.runners.test_batching import LIMITS, count_packed, serve_together
 
 pytest.importorskip("onnxruntime")
@@ -22,16 +22,10 @@ pytest.importorskip("torch")
 PEAKY_JOBS = [(list(range(5 + i, 17 + 2 * i)), MIXED_SETTINGS[i % len(MIXED_SETTINGS)]) for i in range(6)]
 
 
-def _export(checkpoint: Path, out: Path, **options) -> Path:
-    from refusion.export.exporter import export_onnx
-
-    return export_onnx(checkpoint, out, validate=False, **options)
-
-
 @pytest.fixture(scope="module")
 def tiny_host(tmp_path_factory) -> Path:
     """The embedded model with its table on the host."""
-    return _export(REPO / "models" / "refusion-tiny", tmp_path_factory.mktemp("tiny-host") / "onnx", embeddings="host")
+    return export_unvalidated(REPO / "models" / "refusion-tiny", tmp_path_factory.mktemp("tiny-host") / "onnx", embeddings="host")
 
 
 @pytest.fixture(scope="module")
@@ -106,8 +100,8 @@ def test_tokens_as_the_graph_export_of_a_test_checkpoint(peaky_export, tmp_path,
 
     ckpt = peaky_export.parent / "ckpt0"
     options = dict(dtype=dtype, quantize=QuantizeOptions(quantize, 32) if quantize else None)
-    graph = peaky_export if dtype == "fp32" else _export(ckpt, tmp_path / "graph", **options)
-    host = _export(ckpt, tmp_path / "host", embeddings="host", **options)
+    graph = peaky_export if dtype == "fp32" else export_unvalidated(ckpt, tmp_path / "graph", **options)
+    host = export_unvalidated(ckpt, tmp_path / "host", embeddings="host", **options)
     assert decode_alone(host, PEAKY_JOBS) == decode_alone(graph, PEAKY_JOBS)
 
 
@@ -123,7 +117,7 @@ def test_only_the_rows_looked_up_become_resident(tmp_path):
     from refusion.tools.checks.fixtures.checkpoints import TinySpec, make_checkpoint
 
     ckpt = make_checkpoint(tmp_path / "ckpt", TinySpec(num_layers=1, vocab_size=131_072, intermediate_size=64))
-    export = _export(ckpt, tmp_path / "host", embeddings="host")
+    export = export_unvalidated(ckpt, tmp_path / "host", embeddings="host")
     table = export / "embeddings.bin"
     fed: set[int] = set()
     with Generator.from_dir(export, backend="ort-cpu", threads=1) as gen:

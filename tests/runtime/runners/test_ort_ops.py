@@ -10,7 +10,7 @@ import pytest
 from refusion.runtime.core.export_manifest import ExportManifest
 from refusion.runtime.runners.onnxruntime import OrtRunner
 from tests.fakes import CpuBoundCudaRunner
-from tests.helpers import MIXED_SETTINGS, REPO, chat_jobs, decode_alone, decode_alone_on
+from tests.helpers import MIXED_SETTINGS, REPO, chat_jobs, decode_alone, decode_alone_on, export_unvalidated
 from tests.runtime.runners.test_batching import count_packed, serve_together
 
 pytest.importorskip("onnxruntime")
@@ -19,15 +19,9 @@ pytest.importorskip("torch")
 PEAKY_JOBS = [(list(range(5 + i, 17 + 2 * i)), MIXED_SETTINGS[i % len(MIXED_SETTINGS)]) for i in range(6)]
 
 
-def _export(checkpoint: Path, out: Path, **options) -> Path:
-    from refusion.export.exporter import export_onnx
-
-    return export_onnx(checkpoint, out, validate=False, **options)
-
-
 @pytest.fixture(scope="module")
 def tiny_fused(tmp_path_factory) -> Path:
-    return _export(REPO / "models" / "refusion-tiny", tmp_path_factory.mktemp("tiny-fused") / "onnx", ops="onnxruntime")
+    return export_unvalidated(REPO / "models" / "refusion-tiny", tmp_path_factory.mktemp("tiny-fused") / "onnx", ops="onnxruntime")
 
 
 @pytest.fixture(scope="module")
@@ -68,8 +62,8 @@ def test_tokens_as_the_standard_export_through_io_binding(tiny_fused, jobs, stan
 def test_tokens_as_the_standard_export_of_a_test_checkpoint(peaky_export, tmp_path, embeddings):
     """The peaky tiny checkpoint (confident drafts: every branch of the loop)."""
     ckpt = peaky_export.parent / "ckpt0"
-    standard = _export(ckpt, tmp_path / "standard", embeddings=embeddings)
-    fused = _export(ckpt, tmp_path / "fused", ops="onnxruntime", embeddings=embeddings)
+    standard = export_unvalidated(ckpt, tmp_path / "standard", embeddings=embeddings)
+    fused = export_unvalidated(ckpt, tmp_path / "fused", ops="onnxruntime", embeddings=embeddings)
     assert decode_alone(fused, PEAKY_JOBS) == decode_alone(standard, PEAKY_JOBS)
 
 
@@ -83,6 +77,6 @@ def test_tokens_as_the_standard_export_in_fp16_and_int4(tmp_path, jobs, dtype, q
 
     options = dict(dtype=dtype, quantize=QuantizeOptions(quantize, 64) if quantize else None)
     ckpt = REPO / "models" / "refusion-tiny"
-    standard = _export(ckpt, tmp_path / "standard", **options)
-    fused = _export(ckpt, tmp_path / "fused", ops="onnxruntime", **options)
+    standard = export_unvalidated(ckpt, tmp_path / "standard", **options)
+    fused = export_unvalidated(ckpt, tmp_path / "fused", ops="onnxruntime", **options)
     assert decode_alone(fused, jobs) == decode_alone(standard, jobs)
