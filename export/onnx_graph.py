@@ -162,7 +162,7 @@ def assemble(g: _Builder, spec: GraphSpec, name: str, opsets: list[onnx.Operator
         name,
         [helper.make_tensor_value_info(t.name, core_dtype(t.dtype).onnx, list(t.axes)) for t in spec.inputs],
         [helper.make_tensor_value_info(t.name, core_dtype(t.dtype).onnx, list(t.axes)) for t in spec.outputs],
-        initializer=[g.initializers[n] for n in _used_initializers(g, g.initializers)] + g.constants,
+        initializer=[g.initializers[n] for n in _used_initializers(g)] + g.constants,
     )
     model = helper.make_model(graph, opset_imports=opsets, producer_name="refusion-trt")
     model.ir_version = ir_version
@@ -198,15 +198,21 @@ def _heads(g: _Builder, logits: str, verify: bool, candidates: int | str) -> Non
     g.op("Squeeze", g.op("Div", g.op("Exp", g.op("Sub", picked, top)), denom), g.ints(-1), out="input_probs")
 
 
+def rope_freqs(g: _Builder, dims: ModelDims) -> str:
+    """RoPE's angles at the fed positions, [b, s, head_dim / 2], in fp32 as HF computes them."""
+    d = dims.head_dim
+    inv_freq = 1.0 / (dims.rope_theta ** (np.arange(0, d, 2, dtype=np.int64).astype(np.float32) / d))
+    pos = g.op("Unsqueeze", g.op("Cast", "position_ids", to=TensorProto.FLOAT), g.ints(-1))  # [b, s, 1]
+    return g.op("Mul", pos, g.const(inv_freq.astype(np.float32).reshape(1, 1, d // 2)))
+
+
 class _Rotary:
     """RoPE with its tables computed once per forward, in fp32 as HF does: cos and a sign-folded sin, so each
     use is x * cos + x[..., half-swapped] * sin_signed (one Gather for rotate-half, not Slice/Slice/Neg/Concat)."""
 
     def __init__(self, g: _Builder, dims: ModelDims, dtype: int):
         d, half = dims.head_dim, dims.head_dim // 2
-        inv_freq = 1.0 / (dims.rope_theta ** (np.arange(0, d, 2, dtype=np.int64).astype(np.float32) / d))
-        pos = g.op("Unsqueeze", g.op("Cast", "position_ids", to=TensorProto.FLOAT), g.ints(-1))  # [b, s, 1]
-        freqs = g.op("Mul", pos, g.const(inv_freq.astype(np.float32).reshape(1, 1, half)))
+        freqs = rope_freqs(g, dims)
         emb = g.op("Concat", freqs, freqs, axis=-1)  # [b, s, d]
         cos, sin = g.op("Cos", emb), g.op("Mul", g.op("Sin", emb), g.const(np.repeat(np.float32([-1, 1]), half)))
         self.g = g
@@ -241,6 +247,6 @@ def _cast(g: _Builder, x: str, dtype: int) -> str:
     return x if dtype == TensorProto.FLOAT else g.op("Cast", x, to=dtype)
 
 
-def _used_initializers(g: _Builder, initializers: dict[str, TensorProto]) -> list[str]:
+def _used_initializers(g: _Builder) -> list[str]:
     used = {i for node in g.nodes for i in node.input}
-    return [name for name in initializers if name in used]
+    return [name for name in g.initializers if name in used]

@@ -1,4 +1,4 @@
-"""The onnxruntime-only variant of the two graphs (`refusion-export onnx --graph onnxruntime`): the same contract,
+"""The onnxruntime-only variant of the two graphs (`refusion-export onnx --ops onnxruntime`): the same contract,
 inputs and outputs as `onnx_graph`'s standard graphs, written with opset 23's fused Attention, RMSNormalization
 and RotaryEmbedding and onnxruntime's SkipSimplifiedLayerNormalization, so a forward is about half the nodes.
 Where per-call cost dominates (a small model, one token a forward) the node count is the forward's time. TensorRT
@@ -16,7 +16,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from refusion.export.onnx_graph import _Builder, assemble, final_heads
+from refusion.export.onnx_graph import _Builder, assemble, final_heads, rope_freqs
 from refusion.runtime.core.contract import INPUTS_EMBEDS, ORT_OPSET, GraphSpec
 from refusion.runtime.core.dims import ModelDims
 from refusion.runtime.core.dtypes import dtype as core_dtype
@@ -78,11 +78,8 @@ def build_ort_graph(
 
 
 def _rope_tables(g: _Builder, dims: ModelDims, dtype: int) -> tuple[str, str]:
-    """cos and sin [b, s, head_dim / 2] at the fed positions, computed in fp32 as HF does, once a forward."""
-    d = dims.head_dim
-    inv_freq = 1.0 / (dims.rope_theta ** (np.arange(0, d, 2, dtype=np.int64).astype(np.float32) / d))
-    pos = g.op("Unsqueeze", g.op("Cast", "position_ids", to=TensorProto.FLOAT), g.ints(-1))  # [b, s, 1]
-    freqs = g.op("Mul", pos, g.const(inv_freq.astype(np.float32).reshape(1, 1, d // 2)))
+    """cos and sin [b, s, head_dim / 2] at the fed positions (fp32, then the graph dtype), once a forward."""
+    freqs = rope_freqs(g, dims)
     tables = g.op("Cos", freqs), g.op("Sin", freqs)
     if dtype == TensorProto.FLOAT:
         return tables

@@ -57,6 +57,10 @@ MIXED_SETTINGS = [
 ]
 
 
+# jobs for the peaky checkpoint (export_peaky): prompts as raw ids, each with one of MIXED_SETTINGS in turn
+PEAKY_JOBS = [(list(range(5 + i, 17 + 2 * i)), MIXED_SETTINGS[i % len(MIXED_SETTINGS)]) for i in range(6)]
+
+
 def decode_on(runner, tokens: Tokens, params) -> GenerationResult:
     """One request by itself through a scheduler over `runner` (the only driver of step machines), with
     `tokens`' own mask and EOS ids: its tokens, commits and stats."""

@@ -245,8 +245,8 @@ def _parse(path: Path, f: Fields) -> ExportManifest:
                            embeddings.fed_hidden)
     for name in GRAPH_NAMES:
         f.str(f"graphs.{name}.file", (ExportManifest.graph_files[name],))
-        if _ops(f, name) != ops:
-            raise f.fail(f"graphs.{name}.ops", _ops(f, name), f"{ops}, as for the planner")
+        if (graph_ops := _ops(f, name)) != ops:
+            raise f.fail(f"graphs.{name}.ops", graph_ops, f"{ops}, as for the planner")
         if f.positive_int(f"graphs.{name}.opset") != opset:
             raise f.fail(f"graphs.{name}.opset", f.get(f"graphs.{name}.opset"), f"{opset}, as for the planner")
         if f.bool(f"graphs.{name}.logits") != logits:

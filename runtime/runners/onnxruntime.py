@@ -154,7 +154,6 @@ class OrtRunner(Runner):
             self.values[region][i][0, write_at : write_at + seq] = outputs[present_value_name(i)][row, :seq]
 
 
-
 class OrtCudaRunner(OrtRunner):
     """onnxruntime with CUDA: every request's KV lives in the device KV pool, bound through IO binding,
     so past and present never cross to the host; only ids and probabilities come back. One session

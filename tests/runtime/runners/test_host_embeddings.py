@@ -13,13 +13,12 @@ from refusion.runtime.runners.onnxruntime import OrtRunner
 from refusion.runtime.runners.tensorrt import TensorRTRunner
 from refusion.tools.bench.measure.embedding_memory import mapped_rss, row_pages
 from tests.fakes import CpuBoundCudaRunner
-from tests.helpers import MIXED_SETTINGS, REPO, chat_jobs, decode_alone, decode_alone_on, export_unvalidated, fake_engines
+from tests.helpers import MIXED_SETTINGS, PEAKY_JOBS, REPO, chat_jobs, decode_alone, decode_alone_on, export_unvalidated, fake_engines
 from tests.runtime.runners.test_batching import LIMITS, count_packed, serve_together
 
 pytest.importorskip("onnxruntime")
 pytest.importorskip("torch")
 
-PEAKY_JOBS = [(list(range(5 + i, 17 + 2 * i)), MIXED_SETTINGS[i % len(MIXED_SETTINGS)]) for i in range(6)]
 
 
 @pytest.fixture(scope="module")

@@ -10,13 +10,12 @@ import pytest
 from refusion.runtime.core.export_manifest import ExportManifest
 from refusion.runtime.runners.onnxruntime import OrtRunner
 from tests.fakes import CpuBoundCudaRunner
-from tests.helpers import MIXED_SETTINGS, REPO, chat_jobs, decode_alone, decode_alone_on, export_unvalidated
+from tests.helpers import MIXED_SETTINGS, PEAKY_JOBS, REPO, chat_jobs, decode_alone, decode_alone_on, export_unvalidated
 from tests.runtime.runners.test_batching import count_packed, serve_together
 
 pytest.importorskip("onnxruntime")
 pytest.importorskip("torch")
 
-PEAKY_JOBS = [(list(range(5 + i, 17 + 2 * i)), MIXED_SETTINGS[i % len(MIXED_SETTINGS)]) for i in range(6)]
 
 
 @pytest.fixture(scope="module")
