@@ -11,7 +11,7 @@ tokenizer.json, tokenizer_config.json, chat_template.jinja), loadable with
 transformers' Qwen3ForCausalLM / AutoTokenizer. Training state and the log go to
 --work-dir (default /tmp/refusion-tiny-train), never into the repository.
 
-    .venv/bin/python tools/train/tiny.py eval --runtime   # accuracy per task: AR in torch, then our runtime
+    .venv/bin/python tools/train/tiny.py eval --runtime   # accuracy per task (AR in torch; add's sum digits by place), then our runtime
 
 The objective (docs/training.md, "Objective"; upstream `forward_process`),
 with the choices docs/training.md lists: per example a slot size k; the response
@@ -366,6 +366,30 @@ def one_shot_fill(model, enc: Encoder, prompts: list[str], span: int = 48) -> li
     return texts
 
 
+@torch.no_grad()
+def add_places(model, enc: Encoder, examples: list[T.Example]) -> dict[str, list[float]]:
+    """add's sum digits by place (units first), teacher-forced and read three ways: "AR" (the answer fed
+    clean, each digit from the logits before it), "mask" (the prompt then masks, each digit from its own
+    mask, as a plan drafts it) and "draft" (the answer clean up to the digit, then its mask, as an infill
+    row re-drafts a rejected token). Says which digits a model cannot yet compute, and in which reading."""
+    hits: dict[str, defaultdict[int, list[int]]] = {r: defaultdict(lambda: [0, 0]) for r in ("AR", "mask", "draft")}
+
+    def guesses(fed: list[int]) -> torch.Tensor:
+        return model(input_ids=torch.tensor([fed]), position_ids=torch.arange(len(fed))[None]).logits[0].argmax(-1)
+
+    for ex in (e for e in examples if e.task == "add"):
+        prompt, response = enc.prompt(ex.prompt), enc.response(ex.answer)
+        p0, first, end = len(prompt), ex.answer.index("=") + 1, len(ex.answer)
+        ar, mask = guesses(prompt + response), guesses(prompt + [enc.ids.mask] * len(response))
+        for j in range(first, end):
+            draft = guesses(prompt + response[:j] + [enc.ids.mask])[-1]
+            for reading, guess in (("AR", ar[p0 + j - 1]), ("mask", mask[p0 + j]), ("draft", draft)):
+                place = hits[reading][end - 1 - j]
+                place[0] += int(guess == response[j])
+                place[1] += 1
+    return {reading: [h / n for h, n in (table[p] for p in sorted(table))] for reading, table in hits.items()}
+
+
 def accuracy_by_task(examples: list[T.Example], texts: list[str]) -> dict[str, float]:
     hits, counts = defaultdict(int), defaultdict(int)
     for ex, text in zip(examples, texts):
@@ -574,6 +598,10 @@ def evaluate(args) -> None:
     rows["torch AR (greedy)"] = accuracy_by_task(examples, greedy_ar(model, enc, prompts))
     print(f"torch AR: {fmt_acc(rows['torch AR (greedy)'])} ({time.time() - t0:.0f}s)", flush=True)
     rows["torch one-shot fill"] = accuracy_by_task(examples, one_shot_fill(model, enc, prompts))
+    n_add = sum(e.task == "add" for e in examples)
+    for reading, places in add_places(model, enc, examples).items():
+        print(f"add's sum digits, units first, {reading} reading (teacher-forced, {n_add} prompts): "
+              + " ".join(f"{100 * a:.0f}%" for a in places), flush=True)
     if args.runtime:
         rows.update(evaluate_runtime(args, examples))
     names = list(T.TASKS) + ["all"]

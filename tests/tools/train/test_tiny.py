@@ -151,3 +151,41 @@ def test_stop_after_saves_the_state_of_that_step_and_a_rerun_goes_on_to_the_same
     assert torch.load(tmp_path / "cut" / "state.pt", weights_only=False)["step"] == 4
     assert not (tmp_path / "cut" / "model").exists()
     assert _train(tmp_path / "cut") == straight
+
+
+# ----------------------------------------------------------------------------- evaluation
+
+
+class _Oracle(torch.nn.Module):
+    """Knows each prompt's true answer: at a real token it predicts the next true token (the AR reading),
+    at a mask its own (the mask readings); `wrong_units` makes a mask miss every units digit."""
+
+    def __init__(self, enc, examples, wrong_units=False):
+        super().__init__()
+        self.enc, self.wrong_units = enc, wrong_units
+        self.truth = {tuple(enc.prompt(e.prompt)): (e, enc.response(e.answer)) for e in examples}
+
+    def forward(self, input_ids, position_ids):
+        fed = input_ids[0].tolist()
+        (prompt, (ex, response)), = [(k, v) for k, v in self.truth.items() if tuple(fed[:len(k)]) == k]
+        p0 = len(prompt)
+        full = list(prompt) + response + [self.enc.ids.pad]
+        logits = torch.zeros(1, len(fed), self.enc.ids.vocab)
+        for i, token in enumerate(fed):
+            target = full[i] if token == self.enc.ids.mask else full[i + 1]
+            if token == self.enc.ids.mask and self.wrong_units and i - p0 == len(ex.answer) - 1:
+                target = self.enc.ids.pad
+            logits[0, i, target] = 1.0
+        return type("Out", (), {"logits": logits})
+
+
+def test_add_places_reads_each_sum_digit_by_place_both_ways():
+    enc = TT.Encoder(TT.build_tokenizer())
+    examples = [e for e in TT.T.held_out(60) if e.task == "add"][:6]
+    assert examples and all("=" in e.answer for e in examples)
+    longest = max(len(e.answer.split("=")[1]) for e in examples)
+    right = [1.0] * longest
+    assert TT.add_places(_Oracle(enc, examples), enc, examples) == {"AR": right, "mask": right, "draft": right}
+    wrong = [0.0] + [1.0] * (longest - 1)
+    assert TT.add_places(_Oracle(enc, examples, wrong_units=True), enc, examples) == {
+        "AR": right, "mask": wrong, "draft": wrong}
