@@ -188,9 +188,24 @@ class Request:
                 self._listeners.remove(listener)
 
     async def aresult(self) -> GenerationResult:
-        """`result()` for asyncio: awaits the end without blocking the event loop."""
-        async for _ in self.aevents():
-            pass
+        """`result()` for asyncio: awaits the end without blocking the event loop, which is woken once,
+        at the end, not at each commit."""
+        loop, ended = asyncio.get_running_loop(), asyncio.Event()
+
+        def listener() -> None:
+            if self.done:
+                with contextlib.suppress(RuntimeError):  # the loop has closed: no one is waiting any more
+                    loop.call_soon_threadsafe(ended.set)
+
+        with self._changed:
+            self._listeners.append(listener)
+            finished = self.done
+        try:
+            if not finished:
+                await ended.wait()
+        finally:
+            with self._changed:
+                self._listeners.remove(listener)
         return self.result()
 
     def __iter__(self) -> Iterator[str]:

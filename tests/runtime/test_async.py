@@ -59,6 +59,23 @@ def test_the_async_forms_give_what_the_sync_ones_give(gen):
         == [c.token_ids for c in commits]
 
 
+def test_awaiting_a_result_wakes_the_event_loop_once_not_at_each_commit(gen, monkeypatch):
+    release = hold_after_first_forward(gen, monkeypatch)
+
+    async def main():
+        loop, wakes, real = asyncio.get_running_loop(), [], asyncio.get_running_loop().call_soon_threadsafe
+        monkeypatch.setattr(loop, "call_soon_threadsafe", lambda *a, **k: wakes.append(a) or real(*a, **k))
+        request = gen.submit(PROMPT, chat=True, **SETTINGS)
+        waiting = asyncio.create_task(request.aresult())
+        await asyncio.sleep(0)  # the task has registered its listener before the runner goes on
+        release.set()
+        result = await waiting
+        return request, result, len(wakes), await request.aresult()  # the second: already done, no wait
+
+    request, result, wakes, again = asyncio.run(main())
+    assert len(request.commits) >= 8 and wakes == 1 and again is result
+
+
 def test_cancelling_the_task_cancels_the_request_and_the_loop_runs_on_meanwhile(gen, monkeypatch):
     requests = submitted(gen, monkeypatch)
     release = hold_after_first_forward(gen, monkeypatch)
