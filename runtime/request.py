@@ -160,17 +160,31 @@ class Request:
             if finished and seen == len(self.commits):
                 return
 
-    async def aevents(self) -> AsyncIterator[Commit]:
-        """`events()` for asyncio: each commit as it happens, awaited without blocking the event loop."""
-        loop, wake = asyncio.get_running_loop(), asyncio.Event()
+    @contextlib.contextmanager
+    def _waking(self, event: asyncio.Event, end_only: bool = False) -> Iterator[bool]:
+        """Within: the scheduler thread sets `event` on the running loop at each change, or at the end alone
+        (`end_only`). Yields whether the request had already ended when the listener was added."""
+        loop = asyncio.get_running_loop()
 
         def listener() -> None:
+            if end_only and not self.done:
+                return
             with contextlib.suppress(RuntimeError):  # the loop has closed: no one is waiting any more
-                loop.call_soon_threadsafe(wake.set)
+                loop.call_soon_threadsafe(event.set)
 
         with self._changed:
             self._listeners.append(listener)
+            ended = self.done
         try:
+            yield ended
+        finally:
+            with self._changed:
+                self._listeners.remove(listener)
+
+    async def aevents(self) -> AsyncIterator[Commit]:
+        """`events()` for asyncio: each commit as it happens, awaited without blocking the event loop."""
+        wake = asyncio.Event()
+        with self._waking(wake):
             seen = 0
             while True:
                 with self._changed:
@@ -183,29 +197,14 @@ class Request:
                 if not fresh:
                     await wake.wait()
                     wake.clear()
-        finally:
-            with self._changed:
-                self._listeners.remove(listener)
 
     async def aresult(self) -> GenerationResult:
         """`result()` for asyncio: awaits the end without blocking the event loop, which is woken once,
         at the end, not at each commit."""
-        loop, ended = asyncio.get_running_loop(), asyncio.Event()
-
-        def listener() -> None:
-            if self.done:
-                with contextlib.suppress(RuntimeError):  # the loop has closed: no one is waiting any more
-                    loop.call_soon_threadsafe(ended.set)
-
-        with self._changed:
-            self._listeners.append(listener)
-            finished = self.done
-        try:
-            if not finished:
+        ended = asyncio.Event()
+        with self._waking(ended, end_only=True) as already:
+            if not already:
                 await ended.wait()
-        finally:
-            with self._changed:
-                self._listeners.remove(listener)
         return self.result()
 
     def __iter__(self) -> Iterator[str]:

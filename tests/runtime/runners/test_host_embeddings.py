@@ -20,7 +20,6 @@ pytest.importorskip("onnxruntime")
 pytest.importorskip("torch")
 
 
-
 @pytest.fixture(scope="module")
 def tiny_host(tmp_path_factory) -> Path:
     """The embedded model with its table on the host."""

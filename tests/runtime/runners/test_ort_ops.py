@@ -17,7 +17,6 @@ pytest.importorskip("onnxruntime")
 pytest.importorskip("torch")
 
 
-
 @pytest.fixture(scope="module")
 def tiny_fused(tmp_path_factory) -> Path:
     return export_unvalidated(REPO / "models" / "refusion-tiny", tmp_path_factory.mktemp("tiny-fused") / "onnx", ops="onnxruntime")
