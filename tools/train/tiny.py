@@ -20,7 +20,9 @@ all-pad slot; t ~ U(0,1), p = (1 - eps) t + eps; each slot masked with probabili
 input is the prompt, the clean slots in shuffled order, then the masked slots (mask
 tokens) in position order, every token with its true position id, attention causal in
 sequence order. Loss = mean next-token cross-entropy over the clean slots' AR targets +
-sum over masked tokens of CE / p / response length, over the batch size.
+sum over masked tokens of CE / p / response length, over the batch size. With --prefix-prob (our
+addition), that share of the examples is instead the response's first c tokens clean and in order and
+masks after them (a decode's state after some commits), the masks' CE weighted by 1 / their count.
 """
 
 from __future__ import annotations
@@ -214,6 +216,22 @@ def refusion_sequence(prompt: list[int], response: list[int], rng: random.Random
     return Sequence(seq_ids, pos, ar, mdm, 1.0 / (p * span))
 
 
+def prefix_sequence(prompt: list[int], response: list[int], rng: random.Random, args, ids: Ids,
+                    first: int = 0) -> Sequence:
+    """A decode's state after some commits: the response's first c tokens clean and in order (c drawn from
+    `first` on), every position after them a mask (the plan reading with a committed prefix, and the first
+    mask an infill row's re-draft of the token after its accepted ones)."""
+    sizes, weights = slot_size_choices(args.slot_sizes)
+    k = rng.choices(sizes, weights)[0]
+    span = math.ceil(len(response) / k) * k + (k if rng.random() < args.tail_slot_prob else 0)
+    resp = response + [ids.pad] * (span - len(response))
+    c = rng.randrange(first, len(response))
+    p0 = len(prompt)
+    ar = [IGNORE] * (p0 - 1) + resp[:c + 1] if c else [IGNORE] * p0
+    return Sequence(prompt + resp[:c] + [ids.mask] * (span - c), list(range(p0 + span)),
+                    ar + [IGNORE] * (span - c), [IGNORE] * (p0 + c) + resp[c:], 1.0 / (span - c))
+
+
 def collate(seqs: list[Sequence], ids: Ids, multiple: int = 8) -> dict[str, torch.Tensor]:
     """Right-pad to a common length (a multiple of `multiple`); pads are after every real token,
     so causal attention keeps them out of every real token's context."""
@@ -269,8 +287,15 @@ def batch_for_step(step: int, enc: Encoder, args) -> list[Sequence]:
         while len(prompt) > args.max_prompt and before:  # too long: drop the oldest turn, then the system prompt
             before = before[2:] if before[0]["role"] == "user" else before[1:]
             prompt = enc.prompt(ex.prompt, before)
-        ordered_prob = 1.0 if step < args.ar_steps else args.ordered_prob
-        seqs.append(refusion_sequence(prompt, enc.response(ex.answer), rng, args, enc.ids, ordered_prob))
+        response = enc.response(ex.answer)
+        if step < args.ar_steps:
+            seqs.append(refusion_sequence(prompt, response, rng, args, enc.ids, 1.0))
+        elif args.prefix_prob and rng.random() < args.prefix_prob:
+            # add's sum is what the masked reading has to learn; its operands are copied
+            first = ex.answer.index("=") + 1 if ex.task == "add" and args.add_cut_in_sum else 0
+            seqs.append(prefix_sequence(prompt, response, rng, args, enc.ids, first))
+        else:
+            seqs.append(refusion_sequence(prompt, response, rng, args, enc.ids, args.ordered_prob))
     return seqs
 
 
@@ -423,8 +448,10 @@ HYPER = (  # what a saved state must agree on to be resumed
     "seed", "layers", "hidden", "intermediate", "heads", "kv_heads", "head_dim", "rope_theta", "max_positions",
     "steps", "batch_size", "lr", "min_lr_ratio", "warmup", "weight_decay", "beta2", "grad_clip", "slot_sizes",
     "tail_slot_prob", "eps", "tasks", "task_weights", "lookup_curriculum", "ordered_prob", "ar_steps", "system_prob",
-    "history_prob", "max_prompt", "init_from",
+    "history_prob", "max_prompt", "init_from", "prefix_prob",
+    "add_cut_in_sum",
 )
+HYPER_ADDED = {"prefix_prob": 0.0, "add_cut_in_sum": False}  # hyperparameters newer than some saved states: their value before
 
 
 def lr_at(step: int, args) -> float:
@@ -486,10 +513,10 @@ def init_state(model, opt, path: Path, log: Log) -> None:
     if not path.is_file():
         sys.exit(f"--init-from {path}: no such state file; pass the state.pt of a run's --work-dir.")
     state = torch.load(path, weights_only=False)
-    model.load_state_dict(state["model"])
-    opt.load_state_dict(state["opt"])
     digest = hashlib.sha256(path.read_bytes()).hexdigest()
     log(f"initialized from {path} (step {state['step']} of its run, sha256 {digest})")
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["opt"])
 
 
 def train(args) -> None:
@@ -511,7 +538,8 @@ def train(args) -> None:
     step, elapsed0 = 0, 0.0
     if state_path.exists() and not args.restart:
         state = torch.load(state_path, weights_only=False)
-        mismatch = {h: (state["hyper"].get(h), getattr(args, h)) for h in HYPER if state["hyper"].get(h) != getattr(args, h)}
+        saved = {h: state["hyper"].get(h, HYPER_ADDED.get(h)) for h in HYPER}
+        mismatch = {h: (saved[h], getattr(args, h)) for h in HYPER if saved[h] != getattr(args, h)}
         if mismatch:
             sys.exit(f"{state_path} was saved with other hyperparameters {mismatch} (saved, now); "
                      "pass --restart to start over, or the same flags to resume.")
@@ -681,6 +709,10 @@ def parser() -> argparse.ArgumentParser:
     tr.add_argument("--slot-sizes", default="4:0.3,8:0.3,16:0.2,32:0.2", help="slot size k: weight, drawn per example")
     tr.add_argument("--tail-slot-prob", type=float, default=0.5, help="chance of one extra all-pad slot after the response")
     tr.add_argument("--eps", type=float, default=1e-3, help="p = (1 - eps) t + eps")
+    tr.add_argument("--prefix-prob", type=float, default=0.0,
+                    help="after --ar-steps, the share of examples with a clean prefix and masks after it")
+    tr.add_argument("--add-cut-in-sum", action="store_true",
+                    help="an add prefix example's clean prefix ends inside the sum, not in the copied operands")
     tr.add_argument("--ar-steps", type=int, default=2500,
                     help="the first steps train the AR reading alone (every example plain AR), as upstream starts from Qwen3")
     tr.add_argument("--ordered-prob", type=float, default=0.2, help="after --ar-steps, the share of plain AR examples")

@@ -66,6 +66,33 @@ def test_plain_ar_examples_are_whole_and_in_order():
     assert s.ar[len(prompt) - 1:len(prompt) + len(response) - 1] == response  # next-token targets throughout
 
 
+def test_prefix_examples_are_a_clean_prefix_then_masks_to_the_end():
+    ids = TT.Ids(pad=100, eos=102, mask=103, vocab=104)
+    args = TT.parser().parse_args(["train"])
+    prompt, response = list(range(10)), [20 + i for i in range(13)] + [ids.eos]
+    rng = random.Random(0)
+    cuts = set()
+    for _ in range(200):
+        s = TT.prefix_sequence(prompt, response, rng, args, ids)
+        p0, c = len(prompt), s.ids.index(ids.mask) - len(prompt)
+        truth = response + [ids.pad] * (len(s.ids) - p0 - len(response))
+        cuts.add(c)
+        assert s.pos == list(range(len(s.ids))) and s.ids == prompt + truth[:c] + [ids.mask] * (len(truth) - c)
+        assert s.ar == [TT.IGNORE] * (p0 - int(c > 0)) + truth[:c + int(c > 0)] + [TT.IGNORE] * (len(truth) - c)
+        assert s.mdm == [TT.IGNORE] * (p0 + c) + truth[c:] and s.weight == 1 / (len(truth) - c)
+    assert cuts == set(range(len(response)))  # from no prefix to all but the EOS
+    assert {TT.prefix_sequence(prompt, response, rng, args, ids, first=9).ids.index(ids.mask) - len(prompt)
+            for _ in range(100)} == set(range(9, len(response)))
+    late = TT.parser().parse_args(["train", "--prefix-prob", "1", "--add-cut-in-sum", "--tasks", "add",
+                                   "--task-weights", ""])
+    enc = TT.Encoder(TT.build_tokenizer())
+    turn = enc.prompt("")[-3:]  # <|im_start|>assistant\n, where the answer starts
+    for q in TT.batch_for_step(late.ar_steps, enc, late):
+        start = max(i for i in range(len(q.ids)) if q.ids[i:i + 3] == turn) + 3
+        assert q.pos == list(range(len(q.ids)))
+        assert re.fullmatch(r"\d+\+\d+=\d*", enc.decode(q.ids[start:q.ids.index(enc.ids.mask)]))  # cut in the sum
+
+
 def test_the_curriculum_and_the_conversations_around_a_task():
     tok = TT.build_tokenizer()
     enc = TT.Encoder(tok)
@@ -131,6 +158,20 @@ def test_resuming_with_other_hyperparameters_is_refused(tmp_path):
     _train(tmp_path / "run")
     with pytest.raises(SystemExit, match=r"other hyperparameters .*'lr': \(0.002, 0.001\).*--restart"):
         _train(tmp_path / "run", "--lr", "1e-3")
+
+
+def test_a_state_saved_before_a_hyperparameter_existed_resumes_at_its_old_value(tmp_path):
+    straight = _train(tmp_path / "straight")
+    TT.main(["train", *TINY_RUN, "--work-dir", str(tmp_path / "old"), "--out", str(tmp_path / "old" / "model"),
+             "--stop-after", "3"])
+    path = tmp_path / "old" / "state.pt"
+    state = torch.load(path, weights_only=False)
+    for name in TT.HYPER_ADDED:
+        del state["hyper"][name]
+    torch.save(state, path)
+    assert _train(tmp_path / "old") == straight
+    with pytest.raises(SystemExit, match=r"'prefix_prob': \(0.0, 0.5\)"):
+        _train(tmp_path / "old", "--prefix-prob", "0.5")
 
 
 def test_a_second_stage_starts_from_another_runs_state_and_is_itself_reproducible(tmp_path):
