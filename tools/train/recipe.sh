@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The embedded model's recipe (docs/training.md, "Recipe and why"): four runs of tiny.py train, each starting
+# The embedded model's recipe (docs/training.md, "Recipe and why"): seven runs of tiny.py train, each starting
 # from the state the previous one saved. Rerun to resume: every stage resumes from its own work dir.
 #   tools/train/recipe.sh [WORK_BASE]      # default /tmp/refusion-tiny-train; writes models/refusion-tiny
 set -euo pipefail
@@ -18,5 +18,16 @@ train --work-dir "$base/2" --out "$base/2/model" --init-from "$base/1/state.pt" 
 train --work-dir "$base/3" --out "$base/3/model" --init-from "$base/2/state.pt" --seed 2 --steps 600 "${short[@]}" \
       --lr 5e-4 --min-lr-ratio 0.2 --ar-steps 0 --ordered-prob 0.3 --task-weights add:4,lookup:4
 # 4. add under the mixed objective too, weighted up: ReFusion's reading of it was still at chance.
-train --work-dir "$base/4" --init-from "$base/3/state.pt" --seed 3 --steps 600 "${short[@]}" \
+train --work-dir "$base/4" --out "$base/4/model" --init-from "$base/3/state.pt" --seed 3 --steps 600 "${short[@]}" \
       --lr 5e-4 --min-lr-ratio 0.2 --ar-steps 0 --ordered-prob 0.2 --task-weights add:10,lookup:2
+# 5. add in plain AR again, longer: AR reads sums of 3 and 4 digits (stage 4 left them at chance).
+train --work-dir "$base/5" --out "$base/5/model" --init-from "$base/4/state.pt" --seed 11 --steps 1500 "${short[@]}" \
+      --lr 2e-3 --min-lr-ratio 0.1 --ar-steps 1500 --task-weights add:40,lookup:2 --history-prob 0.1 --system-prob 0.1
+# 6. the mixed objective again, some examples a clean prefix then masks: every task's masked reading back.
+train --work-dir "$base/6" --out "$base/6/model" --init-from "$base/5/state.pt" --seed 21 --steps 900 "${short[@]}" \
+      --lr 5e-4 --min-lr-ratio 0.2 --ar-steps 0 --ordered-prob 0.2 --prefix-prob 0.3 --task-weights add:6,lookup:3
+# 7. add weighted up and most examples a prefix, add's cut inside the sum: the masked reading of a sum digit after
+#    the clean digits before it (what an infill row re-drafts), at chance until this stage.
+train --work-dir "$base/7" --init-from "$base/6/state.pt" --seed 31 --steps 1500 "${short[@]}" \
+      --lr 5e-4 --min-lr-ratio 0.2 --ar-steps 0 --ordered-prob 0.2 --prefix-prob 0.6 --add-cut-in-sum \
+      --task-weights add:20,lookup:3
