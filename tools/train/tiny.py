@@ -174,14 +174,19 @@ class Sequence:
     weight: float  # 1 / (p * response length) for this example's masked tokens
 
 
-def refusion_sequence(prompt: list[int], response: list[int], rng: random.Random, args, ids: Ids,
-                      ordered_prob: float = 0.0) -> Sequence:
+def padded_response(response: list[int], rng: random.Random, args, ids: Ids) -> tuple[int, list[int]]:
+    """A slot size k drawn for the example and the response padded to whole slots, sometimes with one all-pad
+    slot past the end (so masks beyond EOS learn to predict pad)."""
     sizes, weights = slot_size_choices(args.slot_sizes)
     k = rng.choices(sizes, weights)[0]
-    span = math.ceil(len(response) / k) * k
-    if rng.random() < args.tail_slot_prob:  # one all-pad slot past the end: masks beyond EOS predict pad
-        span += k
-    resp = response + [ids.pad] * (span - len(response))
+    span = math.ceil(len(response) / k) * k + (k if rng.random() < args.tail_slot_prob else 0)
+    return k, response + [ids.pad] * (span - len(response))
+
+
+def refusion_sequence(prompt: list[int], response: list[int], rng: random.Random, args, ids: Ids,
+                      ordered_prob: float = 0.0) -> Sequence:
+    k, resp = padded_response(response, rng, args, ids)
+    span = len(resp)
     n_slots = span // k
     t = rng.random()
     p = (1 - args.eps) * t + args.eps
@@ -221,13 +226,12 @@ def prefix_sequence(prompt: list[int], response: list[int], rng: random.Random, 
     """A decode's state after some commits: the response's first c tokens clean and in order (c drawn from
     `first` on), every position after them a mask (the plan reading with a committed prefix, and the first
     mask an infill row's re-draft of the token after its accepted ones)."""
-    sizes, weights = slot_size_choices(args.slot_sizes)
-    k = rng.choices(sizes, weights)[0]
-    span = math.ceil(len(response) / k) * k + (k if rng.random() < args.tail_slot_prob else 0)
-    resp = response + [ids.pad] * (span - len(response))
+    _, resp = padded_response(response, rng, args, ids)
+    span = len(resp)
     c = rng.randrange(first, len(response))
     p0 = len(prompt)
-    ar = [IGNORE] * (p0 - 1) + resp[:c + 1] if c else [IGNORE] * p0
+    # with a prefix, the prompt's last token and each prefix token are trained on the token after them
+    ar = ([IGNORE] * (p0 - 1) + resp[:c + 1]) if c else [IGNORE] * p0
     return Sequence(prompt + resp[:c] + [ids.mask] * (span - c), list(range(p0 + span)),
                     ar + [IGNORE] * (span - c), [IGNORE] * (p0 + c) + resp[c:], 1.0 / (span - c))
 
@@ -448,8 +452,7 @@ HYPER = (  # what a saved state must agree on to be resumed
     "seed", "layers", "hidden", "intermediate", "heads", "kv_heads", "head_dim", "rope_theta", "max_positions",
     "steps", "batch_size", "lr", "min_lr_ratio", "warmup", "weight_decay", "beta2", "grad_clip", "slot_sizes",
     "tail_slot_prob", "eps", "tasks", "task_weights", "lookup_curriculum", "ordered_prob", "ar_steps", "system_prob",
-    "history_prob", "max_prompt", "init_from", "prefix_prob",
-    "add_cut_in_sum",
+    "history_prob", "max_prompt", "init_from", "prefix_prob", "add_cut_in_sum",
 )
 HYPER_ADDED = {"prefix_prob": 0.0, "add_cut_in_sum": False}  # hyperparameters newer than some saved states: their value before
 
@@ -513,10 +516,10 @@ def init_state(model, opt, path: Path, log: Log) -> None:
     if not path.is_file():
         sys.exit(f"--init-from {path}: no such state file; pass the state.pt of a run's --work-dir.")
     state = torch.load(path, weights_only=False)
-    digest = hashlib.sha256(path.read_bytes()).hexdigest()
-    log(f"initialized from {path} (step {state['step']} of its run, sha256 {digest})")
     model.load_state_dict(state["model"])
     opt.load_state_dict(state["opt"])
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    log(f"initialized from {path} (step {state['step']} of its run, sha256 {digest})")
 
 
 def train(args) -> None:
