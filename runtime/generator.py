@@ -201,6 +201,10 @@ class Generator:
             raise RefusionError(f"unknown setting {unknown[0]}={options[unknown[0]]!r}; the decode settings are "
                                 f"{', '.join(DECODE_SETTINGS)} and the request options {', '.join(RequestOptions.names())}.")
         request = RequestOptions(**asked)
+        if request.top_logprobs > self.manifest.candidates:
+            raise RefusionError(f"top_logprobs={request.top_logprobs} exceeds the {self.manifest.candidates} candidates "
+                                "this export's graphs emit; ask for fewer, or re-export with `refusion-export onnx ... "
+                                f"--candidates {request.top_logprobs}`.")
         bad = [t for t in request.stop_token_ids if t >= self.manifest.vocab_size]
         if bad:
             raise RefusionError(f"stop token id {bad[0]} is outside the vocabulary [0, {self.manifest.vocab_size}).")
@@ -243,7 +247,8 @@ class Generator:
         self.check_fits(params, len(ids))
         m = self.manifest
         detokenize = self.tokenizer.decode if self.tokenizer else None
-        request = Request(Tokens(ids, m.mask_token_id, m.eos_token_id), params, detokenize, self.runner.name, options)
+        tokens = Tokens(ids, m.mask_token_id, m.eos_token_id, top_logprobs=options.top_logprobs)
+        request = Request(tokens, params, detokenize, self.runner.name, options)
         return self.scheduler.submit(request)
 
     def generate(self, prompt: str | None = None, *, messages=None, prompt_ids=None, chat: bool = False,

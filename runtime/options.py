@@ -17,6 +17,7 @@ class RequestOptions:
     stop: tuple[str, ...] = ()  # the answer ends before the first of these strings in its settled text
     stop_token_ids: tuple[int, ...] = ()  # ... or at the first of these tokens (EOS ends it anyway)
     logprobs: bool = False  # the result carries each returned token's log-probability
+    top_logprobs: int = 0  # ... and this many alternatives to each (at most the export's candidates)
     timeout_s: float | None = None  # the request ends with finish_reason "timeout" at this deadline
 
     def __post_init__(self) -> None:
@@ -24,6 +25,9 @@ class RequestOptions:
         object.__setattr__(self, "stop_token_ids", _token_ids(self.stop_token_ids))
         if not isinstance(self.logprobs, bool):
             raise RefusionError(f"logprobs={self.logprobs!r} must be True or False.")
+        if isinstance(self.top_logprobs, bool) or not isinstance(self.top_logprobs, Integral) or self.top_logprobs < 0:
+            raise RefusionError(f"top_logprobs={self.top_logprobs!r} must be an integer >= 0 (alternatives reported "
+                                "beside each token).")
         t = self.timeout_s
         if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0):
             raise RefusionError(f"timeout_s={t!r} must be a positive number of seconds (or None).")

@@ -28,6 +28,7 @@ class DecodeParams:
     top_k: int = 0  # temperature > 0: draw among the k most likely candidates (0: all the export's K)
     top_p: float = 1.0  # ... the smallest set of them whose tempered probability reaches top_p (1: no cut)
     min_p: float = 0.0  # ... those at least min_p x the most likely one's tempered probability (0: no cut)
+    upstream_eos_drop: bool = False  # ReFusion: drop slots after an EOS found in infill as upstream does (holes)
 
     def __post_init__(self) -> None:
         for name in ("gen_length", "slot_size", "serial_num_blocks"):
@@ -52,18 +53,23 @@ class DecodeParams:
             raise RefusionError(
                 f"temperature={self.temperature!r} must be >= 0 and finite (0 is greedy; e.g. 0.7 samples).")
         object.__setattr__(self, "temperature", float(self.temperature))
-        if self.seed is not None and (not _is_int(self.seed) or self.seed < 0):
-            raise RefusionError(
-                f"seed={self.seed!r} must be None or a non-negative integer (it seeds the sampling noise).")
+        if self.seed is not None:
+            if not _is_int(self.seed) or not -2**63 <= self.seed < 2**64:
+                raise RefusionError(f"seed={self.seed!r} must be None or an integer in [-2**63, 2**64) (it seeds the "
+                                    "sampling noise).")
+            object.__setattr__(self, "seed", int(self.seed) % 2**64)  # a negative int64 seed as its unsigned bits
         if not _is_int(self.top_k) or self.top_k < 0:
             raise RefusionError(f"top_k={self.top_k!r} must be an integer >= 0 (0: every candidate the export emits).")
         object.__setattr__(self, "top_k", int(self.top_k))
-        if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
-            raise RefusionError(f"top_p={self.top_p!r} must be a number in (0, 1] (1: no nucleus cut).")
+        if not _is_number(self.top_p) or not 0.0 <= self.top_p <= 1.0:
+            raise RefusionError(f"top_p={self.top_p!r} must be a number in [0, 1] (1: no nucleus cut; 0: the most "
+                                "likely candidate alone).")
         if not _is_number(self.min_p) or not 0.0 <= self.min_p < 1.0:
             raise RefusionError(f"min_p={self.min_p!r} must be a number in [0, 1) (0: no cut).")
         object.__setattr__(self, "top_p", float(self.top_p))
         object.__setattr__(self, "min_p", float(self.min_p))
+        if not isinstance(self.upstream_eos_drop, bool):
+            raise RefusionError(f"upstream_eos_drop={self.upstream_eos_drop!r} must be True or False.")
         if self.mode not in MODES:
             raise RefusionError(f"mode={self.mode!r} is not one of {', '.join(map(repr, MODES))}.")
         STRATEGIES[self.mode].check(self)
@@ -96,10 +102,12 @@ class DecodeParams:
     def block_length(self) -> int:
         gen, k, blocks = self.padded_gen_length, self.slot_size, self.serial_num_blocks
         if gen % blocks or (gen // blocks) % k:
-            fits = [b for b in range(1, gen // k + 1) if gen % b == 0 and (gen // b) % k == 0]
+            slots = gen // k  # the block counts that fit are the divisors of the slots: the first 64 counts tried
+            fits = [b for b in range(1, min(slots, 64) + 1) if slots % b == 0]
+            more = f" or another divisor of its {slots} slots" if slots > 64 else ""
             raise RefusionError(
                 f"gen_length {gen} (padded to slot_size {k}) cannot be cut into serial_num_blocks={blocks} "
-                f"blocks of whole slots; with these values serial_num_blocks may be one of {fits}, or choose "
+                f"blocks of whole slots; with these values serial_num_blocks may be one of {fits}{more}, or choose "
                 f"gen_length as a multiple of slot_size x serial_num_blocks = {k * blocks}."
             )
         return gen // blocks

@@ -16,7 +16,7 @@ import contextlib
 import itertools
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -24,7 +24,7 @@ from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.decode import STRATEGIES
 from refusion.runtime.decode.steps import Commit, DecodeTrace, Outputs, Step, StepMachine, Tokens
 from refusion.runtime.options import RequestOptions
-from refusion.runtime.stop import first_stop, held_back
+from refusion.runtime.stop import covering, first_stop, held_back
 
 if TYPE_CHECKING:
     from refusion.runtime.decode.llada import DiffusionParams
@@ -42,7 +42,7 @@ class GenerationStats:
     mode: str
     backend: str
     prompt_tokens: int
-    tokens: int  # generated tokens up to and including the first EOS
+    tokens: int  # the answer's tokens, and the EOS or stop token that ended it
     forwards: dict[str, int]
     forward_count: int
     tokens_per_forward: float  # tokens / forwards
@@ -64,13 +64,24 @@ class GenerationStats:
 
 @dataclass
 class GenerationResult:
-    text: str  # the answer: settled text before the first EOS
-    token_ids: list[int]  # generated ids in position order, prompt excluded (settled ones only when stopped early)
+    text: str  # the answer: settled text before the first EOS, or before the stop sequence that ended it
+    # the answer's ids in position order: those of `text`, without the EOS or stop token that ended it (a token
+    # a stop sequence begins inside stays); only the settled ones when it stopped early
+    token_ids: list[int]
     prompt_ids: list[int]
     stats: GenerationStats
     commits: list[Commit]  # what became final at each loop iteration, in order
     finish_reason: FinishReason = "length"
     logprobs: list[float] | None = None  # with logprobs=True: each of token_ids' log-probability when drafted
+    # with top_logprobs=N: each of token_ids' N most likely alternatives in that reading, (id, log-probability)
+    top_logprobs: list[tuple[tuple[int, float], ...]] | None = None
+
+    @property
+    def committed_ids(self) -> list[int]:
+        """Every token committed, in position order: past the first EOS or a stop too, and across the holes
+        `upstream_eos_drop` leaves. What upstream's `generate_refusion` returns (parity compares it)."""
+        committed = {p: t for c in self.commits for p, t in zip(c.positions, c.token_ids)}
+        return [committed[p] for p in sorted(committed)]
 
     @property
     def steps(self) -> list[int]:
@@ -181,7 +192,7 @@ class Request:
             with self._changed:
                 self._listeners.remove(listener)
 
-    async def aevents(self) -> AsyncIterator[Commit]:
+    async def aevents(self) -> AsyncGenerator[Commit, None]:
         """`events()` for asyncio: each commit as it happens, awaited without blocking the event loop."""
         wake = asyncio.Event()
         with self._waking(wake):
@@ -302,43 +313,53 @@ class Request:
     def _build_result(self, reason: FinishReason | None) -> GenerationResult:
         committed = {p: t for c in self.commits for p, t in zip(c.positions, c.token_ids)}
         start = len(self.prompt_ids)
-        if reason is None:
+        if reason is None:  # ran to its end: every position decoded (upstream_eos_drop's holes joined over)
             positions = sorted(committed)
         else:  # stopped early: only what settled, the contiguous run from the prompt's end
             positions = list(itertools.takewhile(committed.__contains__, itertools.count(start)))
-        if reason == "stop" and self._stops is not None and self._stops.stop_tokens is not None:
-            positions = positions[: self._stops.stop_tokens]  # through the token that completed the stop
-        token_ids = [committed[p] for p in positions]
-        answer = token_ids[: token_ids.index(self.eos_id)] if self.eos_id in token_ids else token_ids
-        upto_eos = token_ids[: len(answer) + 1] if self.eos_id in token_ids else token_ids
-        if reason is None:
-            reason = "eos" if self.eos_id in token_ids else "length"
+        # The answer's rule (the first EOS, stop strings, stop tokens) read once over the final ids, whatever
+        # order they were committed in: the result, its stream and its usage agree.
+        answer = SettledText(0, self.eos_id, self._detokenize, self.options.stop, self.options.stop_token_ids)
+        answer.add(Commit(0, tuple(committed[p] for p in positions), tuple(range(len(positions))), "final"))
+        token_ids = answer.settled
+        if answer.stopped:
+            reason = "stop"
+        elif reason in (None, "stop"):
+            reason = "eos" if answer.ended else "length"
+        tokens = len(token_ids) + (answer.end_token is not None)  # with the EOS or stop token that ended it
         wall = time.perf_counter() - self.started if self.started else 0.0
         forwards = sum(self.trace.forwards.values())
         stats = GenerationStats(
-            mode=self.params.mode, backend=self.backend, prompt_tokens=start, tokens=len(upto_eos),
+            mode=self.params.mode, backend=self.backend, prompt_tokens=start, tokens=tokens,
             forwards=dict(self.trace.forwards), forward_count=forwards,
-            tokens_per_forward=len(upto_eos) / forwards if forwards else 0.0, tpf=self.trace.tpf,
+            tokens_per_forward=tokens / forwards if forwards else 0.0, tpf=self.trace.tpf,
             wall_seconds=wall, engine_seconds=self.runner_seconds, loop_seconds=wall - self.runner_seconds,
-            tokens_per_second=len(upto_eos) / wall if wall else 0.0, branches=dict(self.trace.branches),
+            tokens_per_second=tokens / wall if wall else 0.0, branches=dict(self.trace.branches),
             cached_prompt_tokens=self.cached_tokens,
         )
-        if reason == "stop" and self._stops is not None:
-            text = self._stops.stop_text  # the stop sequence itself is not returned
+        if answer.stopped:
+            text = answer.stop_text  # the stop sequence itself is not returned
         else:
-            text = self._detokenize(answer) if self._detokenize else ""
-        logprobs = None
+            text = self._detokenize(token_ids) if self._detokenize else ""
+        returned = positions[: len(token_ids)]
+        logprobs = alternatives = None
         if self.options.logprobs:
             drafted = {p: lp for c in self.commits for p, lp in zip(c.positions, c.logprobs)}
-            logprobs = [drafted[p] for p in positions]
-        return GenerationResult(text, token_ids, self.prompt_ids, stats, list(self.commits), reason, logprobs)
+            logprobs = [drafted[p] for p in returned]
+        if self.options.top_logprobs:
+            others = {p: a for c in self.commits for p, a in zip(c.positions, c.alternatives)}
+            alternatives = [others[p] for p in returned]
+        return GenerationResult(text, token_ids, self.prompt_ids, stats, list(self.commits), reason, logprobs,
+                                alternatives)
 
 
 class SettledText:
     """The text of the settled prefix: slots commit out of order; text is shown only once every
     earlier position is committed, up to the first EOS, and never ends in half a character. With stop
     sequences it ends at the first one (`stop` strings in the text, or a token of `stop_ids`), which is not
-    shown, and it holds back text that could still turn out to begin one. `detokenize` None: tokens only."""
+    shown, and it holds back text that could still turn out to begin one. `detokenize` None: tokens only.
+    `settled` holds the answer's tokens: never the EOS or a stop token, and once a stop string ended it, the
+    fewest tokens whose text covers `stop_text` (a token the stop begins inside stays: part of it is shown)."""
 
     def __init__(self, prompt_length: int, eos_id: int, detokenize: Detokenize | None,
                  stop: tuple[str, ...] = (), stop_ids: tuple[int, ...] = ()):
@@ -347,41 +368,38 @@ class SettledText:
         self.settled: list[int] = []
         self.pending: dict[int, int] = {}
         self.shown = ""
-        self.ended = False
-        self.stop_tokens: int | None = None  # stopped: settled tokens through the one that completed the stop
+        self.ended = False  # at an EOS or a stop: nothing after it is read
+        self.stopped = False  # ended by a stop sequence or a stop token
         self.stop_text = ""  # stopped: the text before the stop sequence
+        self.end_token: int | None = None  # the EOS or stop token that ended it (None: a stop string, or not ended)
         self._scanned = 0  # stop strings were looked for in the text before this index
-
-    @property
-    def stopped(self) -> bool:
-        return self.stop_tokens is not None
 
     def add(self, commit: Commit) -> str:
         """The new piece of text this commit settles ("" if none)."""
         if self.ended:
             return ""
         self.pending.update(zip(commit.positions, commit.token_ids))
-        before = len(self.settled)
         while not self.ended and self.next in self.pending:
             token = self.pending.pop(self.next)
             self.next += 1
             self.ended = token == self.eos_id or token in self.stop_ids
             if not self.ended:
                 self.settled.append(token)
-            elif token != self.eos_id:
-                self.stop_tokens = len(self.settled) + 1
+            else:
+                self.end_token, self.stopped = token, token != self.eos_id
         if self.detokenize is None:
             return ""
         text = self.detokenize(self.settled)
         if self.stop:  # also when this commit ended it (EOS, a stop token): a stop string before that comes first
             found = first_stop(text, self.stop, self._scanned)
-            self._scanned = max(0, len(text) - max(map(len, self.stop)) + 1)
+            # A character split across byte-level tokens reads U+FFFD until its last byte comes, and then
+            # replaces the placeholder: the scan resumes before it, or a stop that ends in it is missed.
+            self._scanned = max(0, len(text.rstrip("\ufffd")) - max(map(len, self.stop)) + 1)
             if found is not None:
-                at, length = found
-                self.ended = True
-                self.stop_tokens = next(n for n in range(before + 1, len(self.settled) + 1)
-                                        if len(self.detokenize(self.settled[:n])) >= at + length)
-                text = text[:at]
+                self.ended = self.stopped = True
+                self.end_token = None
+                text = text[: found[0]]
+                self.settled = self.settled[: covering(self.settled, text, self.detokenize)]
         if self.stopped:
             self.stop_text = text
         if text.endswith("\ufffd") and not self.ended:  # an incomplete UTF-8 sequence: wait for the rest

@@ -3,6 +3,8 @@ of the text could still become the start of one (so a stream holds it back)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 
 def first_stop(text: str, stops: tuple[str, ...], start: int = 0) -> tuple[int, int] | None:
     """(where, length) of the earliest stop sequence found in text[start:], the shortest at a tie; None if none."""
@@ -19,3 +21,17 @@ def held_back(text: str, stops: tuple[str, ...]) -> int:
         if any(s.startswith(tail) for s in stops):
             return n
     return 0
+
+
+def covering(tokens: Sequence[int], text: str, detokenize: Callable[[list[int]], str]) -> int:
+    """The fewest leading `tokens` whose text begins with `text` (all of them if none do): the tokens an answer
+    cut before a stop sequence returns. A longer prefix of tokens decodes to a longer prefix of text, so the
+    count is found by bisection, in O(log n) decodes."""
+    lo, hi = 0, len(tokens)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if detokenize(list(tokens[:mid])).startswith(text):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo

@@ -94,21 +94,28 @@ class Frontend(Generic[Handle]):
         self._closed = False
         self._releasing: set[asyncio.Task[None]] = set()  # answer()'s waits for requests whose client left
 
-    def admit(self) -> Final | None:
-        """Take a place for a new request, or the refusal its client gets (retryable: the server is full or
-        going down). Every admitted request must then be submitted, which gives the place back if it fails."""
+    def admit(self, count: int = 1) -> Final | None:
+        """Take places for `count` new requests (all or none), or the refusal their client gets (retryable: the
+        server is full or going down). Every admitted request must then be submitted, which gives its place back
+        if it fails, or its place given back (`give_back`)."""
         with self._lock:
-            refusal = self._refusal()
+            refusal = self._refusal(count)
             if refusal is None:
-                self._admitted += 1
+                self._admitted += count
             return refusal
 
-    def _refusal(self) -> Final | None:
+    def give_back(self, count: int) -> None:
+        """Places admitted for requests that will not be submitted (another of their client's failed)."""
+        with self._lock:
+            self._admitted -= count
+            self._lock.notify_all()
+
+    def _refusal(self, count: int) -> Final | None:
         if self._closed or self.drain_deadline is not None:
             return Final(error="the server is shutting down; send the request to another instance.",
                          status=Status.UNAVAILABLE)
         held = len(self._live) + self._admitted
-        if held >= self.limit:
+        if held + count > self.limit:
             return Final(error=f"the server holds {held} requests, its limit ({self.gen.runner.max_requests} running "
                                f"+ {self.max_queue} queued, --max-queue); retry later or add instances.",
                          status=Status.RESOURCE_EXHAUSTED)
@@ -161,11 +168,16 @@ class Frontend(Generic[Handle]):
             if outcome is not None and request.done:
                 self._release(request, lambda: None, outcome)
             else:
-                request.cancel()
-                # Awaited in a task of its own: the one closing this iterator may itself be cancelled.
-                task = asyncio.get_running_loop().create_task(self._release_at_end(request))
-                self._releasing.add(task)
-                task.add_done_callback(self._releasing.discard)
+                self.abandon(request)
+
+    def abandon(self, request: Request) -> None:
+        """Cancel a submitted request nobody will answer (from asyncio); it gives its place back once it has
+        ended, within a forward."""
+        request.cancel()
+        # Awaited in a task of its own: the one abandoning it may itself be cancelled.
+        task = asyncio.get_running_loop().create_task(self._release_at_end(request))
+        self._releasing.add(task)
+        task.add_done_callback(self._releasing.discard)
 
     async def _release_at_end(self, request: Request) -> None:
         try:

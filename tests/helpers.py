@@ -91,17 +91,26 @@ def broken_request(gen, ids: list[int], error: BaseException, **settings) -> Req
 
 def decode_alone(export: Path, jobs: list[tuple[list[int], dict]]) -> list[list[int]]:
     """Each job's tokens decoded by itself on onnxruntime CPU: the oracle."""
+    return [result.token_ids for result in results_alone(export, jobs)]
+
+
+def results_alone(export: Path, jobs: list[tuple[list[int], dict]]) -> list[GenerationResult]:
+    """Each job decoded by itself on onnxruntime CPU, its whole result."""
     from refusion.runtime.runners.onnxruntime import OrtRunner
 
     manifest = ExportManifest.load(export)
     with OrtRunner(manifest, threads=1) as runner:
-        return decode_alone_on(runner, manifest, jobs)
+        return results_alone_on(runner, manifest, jobs)
 
 
 def decode_alone_on(runner, manifest: ExportManifest, jobs: list[tuple[list[int], dict]]) -> list[list[int]]:
-    """Each job decoded by itself on `runner`, one request at a time."""
+    """Each job's tokens decoded by itself on `runner`, one request at a time."""
+    return [result.token_ids for result in results_alone_on(runner, manifest, jobs)]
+
+
+def results_alone_on(runner, manifest: ExportManifest, jobs: list[tuple[list[int], dict]]) -> list[GenerationResult]:
     tokens = [Tokens(ids, manifest.mask_token_id, manifest.eos_token_id) for ids, _ in jobs]
-    return [decode_on(runner, t, DecodeParams(**settings)).token_ids for t, (_, settings) in zip(tokens, jobs)]
+    return [decode_on(runner, t, DecodeParams(**settings)) for t, (_, settings) in zip(tokens, jobs)]
 
 
 def chat_jobs(export: Path, n: int, settings: list[dict]) -> list[tuple[list[int], dict]]:

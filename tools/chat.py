@@ -34,16 +34,25 @@ from refusion.tools.cli_common import (
     request_settings,
 )
 
+
+def _boolean(value: str) -> bool:
+    """true / false (also yes / no, on / off, 1 / 0), any case."""
+    words = {"true": True, "yes": True, "on": True, "1": True, "false": False, "no": False, "off": False, "0": False}
+    if value.lower() not in words:
+        raise ValueError(value)
+    return words[value.lower()]
+
+
 # /settings keys: short names, and every DecodeParams field by its own name
 ALIASES = {"k": "slot_size", "blocks": "serial_num_blocks", "serial_blocks": "serial_num_blocks"}
 _TYPES = {"max_tokens": int, "gen_length": int, "slot_size": int, "serial_num_blocks": int, "slot_threshold": float,
           "token_threshold": float, "temperature": float, "top_k": int, "top_p": float, "min_p": float, "seed": int,
-          "mode": str}
+          "mode": str, "upstream_eos_drop": _boolean}
 HELP = """commands:
   /settings             show the decode settings
   /settings k=v ...     change them: k (slot_size), blocks (serial_num_blocks), max_tokens, gen_length,
                         slot_threshold, token_threshold, temperature, top_k, top_p, min_p, seed,
-                        mode (refusion | ar);
+                        mode (refusion | ar), upstream_eos_drop (true | false);
                         e.g. /settings slot_size=4 mode=ar max_tokens=32 (seed=none, max_tokens=none: unset)
   /stats                switch the stats line after each answer on or off
   /reset                start a new conversation
@@ -166,7 +175,8 @@ class ChatSession:
                 optional = name in ("seed", "max_tokens") and value.lower() == "none"
                 changed[name] = None if optional else _TYPES[name](value)
             except ValueError as e:
-                kind, example = ("an integer", "4") if _TYPES[name] is int else ("a number", "0.5")
+                kind, example = {int: ("an integer", "4"), _boolean: ("true or false", "true")}.get(
+                    _TYPES[name], ("a number", "0.5"))
                 raise RefusionError(f"/settings {item}: {value!r} is not {kind} (e.g. {name}={example}).") from e
         self.check(changed)
         self.settings = changed

@@ -125,6 +125,9 @@ _DECODE_OPTIONS = (
     click.option("--min-p", type=float, default=None,
                  help="With --temperature: among those at least P x the most likely's probability [default: 0]."),
     click.option("--seed", type=int, default=None, help="Seed of the Gumbel noise when --temperature > 0."),
+    click.option("--upstream-eos-drop", is_flag=True,
+                 help="ReFusion: after an EOS found in infill, drop slots as upstream does, leaving some positions "
+                      "before the EOS undecoded (holes); for comparing with the upstream code (docs/decoding.md)."),
 )
 # What a request asks beyond its decode settings: its length and where it stops.
 _REQUEST_OPTIONS = (
@@ -154,7 +157,7 @@ _LOAD_OPTIONS = (
 
 def decode_options(f: Any) -> Any:
     """--mode --gen-length --slot-size --serial-blocks --slot-threshold --token-threshold --temperature --top-k
-    --top-p --min-p --seed; the command takes them as keyword arguments and hands them to `decode_settings`."""
+    --top-p --min-p --seed --upstream-eos-drop; the command takes them as keyword arguments and hands them to `decode_settings`."""
     for option in reversed(_DECODE_OPTIONS):
         f = option(f)
     return f
@@ -180,7 +183,7 @@ def decode_settings(options: dict[str, Any]) -> dict[str, Any]:
     recorded value)."""
     names = {"serial_blocks": "serial_num_blocks"}  # option name -> setting name, where they differ
     taken = ("mode", "gen_length", "slot_size", "serial_blocks", "slot_threshold", "token_threshold",
-             "temperature", "seed")
+             "temperature", "seed", "upstream_eos_drop")
     settings = {names.get(name, name): options.pop(name) for name in taken}
     cuts = {name: options.pop(name) for name in ("top_k", "top_p", "min_p")}
     return settings | {name: value for name, value in cuts.items() if value is not None}  # left out: no cut

@@ -124,6 +124,12 @@ class ExportManifest:
     def graph_path(self, name: GraphName) -> Path:
         return self.path / self.graph_files[name]
 
+    @property
+    def fingerprint(self) -> str:
+        """A digest of the files the export lists (graphs, weights, tokenizer): the same files, the same
+        fingerprint (the OpenAI server's system_fingerprint)."""
+        return "fp_" + _digest({name: record.to_json() for name, record in self.files.items()})
+
     # -- files -----------------------------------------------------------------------------
     @property
     def model_files(self) -> tuple[str, ...]:

@@ -32,7 +32,8 @@ class Strategy:
 _COMMON = ("temperature", "top_k", "top_p", "min_p", "seed", "max_tokens")
 STRATEGIES: dict[str, Strategy] = {
     "refusion": Strategy(refusion.refusion_steps, _COMMON + ("gen_length", "slot_size", "serial_num_blocks",
-                                                              "slot_threshold", "token_threshold"),
+                                                              "slot_threshold", "token_threshold",
+                                                              "upstream_eos_drop"),
                          refusion.kv_capacity, refusion.positions, refusion.profile_needs, refusion.check),
     "ar": Strategy(ar.ar_steps, _COMMON + ("gen_length",), ar.kv_capacity, ar.positions, ar.profile_needs),
     # the benchmark's baseline, with its own params (llada.DiffusionParams)

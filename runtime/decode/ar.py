@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from refusion.runtime.decode import masks
+from refusion.runtime.decode import masks, policy
 from refusion.runtime.decode.forwards import Forwards
 from refusion.runtime.decode.kv_cache import KVCache
 from refusion.runtime.decode.steps import Commit, DecodeTrace, PrefixKV, StepMachine, Tokens
@@ -36,7 +35,7 @@ def ar_steps(tokens: Tokens, params: DecodeParams, trace: DecodeTrace) -> StepMa
     prompt = np.asarray(tokens.prompt, dtype=np.int64)
     p0, gen_len = len(prompt), positions(params)
     cache = KVCache(kv_capacity(p0, params), tokens.cached)
-    fwd = Forwards(cache, trace, params)
+    fwd = Forwards(cache, trace, params, tokens.top_logprobs)
     ids, pos, kind = prompt[tokens.cached:], np.arange(tokens.cached, p0), "prefill"
     answer: list[int] = []
     for step in range(1, gen_len + 1):
@@ -47,13 +46,12 @@ def ar_steps(tokens: Tokens, params: DecodeParams, trace: DecodeTrace) -> StepMa
         cache.commit(len(ids))
         if step == 1:
             yield PrefixKV(tuple(tokens.prompt))
-        token, prob = fwd.draft(out, sample=True)
+        token, prob, alternatives = fwd.draft(out, sample=True)
         ids, pos, kind = token.astype(np.int64), np.array([p0 + step - 1]), "decode"
         answer.append(int(token[0]))
         trace.tpf_sum += 1.0
         trace.iterations += 1
-        p = float(prob[0])  # a probability of 0 in fp32 is a log-probability of -inf
-        yield Commit(step, (int(token[0]),), (p0 + step - 1,), "ar", (math.log(p) if p > 0 else -math.inf,))
+        yield Commit(step, (int(token[0]),), (p0 + step - 1,), "ar", *policy.commit_logprobs(prob, alternatives))
         if int(token[0]) == tokens.eos_id:
             break
     # Fed one at a time, each over all before it: the answer's KV is causal too, so a conversation's next turn

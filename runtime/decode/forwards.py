@@ -17,15 +17,16 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 Calls = Generator[Forward | KVMove, Outputs | None, T]  # hands out forwards (and KV moves), returns what they tell
-Drafts = tuple[np.ndarray, np.ndarray]  # token ids and the probability of each
+# token ids, the probability of each, and each one's alternatives: [..., top_logprobs, 2] of (id, log-probability)
+Drafts = tuple[np.ndarray, np.ndarray, np.ndarray]
 
 
 class Forwards:
     """The graph calls of the loop, named by what they are for, counted in the trace; each is a
     generator that hands out its Forward and returns what the loop needs from the outputs."""
 
-    def __init__(self, cache: KVCache, trace: DecodeTrace, params: DecodeParams):
-        self.cache, self.trace, self.params = cache, trace, params
+    def __init__(self, cache: KVCache, trace: DecodeTrace, params: DecodeParams, top_logprobs: int = 0):
+        self.cache, self.trace, self.params, self.top_logprobs = cache, trace, params, top_logprobs
         self.rng = np.random.default_rng(params.seed) if params.temperature > 0 else None
 
     def run(self, kind: str, graph: GraphName, ids: np.ndarray, pos: np.ndarray, mask: np.ndarray, past: int,
@@ -48,13 +49,16 @@ class Forwards:
         return np.concatenate([np.ones(1, np.float32), out["input_probs"][0][: len(ids) - 1]])
 
     def draft(self, out: Outputs, sample: bool) -> Drafts:
-        """(token ids, softmax probability of each) from a forward's heads: the argmax, or with temperature > 0
-        a draw from the top-K candidates the graph emits (policy.sample_candidates)."""
+        """(token ids, softmax probability of each, alternatives) from a forward's heads: the argmax, or with
+        temperature > 0 a draw from the top-K candidates the graph emits (policy.sample_candidates)."""
+        top = self.top_logprobs  # the graphs' candidates, most likely first, are the alternatives
+        alternatives = np.stack([out["top_ids"][0][:, :top], out["top_logprobs"][0][:, :top]], axis=-1)
         if sample and self.rng is not None:
             p = self.params
-            return policy.sample_candidates(out["top_ids"][0], out["top_logprobs"][0], p.temperature, p.top_k,
-                                            p.top_p, p.min_p, self.rng)
-        return out["argmax_ids"][0], out["argmax_probs"][0]
+            ids, probs = policy.sample_candidates(out["top_ids"][0], out["top_logprobs"][0], p.temperature, p.top_k,
+                                                  p.top_p, p.min_p, self.rng)
+            return ids, probs, alternatives
+        return out["argmax_ids"][0], out["argmax_probs"][0], alternatives
 
     def prefill_plan(self, prompt: np.ndarray, masks_ids: np.ndarray, mask_pos: np.ndarray) -> Calls[Drafts]:
         """The first plan: the prompt (past its cached prefix) and the masks in one infiller pass; the prompt's
@@ -79,11 +83,13 @@ class Forwards:
         return (yield from self.verified("verify", ids, pos, masks.causal_after(c, len(ids)), c, c))
 
     def infill_draft(self, rows: np.ndarray, pos: np.ndarray, a: int, scratch_rows: int) -> Calls[Drafts]:
-        """Every row's window [a, k) drafted (planner): ids and their probabilities, [n, k - a] each."""
+        """Every row's window [a, k) drafted (planner): ids and their probabilities, [n, k - a] each (greedy, as
+        upstream's infill), and their alternatives."""
         n, window = rows.shape[0], self.params.slot_size - a
         mask, past = self._rows_mask(a, scratch_rows, n, window)
         out = yield from self.run("infill_draft", "planner", rows.reshape(-1), pos.reshape(-1), mask, past)
-        return out["argmax_ids"][0].reshape(n, window), out["argmax_probs"][0].reshape(n, window)
+        ids, probs, alternatives = self.draft(out, sample=False)
+        return ids.reshape(n, window), probs.reshape(n, window), alternatives.reshape(n, window, self.top_logprobs, 2)
 
     def infill_verify(self, rows: np.ndarray, pos: np.ndarray, a: int, scratch_rows: int) -> Calls[np.ndarray]:
         """Every row's window [a, k) verified (infiller): each token's AR probability, [n, k - a]."""

@@ -78,9 +78,20 @@ def sample_candidates(ids: np.ndarray, logprobs: np.ndarray, temperature: float,
     probs /= probs.sum(axis=-1, keepdims=True)
     if top_p < 1.0:
         before = np.cumsum(probs, axis=-1) - probs  # probability of the more likely candidates
-        keep &= before < top_p  # the first always stays
+        keep[:, 1:] &= before[:, 1:] < top_p  # the most likely always stays (top_p 0: it alone)
     if min_p > 0.0:
         keep &= probs >= min_p * probs[:, :1]
     chosen = gumbel_argmax(np.where(keep, lp, -np.inf), temperature, rng)
     rows = np.arange(len(ids))
     return ids[rows, chosen], np.exp(lp[rows, chosen]).astype(np.float32)
+
+
+def commit_logprobs(probs: np.ndarray, alternatives: np.ndarray
+                    ) -> tuple[tuple[float, ...], tuple[tuple[tuple[int, float], ...], ...]]:
+    """What a Commit reports of its tokens: each one's log-probability (probs [n]: a probability of 0 in fp32
+    is -inf) and its alternatives (alternatives [n, top, 2] of (id, log-probability); top 0: none asked)."""
+    with np.errstate(divide="ignore"):
+        logprobs = tuple(float(x) for x in np.log(probs.astype(np.float64)))
+    if not alternatives.shape[1]:
+        return logprobs, ()
+    return logprobs, tuple(tuple((int(i), float(lp)) for i, lp in row) for row in alternatives)

@@ -52,6 +52,8 @@ class Commit:
     positions: tuple[int, ...]
     how: str  # "verification" (whole slots from the verify pass), "infill", or "ar"
     logprobs: tuple[float, ...] = ()  # each token's log-probability when it was drafted (its draft's reading)
+    # with Tokens.top_logprobs: each token's most likely alternatives in that reading, (id, log-probability)
+    alternatives: tuple[tuple[tuple[int, float], ...], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -88,3 +90,4 @@ class Tokens:
     mask_id: int
     eos_id: int
     cached: int = 0  # KV of prompt[:cached] is already in the request's region (the prefix cache's copy)
+    top_logprobs: int = 0  # alternatives each commit reports per token (Commit.alternatives), at most the graphs' K

@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from fastapi import FastAPI
@@ -29,10 +30,13 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from refusion.runtime.core.errors import RefusionError
+from refusion.runtime.core.export_manifest import MANIFEST_NAME
+from refusion.runtime.request import GenerationResult
 from refusion.runtime.request import Request as Generation
-from refusion.serve.frontend import Final, Frontend, Status
+from refusion.runtime.stop import covering
+from refusion.serve.frontend import Final, Frontend, ServeRequest, Status
 from refusion.serve.openai.metrics import CONTENT_TYPE, Arrival, ServerMetrics
-from refusion.serve.openai.responses import ApiError, Reply, answer_logprobs, error_body, sse
+from refusion.serve.openai.responses import ApiError, Reply, answer_logprobs, error_body, sse, token_logprobs
 from refusion.serve.openai.schema import CHAT, COMPLETIONS, ApiRequest, parse_json, read_request
 from refusion.serve.security import authorized
 
@@ -58,6 +62,9 @@ def create_app(frontend: Frontend[Arrival], metrics: ServerMetrics, config: AppC
 
     def token_text(token_id: int) -> str:
         return tokenizer.decode([token_id]) if tokenizer is not None else str(token_id)
+
+    def detokenize(ids: list[int]) -> str:
+        return tokenizer.decode(ids) if tokenizer is not None else ""  # the server refuses exports without one
 
     def refused(status: int, body: dict[str, Any], headers: dict[str, str] | None = None) -> JSONResponse:
         metrics.refused.labels(str(status)).inc()
@@ -99,8 +106,10 @@ def create_app(frontend: Frontend[Arrival], metrics: ServerMetrics, config: AppC
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
+    created = int((gen.manifest.path / MANIFEST_NAME).stat().st_mtime)  # when the export was written
+
     def model_card() -> dict[str, Any]:
-        return {"id": config.model, "object": "model", "created": 0, "owned_by": "refusion",
+        return {"id": config.model, "object": "model", "created": created, "owned_by": "refusion",
                 "max_model_len": gen.manifest.max_positions}
 
     @app.get("/v1/models")
@@ -117,25 +126,30 @@ def create_app(frontend: Frontend[Arrival], metrics: ServerMetrics, config: AppC
     async def complete(endpoint: str, http: Request) -> Response:
         arrival = Arrival(endpoint)
         api = read_request(endpoint, parse_json(await _read_body(http, config)), config.model)
-        refusal = frontend.admit()
+        if api.choices > frontend.limit:
+            raise ApiError(400, f"the request asks for {api.choices} choices ({len(api.jobs)} prompt(s) x n={api.n}), "
+                                f"more than the {frontend.limit} requests this server holds at once; ask for fewer.",
+                           "n" if api.n > 1 else "prompt")
+        refusal = frontend.admit(api.choices)
         if refusal is not None:
             full = refusal.status is Status.RESOURCE_EXHAUSTED
             raise ApiError(refusal.status.value, refusal.error, code="server_full" if full else "server_unavailable",
                            headers={"Retry-After": str(config.retry_after_s)} if full else {})
-        # Tokenized off the event loop, so that a long prompt holds up no other request.
-        generation = await run_in_threadpool(frontend.submit, api.job, arrival)
-        reply = Reply(endpoint, config.model)
-        if api.job.stream:
-            return StreamingResponse(_events(frontend, generation, api, reply), media_type="text/event-stream",
+        generations = await _submit(frontend, api, arrival)
+        reply = Reply(endpoint, config.model, gen.manifest.fingerprint)
+        if api.stream:
+            return StreamingResponse(_events(frontend, generations, api, reply, detokenize, token_text),
+                                     media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        final = await _until_end_or_gone(frontend, generation, http.receive)
-        if final is None:
+        finals = await _until_end_or_gone(frontend, generations, http.receive)
+        if finals is None:
             return Response(status_code=499)  # nobody reads it
-        if final.result is None:
-            raise ApiError(final.status.value, final.error)
-        logprobs = (answer_logprobs(final.result, gen.manifest.eos_token_id, token_text, reply.chat)
-                    if api.logprobs else None)
-        return JSONResponse(reply.completion(final.result, logprobs, api.token_ids))
+        failed = [final for final in finals if final.result is None]
+        if failed:
+            raise ApiError(failed[0].status.value, failed[0].error)
+        results = [final.result for final in finals if final.result is not None]
+        logprobs = [answer_logprobs(r, token_text, reply.chat) for r in results] if api.logprobs else None
+        return JSONResponse(reply.completion(results, logprobs, api.n, api.token_ids))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(http: Request) -> Response:
@@ -199,26 +213,67 @@ async def _read_body(http: Request, config: AppConfig) -> bytes:
         raise ApiError(400, "the client went away before its body arrived.") from None
 
 
-async def _until_end_or_gone(frontend: Frontend[Arrival], generation: Generation,
-                             receive: Receive) -> Final | None:
-    """The request's Final, or None once its client has disconnected (the request is cancelled then)."""
-    answers = frontend.answer(generation, stream=False)
-    ending = asyncio.ensure_future(anext(answers))
-    gone = asyncio.ensure_future(_disconnect(receive))
+async def _submit(frontend: Frontend[Arrival], api: ApiRequest, arrival: Arrival) -> list[Generation]:
+    """Each job's n choices, in choice order, from the places `frontend.admit` took for them. Tokenized off the
+    event loop, so that a long prompt holds up no other request. With n > 1 a job's first choice runs alone until
+    its first commit (its prompt's KV is in the prefix cache by then) and the others copy that KV instead of
+    prefilling it. If one fails to start, those started are cancelled and every place left is given back."""
+    generations: list[Generation] = []
+    places = api.choices
     try:
-        await asyncio.wait({ending, gone}, return_when=asyncio.FIRST_COMPLETED)
+        for job in api.jobs:
+            for choice in range(api.n):
+                places -= 1  # a submit gives its place back itself if it fails
+                generations.append(await run_in_threadpool(frontend.submit, _nth(job, choice), arrival))
+                if choice == 0 and api.n > 1 and frontend.gen.prefix_cache is not None:
+                    await _first_commit(generations[-1])
+    except BaseException:
+        frontend.give_back(places)
+        for generation in generations:
+            frontend.abandon(generation)
+        raise
+    return generations
+
+
+def _nth(job: ServeRequest, choice: int) -> ServeRequest:
+    """A job's choice-th choice: with a seed, seed + choice, so that sampled choices differ yet repeat."""
+    seed = job.settings.get("seed")
+    if not choice or seed is None:
+        return job
+    return replace(job, settings={**job.settings, "seed": (seed + choice) % 2**64})
+
+
+async def _first_commit(generation: Generation) -> None:
+    """Until the request's first commit, or its end."""
+    events = generation.aevents()
+    try:
+        await anext(events, None)
+    finally:
+        await events.aclose()
+
+
+async def _until_end_or_gone(frontend: Frontend[Arrival], generations: list[Generation],
+                             receive: Receive) -> list[Final] | None:
+    """Each request's Final, or None once their client has disconnected (the requests are cancelled then)."""
+    answers = [frontend.answer(generation, stream=False) for generation in generations]
+    endings = asyncio.gather(*(anext(answer) for answer in answers))
+    gone = asyncio.ensure_future(_disconnect(receive))
+    waited: list[asyncio.Future[Any]] = [endings, gone]
+    try:
+        await asyncio.wait(waited, return_when=asyncio.FIRST_COMPLETED)
     finally:
         gone.cancel()
-    if not ending.done():
-        ending.cancel()  # the answer's iterator cancels the request as it closes
+    if not endings.done():
+        endings.cancel()  # each answer's iterator cancels its request as it closes
         with contextlib.suppress(asyncio.CancelledError):
-            await ending
-        await answers.aclose()
+            await endings
+    for answer in answers:
+        await answer.aclose()
+    if endings.cancelled():
         return None
-    final = ending.result()
-    await answers.aclose()
-    assert isinstance(final, Final), "a non-streaming answer yields only its Final"
-    return final
+    finals = [final for final in endings.result() if isinstance(final, Final)]
+    assert len(finals) == len(answers), "a non-streaming answer yields only its Final"
+    return finals
 
 
 async def _disconnect(receive: Receive) -> None:
@@ -226,29 +281,86 @@ async def _disconnect(receive: Receive) -> None:
         pass
 
 
-async def _events(frontend: Frontend[Arrival], generation: Generation, api: ApiRequest, reply: Reply
-                  ) -> AsyncIterator[bytes]:
-    """The stream: (chat) the role, each piece of settled text, the finish reason, (include_usage) the usage,
-    then [DONE]; an error after the stream began is an error event. Closed early (its client disconnected),
-    the answer's iterator cancels the request."""
+async def _events(frontend: Frontend[Arrival], generations: list[Generation], api: ApiRequest, reply: Reply,
+                  detokenize: Callable[[list[int]], str], token_text: Callable[[int], str]) -> AsyncIterator[bytes]:
+    """The stream: per choice (chat) the role, each piece of settled text (with its tokens' log-probabilities,
+    when asked for), the finish reason; then (include_usage) the usage, then [DONE]. Choices' chunks interleave
+    as they settle, each naming its index; an error after the stream began is an error event. Closed early (its
+    client disconnected), every answer's iterator cancels its request."""
     usage = api.include_usage
-    answers = frontend.answer(generation, stream=True)
+    arrived: asyncio.Queue[tuple[int, str | Final | None]] = asyncio.Queue()
+
+    async def pump(index: int, generation: Generation) -> None:
+        answers = frontend.answer(generation, stream=True)
+        try:
+            async for item in answers:
+                arrived.put_nowait((index, item))
+        finally:
+            await answers.aclose()
+            arrived.put_nowait((index, None))
+
+    pumps = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(generations)]
+    shown = [_StreamLogprobs(g, detokenize, token_text, reply.chat) if api.logprobs else None for g in generations]
+    results: list[GenerationResult | None] = [None] * len(generations)
     try:
         if reply.chat:
-            yield sse(reply.chunk(first=True, include_usage=usage))
-        async for item in answers:
-            if isinstance(item, str):
-                yield sse(reply.chunk(item, include_usage=usage))
+            for index in range(len(generations)):
+                yield sse(reply.chunk(first=True, include_usage=usage, index=index))
+        running = len(generations)
+        while running:
+            index, item = await arrived.get()
+            logprobs = shown[index]
+            if item is None:
+                running -= 1
+            elif isinstance(item, str):
+                yield sse(reply.chunk(item, include_usage=usage, index=index,
+                                      logprobs=logprobs.piece(item) if logprobs else None))
             elif item.result is not None:
-                ids = item.result.token_ids if api.token_ids else None
-                yield sse(reply.chunk(finish_reason=item.result.finish_reason, include_usage=usage, token_ids=ids))
-                if usage:
-                    yield sse(reply.usage_chunk(item.result))
+                results[index] = result = item.result
+                yield sse(reply.chunk(finish_reason=result.finish_reason, include_usage=usage, index=index,
+                                      token_ids=result.token_ids if api.token_ids else None,
+                                      logprobs=logprobs.rest(result) if logprobs else None))
             else:
                 yield sse(error_body(item.status.value, item.error))
+        answered = [r for r in results if r is not None]
+        if usage and len(answered) == len(results):
+            yield sse(reply.usage_chunk(answered, api.n))
         yield sse("[DONE]")
     finally:
-        await answers.aclose()
+        for task in pumps:
+            task.cancel()
+        await asyncio.gather(*pumps, return_exceptions=True)
+
+
+class _StreamLogprobs:
+    """The log-probabilities a choice's stream carries: each piece of text those of the tokens it completes,
+    the closing chunk those of the tokens left (whose text a stop sequence or EOS held back)."""
+
+    def __init__(self, generation: Generation, detokenize: Callable[[list[int]], str],
+                 token_text: Callable[[int], str], chat: bool):
+        self.generation, self.detokenize, self.token_text, self.chat = generation, detokenize, token_text, chat
+        self.text, self.sent = "", 0
+
+    def piece(self, text: str) -> Any:
+        self.text += text
+        drafted: dict[int, tuple[int, float, tuple[tuple[int, float], ...]]] = {}
+        for commit in list(self.generation.commits):
+            others = commit.alternatives or ((),) * len(commit.token_ids)
+            drafted.update(zip(commit.positions, zip(commit.token_ids, commit.logprobs, others)))
+        run = [drafted[p] for p in itertools.takewhile(drafted.__contains__,
+                                                       itertools.count(len(self.generation.prompt_ids)))]
+        ids = [token for token, _, _ in run]
+        new = run[self.sent:covering(ids, self.text, self.detokenize)]
+        offset = sum(len(self.token_text(t)) for t in ids[: self.sent])
+        self.sent += len(new)
+        alternatives = [a for _, _, a in new] if self.generation.options.top_logprobs else None
+        return token_logprobs([t for t, _, _ in new], [lp for _, lp, _ in new], alternatives, self.token_text,
+                              self.chat, offset)
+
+    def rest(self, result: GenerationResult) -> Any:
+        logprobs = answer_logprobs(result, self.token_text, self.chat, self.sent)
+        self.sent = len(result.token_ids)
+        return logprobs
 
 
 def _param(message: str) -> str | None:

@@ -10,6 +10,7 @@ import json
 import math
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,10 +21,9 @@ from refusion.runtime.request import GenerationResult
 # (its max_tokens, its timeout_s, or the drain's deadline).
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "timeout": "length", "cancelled": "length"}
 
-# OpenAI's error types by HTTP status (the openai client raises BadRequestError, AuthenticationError, ... by status).
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-               405: "invalid_request_error", 408: "invalid_request_error", 413: "invalid_request_error",
-               429: "rate_limit_error", 500: "server_error", 503: "service_unavailable"}
+# OpenAI's error types by HTTP status (the openai client raises BadRequestError, AuthenticationError, ... by status;
+# OpenAI's own API sends these types: a bad key and an unknown model are invalid requests too).
+ERROR_TYPES = {429: "requests", 500: "server_error", 503: "server_error"}  # every other status: invalid_request_error
 
 
 class ApiError(RefusionError):
@@ -50,6 +50,7 @@ class Reply:
 
     endpoint: str  # "chat" or "completions"
     model: str
+    fingerprint: str  # system_fingerprint: the served export's (its files' digest)
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -60,68 +61,95 @@ class Reply:
     def _head(self, chunk: bool) -> dict[str, Any]:
         kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
         return {"id": f"{'chatcmpl' if self.chat else 'cmpl'}-{self.id}", "object": kind, "created": self.created,
-                "model": self.model}
+                "model": self.model, "system_fingerprint": self.fingerprint}
 
-    def completion(self, result: GenerationResult, logprobs: list[dict[str, Any]] | dict[str, Any] | None,
+    def completion(self, results: list[GenerationResult], logprobs: list[Any] | None, n: int = 1,
                    token_ids: bool = False) -> dict[str, Any]:
-        """The whole answer (not streamed); `token_ids`: with the generated ids (return_token_ids)."""
-        choice: dict[str, Any] = {"index": 0}
-        if self.chat:
-            choice["message"] = {"role": "assistant", "content": result.text}
-            choice["logprobs"] = {"content": logprobs} if logprobs is not None else None
-        else:
-            choice["text"] = result.text
-            choice["logprobs"] = logprobs
-        choice["finish_reason"] = FINISH_REASONS[result.finish_reason]
-        if token_ids:
-            choice["token_ids"] = result.token_ids
-        return {**self._head(False), "choices": [choice], "usage": usage(result)}
+        """The whole answer (not streamed): a choice per result, result i of prompt i // n; `logprobs`: each
+        choice's (answer_logprobs), when asked for; `token_ids`: with the generated ids (return_token_ids)."""
+        choices = []
+        for index, result in enumerate(results):
+            choice: dict[str, Any] = {"index": index}
+            shown = logprobs[index] if logprobs is not None else None
+            if self.chat:
+                choice["message"] = {"role": "assistant", "content": result.text}
+                choice["logprobs"] = {"content": shown} if shown is not None else None
+            else:
+                choice["text"] = result.text
+                choice["logprobs"] = shown
+            choice["finish_reason"] = FINISH_REASONS[result.finish_reason]
+            if token_ids:
+                choice["token_ids"] = result.token_ids
+            choices.append(choice)
+        return {**self._head(False), "choices": choices, "usage": usage(results, n)}
 
     def chunk(self, text: str | None = None, finish_reason: str | None = None, first: bool = False,
-              include_usage: bool = False, token_ids: list[int] | None = None) -> dict[str, Any]:
-        """A streamed piece of text (`first`: the chat's opening chunk with the role), or the closing chunk
-        (with `token_ids`, when asked for)."""
-        choice: dict[str, Any] = {"index": 0}
+              include_usage: bool = False, token_ids: list[int] | None = None, index: int = 0,
+              logprobs: Any = None) -> dict[str, Any]:
+        """A streamed piece of choice `index`'s text (`first`: the chat's opening chunk with the role), with the
+        log-probabilities of the tokens it completes (`logprobs`, when asked for), or its closing chunk (with
+        `token_ids`, when asked for)."""
+        choice: dict[str, Any] = {"index": index}
         if self.chat:
             choice["delta"] = ({"role": "assistant", "content": ""} if first
                                else {"content": text} if text is not None else {})
+            choice["logprobs"] = {"content": logprobs} if logprobs is not None else None
         else:
             choice["text"] = text or ""
-        choice["logprobs"] = None
+            choice["logprobs"] = logprobs
         choice["finish_reason"] = FINISH_REASONS[finish_reason] if finish_reason else None
         if token_ids is not None:
             choice["token_ids"] = token_ids
         return {**self._head(True), "choices": [choice], **({"usage": None} if include_usage else {})}
 
-    def usage_chunk(self, result: GenerationResult) -> dict[str, Any]:
+    def usage_chunk(self, results: list[GenerationResult], n: int = 1) -> dict[str, Any]:
         """stream_options.include_usage: the last chunk before [DONE], with no choices."""
-        return {**self._head(True), "choices": [], "usage": usage(result)}
+        return {**self._head(True), "choices": [], "usage": usage(results, n)}
 
 
-def usage(result: GenerationResult) -> dict[str, Any]:
-    """Prompt tokens (those whose KV the prefix cache gave among them), generated tokens through the first EOS."""
-    s = result.stats
-    return {"prompt_tokens": s.prompt_tokens, "completion_tokens": s.tokens, "total_tokens": s.prompt_tokens + s.tokens,
-            "prompt_tokens_details": {"cached_tokens": s.cached_prompt_tokens}}
+def usage(results: list[GenerationResult], n: int = 1) -> dict[str, Any]:
+    """Tokens of the answers (each result i of prompt i // n): each prompt counted once (and those of its tokens
+    the prefix cache gave), the tokens every choice returned."""
+    prompts = results[::n]
+    prompt = sum(r.stats.prompt_tokens for r in prompts)
+    completion = sum(len(r.token_ids) for r in results)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(r.stats.cached_prompt_tokens for r in prompts)}}
 
 
-def answer_logprobs(result: GenerationResult, eos_id: int, token_text: Any, chat: bool
-                    ) -> list[dict[str, Any]] | dict[str, Any] | None:
-    """The returned tokens' log-probabilities (the EOS and what follows it left out): chat's `content` list, or
-    the completions endpoint's tokens / token_logprobs (no alternatives: `top_logprobs` is refused)."""
+def answer_logprobs(result: GenerationResult, token_text: Callable[[int], str], chat: bool,
+                    start: int = 0) -> list[dict[str, Any]] | dict[str, Any] | None:
+    """The log-probabilities of the returned tokens from `start` on (a stream's closing chunk: those its pieces
+    did not carry), with their alternatives when asked for; None when the request asked for none."""
     if result.logprobs is None:
         return None
-    ids = result.token_ids[: len(result.logprobs)]
-    if eos_id in ids:
-        ids = ids[: ids.index(eos_id)]
+    ids = result.token_ids[start:]
+    others = result.top_logprobs[start:] if result.top_logprobs is not None else None
+    offset = sum(len(token_text(t)) for t in result.token_ids[:start])
+    return token_logprobs(ids, result.logprobs[start:], others, token_text, chat, offset)
+
+
+def token_logprobs(ids: list[int], logprobs: list[float], alternatives: list[tuple[tuple[int, float], ...]] | None,
+                   token_text: Callable[[int], str], chat: bool, offset: int = 0) -> list[dict[str, Any]] | dict[str, Any]:
+    """Tokens' log-probabilities (and `alternatives`, (id, log-probability) each, the most likely first; None: not
+    asked for) as OpenAI shows them: chat's `content` list, or the completions endpoint's tokens /
+    token_logprobs / top_logprobs / text_offset (the text before the first token: `offset` characters)."""
     texts = [token_text(t) for t in ids]
-    # -9999.0: OpenAI's stand-in for an impossible token, where the float is not finite (JSON has no -inf)
-    values = [float(v) if math.isfinite(v) else -9999.0 for v in result.logprobs[: len(ids)]]
+    values = [_finite(v) for v in logprobs]
+    others = alternatives if alternatives is not None else [()] * len(ids)
     if chat:
-        return [{"token": text, "logprob": value, "bytes": list(text.encode()), "top_logprobs": []}
-                for text, value in zip(texts, values, strict=True)]
-    offsets = [sum(len(t) for t in texts[:i]) for i in range(len(texts))]
-    return {"tokens": texts, "token_logprobs": values, "top_logprobs": None, "text_offset": offsets}
+        return [{"token": text, "logprob": value, "bytes": list(text.encode()),
+                 "top_logprobs": [{"token": token_text(t), "logprob": _finite(lp),
+                                   "bytes": list(token_text(t).encode())} for t, lp in alts]}
+                for text, value, alts in zip(texts, values, others, strict=True)]
+    offsets = [offset + sum(len(t) for t in texts[:i]) for i in range(len(texts))]
+    top = [{token_text(t): _finite(lp) for t, lp in alts} for alts in others] if alternatives is not None else None
+    return {"tokens": texts, "token_logprobs": values, "top_logprobs": top, "text_offset": offsets}
+
+
+def _finite(value: float) -> float:
+    """-9999.0: OpenAI's stand-in for an impossible token, where the float is not finite (JSON has no -inf)."""
+    return float(value) if math.isfinite(value) else -9999.0
 
 
 def sse(data: dict[str, Any] | str) -> bytes:

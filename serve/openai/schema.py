@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from refusion.runtime.core.errors import RefusionError
@@ -46,7 +46,8 @@ FIELDS = (
     ApiField("model", "string", "the served model's name, as GET /v1/models lists it (required)"),
     ApiField("messages", "object", "the conversation: system / developer / user / assistant messages with text "
              "content, through the export's chat template (required)", endpoints=(CHAT,)),
-    ApiField("prompt", "object", "the prompt: a string, or token ids (one prompt; required)", endpoints=(COMPLETIONS,)),
+    ApiField("prompt", "object", "the prompt: a string or token ids, or a list of prompts (a choice each; required)",
+             endpoints=(COMPLETIONS,)),
     ApiField("stream", "bool", "send the answer as server-sent events as it settles, then `data: [DONE]`"),
     ApiField("stream_options", "object", "with stream: {\"include_usage\": true} adds a last chunk with the usage"),
     ApiField("max_tokens", "int", "at most this many new tokens (finish_reason length when it cuts the answer)",
@@ -56,14 +57,16 @@ FIELDS = (
     ApiField("stop", "strings", "a stop sequence or a list of them: the answer ends before the first", "stop"),
     ApiField("temperature", "number", "0 is greedy; left out: the export's recorded setting (greedy)", "temperature"),
     ApiField("top_p", "number", "with temperature > 0: the nucleus cut, in (0, 1]", "top_p"),
-    ApiField("seed", "int", "seed of the sampling noise: the same seed, the same answer", "seed"),
-    ApiField("logprobs", "bool", "each returned token's log-probability in choices[0].logprobs.content", "logprobs",
-             endpoints=(CHAT,)),
-    ApiField("logprobs", "int", "0: each returned token's log-probability (no alternatives)", "logprobs",
-             endpoints=(COMPLETIONS,), only=(0,)),
-    ApiField("top_logprobs", "int", "alternatives to each token are not reported: 0 only", endpoints=(CHAT,),
-             only=(0,)),
-    ApiField("n", "int", "one choice per request: 1 only", only=(1,)),
+    ApiField("seed", "int", "seed of the sampling noise, any int64: the same seed, the same answer", "seed"),
+    ApiField("logprobs", "bool", "each returned token's log-probability in choices[i].logprobs.content (each "
+             "chunk's, streaming)", "logprobs", endpoints=(CHAT,)),
+    ApiField("logprobs", "int", "each returned token's log-probability, and this many alternatives to it (at most "
+             "the export's candidates)", "logprobs", endpoints=(COMPLETIONS,)),
+    ApiField("top_logprobs", "int", "with logprobs: this many alternatives to each token, the most likely first (at "
+             "most the export's candidates)", "top_logprobs", endpoints=(CHAT,)),
+    ApiField("n", "int", "choices per prompt: n requests that share the prompt's KV (through the prefix cache)"),
+    ApiField("user", "string", "the end user's id: taken and not used"),
+    ApiField("response_format", "object", "{\"type\": \"text\"} only (the default): no structured output"),
     ApiField("presence_penalty", "number", "no penalties: 0 only", only=(0,)),
     ApiField("frequency_penalty", "number", "no penalties: 0 only", only=(0,)),
     ApiField("echo", "bool", "the prompt is not repeated: false only", endpoints=(COMPLETIONS,), only=(False,)),
@@ -79,6 +82,8 @@ FIELDS = (
              refusion=True),
     ApiField("min_p", "number", "with temperature > 0: the minimum-probability cut, in [0, 1)", "min_p", refusion=True),
     ApiField("stop_token_ids", "ints", "token ids that end the answer", "stop_token_ids", refusion=True),
+    ApiField("upstream_eos_drop", "bool", "drop slots after an EOS found in infill as upstream does (holes)",
+             "upstream_eos_drop", refusion=True),
     ApiField("return_token_ids", "bool", "the answer's token ids in choices[0].token_ids (the last chunk's, "
              "streaming)", refusion=True),
     ApiField("timeout_s", "number", "deadline in seconds: the answer ends there (finish_reason length)", "timeout_s",
@@ -89,9 +94,9 @@ FIELDS = (
 UNSUPPORTED = {
     "tools": "tool calling", "tool_choice": "tool calling", "parallel_tool_calls": "tool calling",
     "functions": "function calling", "function_call": "function calling", "logit_bias": "logit biases",
-    "response_format": "structured output", "audio": "audio", "modalities": "audio", "prediction": "predicted output",
+    "audio": "audio", "modalities": "audio", "prediction": "predicted output",
     "reasoning_effort": "reasoning settings", "service_tier": "service tiers", "store": "stored completions",
-    "metadata": "stored completions", "user": "per-user tracking", "web_search_options": "web search",
+    "metadata": "stored completions", "web_search_options": "web search",
     "suffix": "insertion", "prompt_cache_key": "cache keys (prompt prefixes are reused automatically)",
     "safety_identifier": "per-user tracking",
 }
@@ -99,13 +104,23 @@ UNSUPPORTED = {
 
 @dataclass(frozen=True)
 class ApiRequest:
-    """A request body as the server runs it: the job for the frontend, and what its reply needs."""
+    """A request body as the server runs it: its jobs for the frontend (one per prompt), and what its reply
+    needs. Its choices are each job n times: choice i is job i // n."""
 
     endpoint: str  # CHAT or COMPLETIONS
-    job: ServeRequest
+    jobs: tuple[ServeRequest, ...]
+    n: int = 1
     include_usage: bool = False
     logprobs: bool = False
     token_ids: bool = False  # return_token_ids
+
+    @property
+    def stream(self) -> bool:
+        return self.jobs[0].stream
+
+    @property
+    def choices(self) -> int:
+        return len(self.jobs) * self.n
 
 
 def parse_json(body: bytes) -> dict[str, Any]:
@@ -142,31 +157,42 @@ def read_request(endpoint: str, body: Mapping[str, Any], model: str) -> ApiReque
     if "max_tokens" in values and "max_completion_tokens" in values:
         raise ApiError(400, "max_tokens and max_completion_tokens mean the same here; give one of them.",
                        "max_completion_tokens")
+    _response_format(values.get("response_format"))
+    n = values.get("n", 1)
+    if n < 1:
+        raise ApiError(400, f"n={n} must be at least 1 (choices per prompt).", "n")
     stream = values.get("stream", False)
     include_usage = _stream_options(values.get("stream_options"), stream)
     settings = {f.keyword: values[f.name] for f in fields.values() if f.keyword and f.name in values}
-    if endpoint == COMPLETIONS and "logprobs" in settings:
-        settings["logprobs"] = True  # logprobs 0: the chosen tokens' only
-    if stream and settings.get("logprobs"):
-        raise ApiError(400, "logprobs are reported in the whole answer only; send stream=false with logprobs.",
-                       "logprobs")
+    if endpoint == COMPLETIONS and "logprobs" in settings:  # logprobs N: the tokens' own, and N alternatives
+        settings["top_logprobs"], settings["logprobs"] = settings["logprobs"], True
+    if settings.get("top_logprobs") and not settings.get("logprobs"):
+        raise ApiError(400, "top_logprobs needs logprobs=true (the alternatives are reported beside each token's "
+                            "log-probability).", "top_logprobs")
     timeout_s = settings.pop("timeout_s", None)
-    prompt: str | None = None
-    messages: list[dict[str, str]] | None = None
-    prompt_ids: list[int] | None = None
     if endpoint == CHAT:
         if "messages" not in values:
             raise ApiError(400, 'messages is missing; send "messages": [{"role": "user", "content": "..."}].',
                            "messages")
-        messages = _messages(values["messages"])
+        jobs = [ServeRequest(None, messages=_messages(values["messages"]))]
     else:
         if "prompt" not in values:
             raise ApiError(400, 'prompt is missing; send "prompt": "..." (or token ids).', "prompt")
-        prompt, prompt_ids = _prompt(values["prompt"])
-    job = ServeRequest(prompt, stream=stream, timeout_s=timeout_s, settings=settings, messages=messages,
-                       prompt_ids=prompt_ids)
-    return ApiRequest(endpoint, job, include_usage, bool(settings.get("logprobs", False)),
+        jobs = [ServeRequest(text, prompt_ids=ids) for text, ids in _prompts(values["prompt"])]
+    jobs = [replace(job, stream=stream, timeout_s=timeout_s, settings=settings) for job in jobs]
+    return ApiRequest(endpoint, tuple(jobs), n, include_usage, bool(settings.get("logprobs", False)),
                       values.get("return_token_ids", False))
+
+
+def _response_format(value: Any) -> None:
+    """Only OpenAI's default, plain text, is taken."""
+    if value is None:
+        return
+    kind = value.get("type") if isinstance(value, dict) else None
+    if not isinstance(value, dict) or set(value) != {"type"} or kind != "text":
+        shown = json.dumps(kind if isinstance(kind, str) else value)[:80]
+        raise ApiError(400, f"response_format {shown} is not supported by this server (structured output); send "
+                            '{"type": "text"} or leave it out.', "response_format")
 
 
 def _unknown(endpoint: str, name: str, fields: Mapping[str, ApiField]) -> ApiError:
@@ -236,9 +262,9 @@ def _messages(value: Any) -> list[dict[str, str]]:
         where = f"messages[{i}]"
         if not isinstance(message, dict):
             raise ApiError(400, f"{where} is not an object with a role and content.", where)
-        extra = [k for k in message if k not in ("role", "content")]
+        extra = [k for k in message if k not in ("role", "content", "name")]
         if extra:
-            raise ApiError(400, f"{where}.{extra[0]} is not supported; a message has a role and content.",
+            raise ApiError(400, f"{where}.{extra[0]} is not supported; a message has a role, content and a name.",
                            f"{where}.{extra[0]}")
         role = message.get("role")
         if role not in ROLES:
@@ -246,6 +272,10 @@ def _messages(value: Any) -> list[dict[str, str]]:
             raise ApiError(400, f"{where}.role is {json.dumps(role)[:40]}{why}; it must be one of "
                                 f"{', '.join(ROLES)}.", f"{where}.role")
         out.append({"role": ROLES[role], "content": _content(message.get("content"), f"{where}.content")})
+        if message.get("name") is not None:  # the chat template reads it where it has a use for it
+            if not isinstance(message["name"], str):
+                raise ApiError(400, f"{where}.name must be a string.", f"{where}.name")
+            out[-1]["name"] = message["name"]
     return out
 
 
@@ -267,15 +297,17 @@ def _content(content: Any, where: str) -> str:
     raise ApiError(400, f"{where} must be a string, or a list of text parts.", where)
 
 
-def _prompt(value: Any) -> tuple[str | None, list[int] | None]:
-    """A completions prompt: text, or token ids; one prompt per request (a list of one is taken)."""
-    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
-        value = value[0]
+def _prompts(value: Any) -> list[tuple[str | None, list[int] | None]]:
+    """A completions prompt: text or token ids, or a list of them (a choice each), each as (text, ids)."""
     if isinstance(value, str):
-        return value, None
-    if isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
-        return None, list(value)
-    if isinstance(value, list) and len(value) > 1 and all(isinstance(p, (str, list)) for p in value):
-        raise ApiError(400, f"prompt holds {len(value)} prompts; send one per request (concurrent requests are "
-                            "batched by the server).", "prompt")
-    raise ApiError(400, "prompt must be a string or a list of token ids.", "prompt")
+        return [(value, None)]
+    if _is_ids(value):
+        return [(None, list(value))]
+    if isinstance(value, list) and value and all(isinstance(p, str) or _is_ids(p) for p in value):
+        return [(p, None) if isinstance(p, str) else (None, list(p)) for p in value]
+    raise ApiError(400, "prompt must be a string or a list of token ids, or a list of those.", "prompt")
+
+
+def _is_ids(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(t, int) and not isinstance(t, bool)
+                                                           for t in value)

@@ -50,13 +50,15 @@ INPUTS = (
     ServedTensor("top_k", "TYPE_INT32", "sample among the k most likely candidates (0: all)", "top_k"),
     ServedTensor("top_p", "TYPE_FP32", "sample among the fewest candidates whose probability reaches it", "top_p"),
     ServedTensor("min_p", "TYPE_FP32", "sample among those at least min_p x the most likely's probability", "min_p"),
+    ServedTensor("upstream_eos_drop", "TYPE_BOOL", "drop slots after an EOS found in infill as upstream does (holes)",
+                 "upstream_eos_drop"),
     ServedTensor("return_log_probs", "TYPE_BOOL", "the final response carries output_log_probs", "logprobs"),
-    ServedTensor("seed", "TYPE_INT64", "seed of the sampling noise", "seed"),
+    ServedTensor("seed", "TYPE_INT64", "seed of the sampling noise (any int64)", "seed"),
     ServedTensor("timeout_s", "TYPE_FP32", "deadline in seconds: the request ends with finish_reason timeout"),
 )
 OUTPUTS = (
     ServedTensor("text_output", "TYPE_STRING", "settled text: a piece per streamed response, all of it otherwise"),
-    ServedTensor("token_ids", "TYPE_INT64", "generated ids (final response)"),
+    ServedTensor("token_ids", "TYPE_INT64", "the answer's ids: no EOS, no stop token (final response)"),
     ServedTensor("finish_reason", "TYPE_STRING", "eos, length, stop, timeout or cancelled (final response)"),
     ServedTensor("cached_prompt_tokens", "TYPE_INT32", "prompt tokens reused from the prefix cache (final response)"),
     ServedTensor("output_log_probs", "TYPE_FP32", "each token's log-probability, with return_log_probs (final)"),

@@ -45,7 +45,7 @@ def test_no_decode_settings_take_the_exports_recorded_defaults(tiny_dir):
                                              token_threshold=0.1)  # the paper's bare 512 exceed the 256 positions
         assert tiny.params(gen_length=None, slot_size=8, mode="ar") == DecodeParams(64, 8, 4, 0.5, 0.1, mode="ar")
         res = tiny.generate("sort: 3 1 2", chat=True)
-        assert res.text and tiny.manifest.eos_token_id in res.token_ids
+        assert res.text and res.finish_reason == "eos" and tiny.manifest.eos_token_id not in res.token_ids
         assert "".join(tiny.stream("sort: 3 1 2", chat=True)) == res.text
 
 
@@ -62,7 +62,7 @@ def test_text_stops_before_the_eos_even_when_the_tokenizer_would_show_it(tiny_di
         eos = tiny.manifest.eos_token_id
         assert tiny.tokenizer.decode([eos]) == "<|im_end|>"
         res = tiny.generate("sort: 3 1 2", chat=True)
-        assert eos in res.token_ids and res.text and "<|im_end|>" not in res.text
+        assert eos in res.committed_ids and res.text and "<|im_end|>" not in res.text
         assert "".join(tiny.stream("sort: 3 1 2", chat=True)) == res.text
 
 
@@ -140,7 +140,7 @@ def test_kv_memory_is_prefix_plus_slots_never_a_copy_per_slot(gen):
     (lambda g: g.generate(prompt_ids=[1, 99999], **SMALL), "outside the vocabulary"),
     (lambda g: g.generate(prompt_ids=[1, 2], **{**SMALL, "temperature": 0.7, "top_k": 65}),
      "top_k=65 exceeds the 64 candidates this export's graphs emit; lower top_k, or re-export with"),
-    (lambda g: g.generate(prompt_ids=[1, 2], **{**SMALL, "top_p": 0.0}), "top_p=0.0 must be a number in (0, 1]"),
+    (lambda g: g.generate(prompt_ids=[1, 2], **{**SMALL, "top_p": -0.1}), "top_p=-0.1 must be a number in [0, 1]"),
     (lambda g: g.generate(prompt_ids=[1, 2], **{**SMALL, "min_p": 1.0}), "min_p=1.0 must be a number in [0, 1)"),
     (lambda g: g.generate(prompt_ids=[1, 2], chat=True, **SMALL),
      "chat=True does not combine with prompt_ids: token ids are fed exactly as given, without the chat template"),

@@ -25,8 +25,10 @@ TINY = DecodeDefaults(gen_length=64, slot_size=4, serial_num_blocks=4, slot_thre
     (dict(temperature=float("nan")), "temperature=nan must be >= 0 and finite"),
     (dict(temperature=float("inf")), "temperature=inf must be >= 0 and finite"),
     (dict(temperature="0.7"), "temperature='0.7' must be >= 0 and finite"),
-    (dict(seed="a"), "seed='a' must be None or a non-negative integer (it seeds the sampling noise)."),
-    (dict(seed=-1), "seed=-1 must be None or a non-negative integer"),
+    (dict(seed="a"), "seed='a' must be None or an integer in [-2**63, 2**64) (it seeds the sampling noise)."),
+    (dict(seed=2**64), f"seed={2**64} must be None or an integer in [-2**63, 2**64)"),
+    (dict(top_p=1.5), "top_p=1.5 must be a number in [0, 1]"),
+    (dict(upstream_eos_drop=1), "upstream_eos_drop=1 must be True or False."),
     (dict(mode=3), "mode=3 is not one of 'refusion', 'ar'."),
     (dict(max_tokens=0), "max_tokens=0 must be a positive integer (the most new tokens to return), or None."),
     (dict(max_tokens=2.5), "max_tokens=2.5 must be a positive integer"),
@@ -35,6 +37,11 @@ def test_wrong_types_and_non_finite_values_are_refused_by_name(kwargs, message):
     with pytest.raises(RefusionError) as err:
         DecodeParams(**kwargs)
     assert message in str(err.value)
+
+
+def test_a_negative_seed_is_an_int64_taken_as_its_unsigned_bits():
+    assert DecodeParams(seed=-1).seed == 2**64 - 1 and DecodeParams(seed=-(2**63)).seed == 2**63
+    assert DecodeParams(seed=5).seed == 5
 
 
 def test_numpy_scalars_are_accepted_as_plain_numbers():
@@ -64,12 +71,13 @@ def test_an_unknown_setting_lists_the_valid_ones():
     with pytest.raises(RefusionError) as err:
         DecodeParams.with_defaults(TINY, unknown_setting=1)
     assert str(err.value) == ("unknown decode setting unknown_setting=1; the settings are gen_length, slot_size, "
-                              "serial_num_blocks, slot_threshold, token_threshold, temperature, seed, mode, max_tokens, top_k, top_p, min_p.")
+                              "serial_num_blocks, slot_threshold, token_threshold, temperature, seed, mode, max_tokens, top_k, top_p, min_p, "
+                              "upstream_eos_drop.")
 
 
 def test_max_tokens_is_kept_apart_from_the_exports_canvas():
     p = DecodeParams.with_defaults(TINY, max_tokens=10)
     assert (p.max_tokens, p.gen_length) == (10, 64)  # gen_length still sets ReFusion's block length
-    assert p.positions == 12  # three slots of 4 cover 10 tokens
+    assert p.positions == 16  # the whole block of 16 that covers 10 tokens
     assert DecodeParams.with_defaults(TINY, max_tokens=10, mode="ar").positions == 10
     assert DecodeParams.with_defaults(TINY).max_tokens is None

@@ -34,8 +34,8 @@ from refusion.runtime.core.export_manifest import ExportManifest
 from refusion.runtime.decode import strategy
 from refusion.runtime.generator import Generator
 from refusion.runtime.params import DecodeParams
-from refusion.runtime.request import Request
-from tests.helpers import broken_request, chat_jobs, decode_alone
+from refusion.runtime.request import GenerationResult, Request
+from tests.helpers import broken_request, chat_jobs, results_alone
 
 pytest.importorskip("onnxruntime")
 pytest.importorskip("torch")
@@ -108,8 +108,8 @@ def jobs(export) -> list[tuple[list[int], dict]]:
 
 
 @pytest.fixture(scope="module")
-def alone(export, jobs) -> list[list[int]]:
-    return decode_alone(export, jobs)
+def alone(export, jobs) -> list[GenerationResult]:
+    return results_alone(export, jobs)
 
 
 def rss_bytes() -> int:
@@ -180,7 +180,7 @@ def test_mixed_load_from_eight_threads(export, jobs, alone):
         # Warm-up: every slot at the largest capacity of the mix, then a short mix of its own.
         longest = max(range(len(jobs)), key=lambda j: _kv_capacity(*jobs[j]))
         warm = [gen.submit(prompt_ids=jobs[longest][0], **jobs[longest][1]) for _ in range(slots)]
-        assert [r.result(timeout=120).token_ids for r in warm] == [alone[longest]] * slots
+        assert [r.result(timeout=120).token_ids for r in warm] == [alone[longest].token_ids] * slots
         del warm
         run_mix(gen, make_plans(WARMUP, len(jobs), SEED + 1, manifest.max_positions), jobs)
         gc.collect()
@@ -201,10 +201,9 @@ def test_mixed_load_from_eight_threads(export, jobs, alone):
 
     sampling = [plan for plan in plans if plan.kind == "sampling"]  # seeded: their tokens alone, sampled alone too
     drawn = dict(zip((p.index for p in sampling),
-                     decode_alone(export, [(jobs[p.job][0], sampled(p, jobs[p.job][1])) for p in sampling])))
+                     results_alone(export, [(jobs[p.job][0], sampled(p, jobs[p.job][1])) for p in sampling])))
     wrong = [f"{plan} -> {outcome}" for plan in plans
-             if not _as_expected(plan, outcome := outcomes[plan.index], drawn.get(plan.index, alone[plan.job]),
-                                 manifest.eos_token_id)]
+             if not _as_expected(plan, outcome := outcomes[plan.index], drawn.get(plan.index, alone[plan.job]))]
     assert not wrong, f"seed {SEED}, {len(wrong)} of {REQUESTS} not as expected:\n" + "\n".join(wrong[:20])
     reasons = Counter(o[1] for o in outcomes.values())
     # The mix is mixed. Not "timeout": whether a 1-30 ms deadline falls before a request's end depends on the
@@ -219,7 +218,7 @@ def _kv_capacity(ids: list[int], settings: dict) -> int:
     return strategy(params.mode).kv_capacity(len(ids), params)
 
 
-def _as_expected(plan: Plan, outcome: tuple, alone: list[int], eos: int) -> bool:
+def _as_expected(plan: Plan, outcome: tuple, alone: GenerationResult) -> bool:
     """Completed: the tokens alone; stopped early: a prefix of them; failed: its own error, where it belongs."""
     if plan.kind == "bad_setting":
         return outcome[:2] == ("error", "submit") and f"slot_threshold={plan.value!r} is outside [0, 1]" in outcome[2]
@@ -230,8 +229,7 @@ def _as_expected(plan: Plan, outcome: tuple, alone: list[int], eos: int) -> bool
     kind, reason, tokens = outcome
     if kind != "result":
         return False
-    ended = "eos" if eos in alone else "length"
     if reason in ("cancelled", "timeout"):
         stopped = {"cancel": "cancelled", "timeout": "timeout"}.get(plan.kind)
-        return reason == stopped and tokens == alone[: len(tokens)]
-    return reason == ended and tokens == alone
+        return reason == stopped and tokens == alone.token_ids[: len(tokens)]
+    return reason == alone.finish_reason and tokens == alone.token_ids

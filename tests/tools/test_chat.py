@@ -62,6 +62,14 @@ def test_piped_turns_print_only_the_answers(tiny_dir, gen):
     assert stats[0].endswith(", 0 from the prefix cache]") and not stats[1].endswith(", 0 from the prefix cache]")
 
 
+def test_a_boolean_setting_takes_true_or_false(tiny_dir):
+    out = chat(tiny_dir, "/settings upstream_eos_drop=maybe\n/settings upstream_eos_drop=Yes\n/settings\n")
+    assert out.exit_code == 0, out.output
+    err = out.stderr.splitlines()
+    assert "error: /settings upstream_eos_drop=maybe: 'maybe' is not true or false (e.g. upstream_eos_drop=true)." in err
+    assert [e for e in err if e.startswith("gen_length=")][-1].endswith(" upstream_eos_drop=True")
+
+
 def test_settings_and_stats_commands(tiny_dir, gen):
     out = chat(tiny_dir, "\n".join(["/settings slot_size=2 mode=ar", SORT, "/settings k=abc", "/settings depth=3",
                                     "/settings k=5 mode=refusion", "/stats", SORT, "/settings blocks=2 k=8",
@@ -72,7 +80,8 @@ def test_settings_and_stats_commands(tiny_dir, gen):
     err = out.stderr.splitlines()
     settings = [e for e in err if e.startswith("gen_length=")]
     assert settings[0] == ("gen_length=64 slot_size=2 serial_num_blocks=4 slot_threshold=0.5 token_threshold=0.1 "
-                           "temperature=0.0 seed=None mode=ar max_tokens=None top_k=0 top_p=1.0 min_p=0.0")
+                           "temperature=0.0 seed=None mode=ar max_tokens=None top_k=0 top_p=1.0 min_p=0.0 "
+                           "upstream_eos_drop=False")
     assert settings[1] == settings[2] == settings[3] == settings[0]  # refused changes change nothing
     assert "slot_size=8 serial_num_blocks=2" in settings[4] and "mode=ar" in settings[4]
     assert "error: /settings k=abc: 'abc' is not an integer (e.g. slot_size=4)." in err

@@ -65,7 +65,7 @@ BOOTSTRAP = 2000
 # ----------------------------------------------------------------------------- settings
 
 
-def parse_settings(text: str, gen_length: int) -> list[DecodeParams]:
+def parse_settings(text: str, gen_length: int, upstream_eos_drop: bool = False) -> list[DecodeParams]:
     """"8,1,0.9,0.4;4,2,0.9,0.4" -> ReFusion DecodeParams (validated)."""
     out = []
     for spec in _specs(text):
@@ -77,7 +77,8 @@ def parse_settings(text: str, gen_length: int) -> list[DecodeParams]:
         except ValueError as e:
             raise RefusionError(f"--settings entry {spec!r}: {e}") from e
         out.append(DecodeParams(gen_length=gen_length, slot_size=k, serial_num_blocks=blocks,
-                                slot_threshold=s_thr, token_threshold=t_thr, mode="refusion"))
+                                slot_threshold=s_thr, token_threshold=t_thr, mode="refusion",
+                                upstream_eos_drop=upstream_eos_drop))
     return out
 
 
@@ -117,7 +118,7 @@ def _refusion_id(p: DecodeParams) -> str:
 class Sample:
     """One method on one prompt."""
 
-    token_ids: list[int]  # generated ids in position order
+    token_ids: list[int]  # every committed id in position order (the reference's reading: past the EOS too)
     tokens: int  # through the first EOS
     forwards: dict[str, int]
     wall: float
@@ -197,7 +198,7 @@ def build_methods(gen: Generator, settings: list[DecodeParams], diffusion: list[
             fed = runner.stats.total.fed
             result = gen.submit_ids(ids, params).result()
             s = result.stats
-            return Sample(list(result.token_ids), s.tokens, dict(s.forwards), s.wall_seconds, s.engine_seconds, s.tpf,
+            return Sample(result.committed_ids, s.tokens, dict(s.forwards), s.wall_seconds, s.engine_seconds, s.tpf,
                           runner.stats.total.fed - fed)
         return run
 
@@ -243,7 +244,8 @@ def build_methods(gen: Generator, settings: list[DecodeParams], diffusion: list[
 
 def _params_json(p: DecodeParams) -> dict[str, Any]:
     return {"gen_length": p.gen_length, "slot_size": p.slot_size, "serial_num_blocks": p.serial_num_blocks,
-            "slot_threshold": p.slot_threshold, "token_threshold": p.token_threshold, "mode": p.mode}
+            "slot_threshold": p.slot_threshold, "token_threshold": p.token_threshold, "mode": p.mode,
+            **({"upstream_eos_drop": True} if p.upstream_eos_drop else {})}
 
 
 # ----------------------------------------------------------------------------- the run
@@ -260,6 +262,7 @@ class BenchConfig:
     diffusion: str = DEFAULT_DIFFUSION
     reference: bool = True
     reference_settings: str = "all"  # all | first
+    upstream_eos_drop: bool = False  # our ReFusion drops slots after an EOS as upstream (and the reference) does
     warmup: int = 2
     out: Path | None = Path("results/bench")
     plot: bool = True
@@ -278,7 +281,7 @@ def run_bench(cfg: BenchConfig, progress: Progress = echo_progress) -> dict[str,
         raise RefusionError(str(e)) from e
     if cfg.n < 1:
         raise RefusionError("--n must be at least 1.")
-    settings = parse_settings(cfg.settings, cfg.gen_length)
+    settings = parse_settings(cfg.settings, cfg.gen_length, cfg.upstream_eos_drop)
     diffusion = parse_diffusion(cfg.diffusion, cfg.gen_length)
     if not settings:
         raise RefusionError("--settings is empty; give at least one ReFusion setting.")
@@ -494,6 +497,8 @@ def reproduce_command(cfg: BenchConfig) -> str:
         parts.append("--no-reference")
     elif cfg.reference_settings != "all":
         parts.append(f"--reference-settings {cfg.reference_settings}")
+    if cfg.upstream_eos_drop:
+        parts.append("--upstream-eos-drop")
     if cfg.out is not None:
         parts.append(f"--out {cfg.out}")
     return " ".join(parts)
@@ -695,17 +700,23 @@ def profile_refusion(gen: Generator, prompts: list[list[int]], params: DecodePar
               help="Also run the PyTorch reference loop (needs the checkpoint, torch, transformers).")
 @click.option("--reference-settings", type=click.Choice(["all", "first"]), default="all", show_default=True,
               help="The ReFusion settings the PyTorch reference runs: every one, or the first.")
+@click.option("--upstream-eos-drop", is_flag=True,
+              help="Our ReFusion drops the slots after an EOS found in infill as upstream (and the PyTorch reference) "
+                   "does, holes included, so its tokens compare with the reference's on every prompt (default: every "
+                   "position before the EOS decoded; docs/decoding.md).")
 @click.option("--warmup", type=int, default=2, show_default=True, help="Warm-up prompts (not scored), every method.")
 @click.option("--out", type=click.Path(path_type=Path), default=Path("results/bench"), show_default=True)
 @click.option("--no-plot", is_flag=True, help="Skip bench.png.")
 @click.option("--profile", is_flag=True, help="Also cProfile ReFusion (first setting) on the prompts: OUT/profile.txt.")
 @quiet_option
 def bench(model: Path, n: int, seed: int, threads: int, gen_length: int, settings: str, diffusion: str, reference: bool,
-          reference_settings: str, warmup: int, out: Path, no_plot: bool, profile: bool) -> None:
+          reference_settings: str, upstream_eos_drop: bool, warmup: int, out: Path, no_plot: bool,
+          profile: bool) -> None:
     """Accuracy and tokens/s of AR, ReFusion, LLaDA-style diffusion and the PyTorch reference on MODEL
     (a checkpoint directory, exported to a temporary directory, or an export directory)."""
     report = run_bench(BenchConfig(model=model, n=n, seed=seed, threads=threads, gen_length=gen_length,
                                    settings=settings, diffusion=diffusion, reference=reference,
-                                   reference_settings=reference_settings, warmup=warmup, out=out,
+                                   reference_settings=reference_settings, upstream_eos_drop=upstream_eos_drop,
+                                   warmup=warmup, out=out,
                                    plot=not no_plot, profile=profile))
     click.echo(render_markdown(report))

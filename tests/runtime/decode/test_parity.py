@@ -37,9 +37,10 @@ def setups(tmp_path_factory):
 
 
 def _collect(runner, prompt, eos, params):
-    """Our tokens (position order) and stats, the request driven by the scheduler alone on `runner`."""
+    """Every token we committed (position order) and the stats, the request driven by the scheduler alone on
+    `runner`."""
     result = decode_on(runner, Tokens(prompt, MASK_ID, eos), params)
-    return result.token_ids, result.stats
+    return result.committed_ids, result.stats
 
 
 def test_refusion_matches_reference_over_grid(setups):
@@ -52,7 +53,7 @@ def test_refusion_matches_reference_over_grid(setups):
         # EOS: the most drafted token (reached early), a rarer one (late), or none (never reached)
         eos = (frequent[0], frequent[min(3, len(frequent) - 1)], -1)[(i + 2 * variant) % 3]
         params = DecodeParams(gen_length=gen, slot_size=k, serial_num_blocks=blocks,
-                              slot_threshold=slot_thr, token_threshold=tok_thr)
+                              slot_threshold=slot_thr, token_threshold=tok_thr, upstream_eos_drop=True)
         ours, stats = _collect(runner, prompt, eos, params)
         ref = refusion_generate(model, prompt, gen_length=gen, slot_size=k, serial_num_blocks=blocks,
                                 slot_threshold=slot_thr, token_threshold=tok_thr, mask_id=MASK_ID, eos_id=eos)

@@ -31,15 +31,23 @@ def test_each_strategy_declares_its_needs():
 
 
 @pytest.mark.parametrize("max_tokens, blocks", [
-    (None, [16, 16]),  # upstream: serial_num_blocks equal blocks of gen_length
-    (1, [4]), (10, [12]), (16, [16]), (17, [16, 4]), (40, [16, 16, 8]), (100, [16] * 6 + [4]),
+    (None, 2),  # upstream: serial_num_blocks equal blocks of gen_length
+    (1, 1), (10, 1), (16, 1), (17, 2), (40, 3), (100, 7),
 ])
-def test_max_tokens_lays_out_blocks_of_the_canvas_length_up_to_the_slot_that_holds_it(max_tokens, blocks):
+def test_max_tokens_decodes_whole_blocks_of_the_canvas_length_that_cover_it(max_tokens, blocks):
     params = DecodeParams(gen_length=32, slot_size=4, serial_num_blocks=2, max_tokens=max_tokens)
-    assert refusion.block_lengths(params) == blocks
-    assert params.positions == sum(blocks)
-    assert STRATEGIES["refusion"].kv_capacity(10, params) == 10 + sum(blocks) + max(blocks)
-    assert STRATEGIES["refusion"].profile_needs(params) == (len(blocks) * max(blocks), 4, len(blocks))
+    assert refusion.block_count(params) == blocks
+    assert params.positions == 16 * blocks
+    assert STRATEGIES["refusion"].kv_capacity(10, params) == 10 + 16 * blocks + 16
+    assert STRATEGIES["refusion"].profile_needs(params) == (16 * blocks, 4, blocks)
+
+
+def test_a_huge_max_tokens_or_gen_length_is_sized_by_arithmetic_not_by_a_list():
+    """Probe 4's O16 / O17: what a request's length asks is computed in O(its digits), before any work."""
+    huge = DecodeParams(gen_length=32, slot_size=4, serial_num_blocks=2, max_tokens=10**30)
+    assert huge.positions == -(-10**30 // 16) * 16 and STRATEGIES["refusion"].profile_needs(huge)[2] == -(-10**30 // 16)
+    with pytest.raises(RefusionError, match=r"may be one of \[1(, \d+)*\] or another divisor of its 250000000001 slots"):
+        DecodeParams(gen_length=10**12 + 4, slot_size=4, serial_num_blocks=3)
 
 
 def test_decode_params_take_the_public_modes_only():
