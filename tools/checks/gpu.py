@@ -32,6 +32,7 @@ import numpy as np
 
 from refusion.export.compare import CaseRunner, Feed, Outputs
 from refusion.runtime.core.contract import GraphName
+from refusion.tools.checks.verdict import line
 
 # Positions up to max_prompt + gen_length + a block (64) - 1 = 1023, the fixture's last (max_position_embeddings 1024).
 LIMITS = dict(max_prompt=832, gen_length=128, slot_size=8, serial_blocks=2, max_batch=4)
@@ -41,11 +42,6 @@ DECODES = ((64, 8, 2, 0.9, 0.4), (32, 4, 4, 0.0, 0.0), (64, 8, 4, 0.2, 0.7))
 PROMPTS = ([5, 17, 42, 99, 7, 3, 12], list(range(40, 88)))
 INT4_BLOCK = 64  # a block size TensorRT documents for INT4 weights (64, 128) that divides the fixture's dims
 INT4_EXPORTS = {"int4": False, "int4-head": True}  # name -> the lm_head int4 too
-
-
-def line(ok: bool, what: str) -> bool:
-    print(f"{'PASS' if ok else 'FAIL'}: {what}", flush=True)
-    return ok
 
 
 def fixture(work: Path) -> tuple[Path, Path, dict[str, Path], Path, Path]:
