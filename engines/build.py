@@ -54,6 +54,10 @@ if TYPE_CHECKING:
     import tensorrt
 
 Report = Callable[[str], None]
+# TensorRT 11 removed ILayer.precision_is_set, which Polygraphy's CreateConfig reads on every build up to 0.49.27:
+# there every build fails on its first layer with an AttributeError. 0.50.3 guards the read (the table's row in
+# tests/engines/test_versions.py; the extras' floor).
+POLYGRAPHY_FOR_TENSORRT_11 = "0.50.3"
 
 
 @dataclass(frozen=True)
@@ -364,7 +368,8 @@ def build_engines(plan: BuildPlan, *, force: bool = False, report: Report = lamb
 
     target = current_target()
     strongly = plan.options.strongly_typed
-    version = tuple(int(part) for part in re.findall(r"\d+", str(trt.__version__))[:2])
+    version = _version(str(trt.__version__))
+    require_polygraphy(str(trt.__version__))
     if not strongly and version >= (11, 0):
         raise RefusionError(f"--weakly-typed: TensorRT {trt.__version__} builds strongly typed networks only (the "
                             "FP16/BF16 builder flags are gone from TensorRT 11); build without --weakly-typed.")
@@ -390,6 +395,27 @@ def build_engines(plan: BuildPlan, *, force: bool = False, report: Report = lamb
             shutil.rmtree(staging, ignore_errors=True)
             raise
     return out
+
+
+def require_polygraphy(tensorrt_version: str) -> None:
+    """Refuse, before parsing, a Polygraphy whose CreateConfig cannot build on this TensorRT (NGC images and older
+    venvs carry 0.49.x: only a fresh install of the extras picks a newer one)."""
+    try:
+        import polygraphy
+    except ImportError as e:
+        raise RefusionError("building engines needs Polygraphy: pip install 'refusion-trt[trt]'.") from e
+    found = str(polygraphy.__version__)
+    if _version(tensorrt_version) >= (11, 0) and _version(found) < _version(POLYGRAPHY_FOR_TENSORRT_11):
+        raise RefusionError(
+            f"Polygraphy {found} cannot build engines with TensorRT {tensorrt_version}: its "
+            "CreateConfig reads ILayer.precision_is_set, which TensorRT 11 removed. pip install "
+            f"'polygraphy>={POLYGRAPHY_FOR_TENSORRT_11}' (what refusion-trt[trt] installs), then build again."
+        )
+
+
+def _version(text: str) -> tuple[int, ...]:
+    """A release's numbers, to compare: "10.13.0.35" -> (10, 13, 0)."""
+    return tuple(int(part) for part in re.findall(r"\d+", text)[:3])
 
 
 def write_engines_dir(plan: BuildPlan, directory: Path, engine: bytes | memoryview, target: Target,

@@ -41,7 +41,7 @@ def test_the_engine_is_written_from_the_builders_memory_without_a_copy(exports, 
     assert "strongly typed" in lines[0] and "32.0 MiB" in "".join(lines)
 
 
-def test_weak_typing_is_an_opt_in_tensorrt_11_refuses(exports, fakes, tmp_path, monkeypatch):
+def test_weak_typing_is_an_opt_in_tensorrt_11_refuses_it_and_an_old_polygraphy(exports, fakes, tmp_path, monkeypatch):
     trt, _ = fakes
     monkeypatch.setattr(build, "engine_loader", lambda plan, report: lambda: b"engine")
     weak = build.plan_build(exports["fp16"], tmp_path / "engines", LIMITS, strongly_typed=False)
@@ -52,7 +52,13 @@ def test_weak_typing_is_an_opt_in_tensorrt_11_refuses(exports, fakes, tmp_path, 
     monkeypatch.setattr(trt, "__version__", "11.1.0.3")
     with pytest.raises(RefusionError, match=r"--weakly-typed: TensorRT 11.1.0.3 builds strongly typed networks only"):
         build.build_engines(weak, force=True)
-    build.build_engines(build.plan_build(exports["fp16"], tmp_path / "engines", LIMITS), force=True)
+    strong = build.plan_build(exports["fp16"], tmp_path / "engines", LIMITS)
+    build.build_engines(strong, force=True)
+    import polygraphy
+
+    monkeypatch.setattr(polygraphy, "__version__", "0.49.27")  # whose CreateConfig fails on TensorRT 11
+    with pytest.raises(RefusionError, match=r"Polygraphy 0.49.27 cannot build engines with TensorRT 11.1.0.3"):
+        build.build_engines(strong, force=True)
 
 
 def test_an_embeddings_host_export_plans_inputs_embeds_over_every_profile(checkpoint, fakes, tmp_path):

@@ -31,10 +31,17 @@ POLYGRAPHY_APIS = {
     "CreateConfig.bf16": "0.48.0",  # "Added a `bf16` option to the TensorRT `CreateConfig` loader"
     "NetworkFromOnnxPath.strongly_typed": "0.48.0",  # "Added a `strongly_typed` option to TensorRT network loaders"
 }
-# 0.49.6: "Fixed a bug where `explicit_batch` would be provided by default on TRT 10.0, where it has been
-# removed": older releases set NetworkDefinitionCreationFlag.EXPLICIT_BATCH, which TensorRT 10 deprecates
-# and TensorRT 11 removes. 0.49.9 is the first release after it on PyPI.
-POLYGRAPHY_FOR_TENSORRT_10 = "0.49.9"
+# The oldest Polygraphy whose loaders, as the build calls them, run on each TensorRT major.
+POLYGRAPHY_FOR_TENSORRT = {
+    # 0.49.6: "Fixed a bug where `explicit_batch` would be provided by default on TRT 10.0, where it has been
+    # removed": older releases set NetworkDefinitionCreationFlag.EXPLICIT_BATCH, which TensorRT 10 deprecates
+    # and TensorRT 11 removes. 0.49.9 is the first release after it on PyPI.
+    10: "0.49.9",
+    # CreateConfig.call_impl reads `layer.precision_is_set` for every layer of every network, strongly typed
+    # included (0.49.26 and 0.49.27, backend/trt/config.py), which TensorRT 11 removed with ILayer.precision: every
+    # build fails with an AttributeError. 0.50.3, the next release on PyPI, catches it (config.py:255-262).
+    11: "0.50.3",
+}
 
 
 def _version(text: str) -> tuple[int, ...]:
@@ -63,7 +70,35 @@ def test_polygraphy_floor_has_every_api_the_build_uses():
     assert used - set(POLYGRAPHY_APIS) == set(), "add the release that introduced these to POLYGRAPHY_APIS"
     too_new = {api: POLYGRAPHY_APIS[api] for api in used if _version(POLYGRAPHY_APIS[api]) > floor}
     assert not too_new, f"pyproject allows polygraphy {floor}, older than these APIs: {too_new}"
-    assert floor >= _version(POLYGRAPHY_FOR_TENSORRT_10)
+    assert floor >= _version(POLYGRAPHY_FOR_TENSORRT[10])
+
+
+def test_each_trt_extra_gets_a_polygraphy_that_builds_on_the_newest_tensorrt_it_allows():
+    """An extra that allows TensorRT 11 (`<12`) must not allow a Polygraphy that crashes every TensorRT 11 build."""
+    extras = re.findall(r'^(trt-cu\d+) = \[(.*)\]$', (REPO / "pyproject.toml").read_text(), re.MULTILINE)
+    assert {name for name, _ in extras} == {"trt-cu12", "trt-cu13"}
+    for name, requirements in extras:
+        newest = int(re.search(r'"tensorrt-cu\d+>=[\d.]+,<(\d+)"', requirements)[1]) - 1
+        polygraphy = re.search(r'"polygraphy>=([\d.]+)"', requirements)[1]
+        assert newest in POLYGRAPHY_FOR_TENSORRT, f"{name} allows TensorRT {newest}: add its Polygraphy to the table"
+        assert _version(polygraphy) >= _version(POLYGRAPHY_FOR_TENSORRT[newest]), (name, polygraphy)
+
+
+def test_the_build_refuses_a_polygraphy_that_cannot_build_on_tensorrt_11(monkeypatch):
+    """What a venv or an NGC image with Polygraphy 0.49.x gets on TensorRT 11: the fix, before any parsing."""
+    import polygraphy
+
+    from refusion.engines import build
+    from refusion.runtime.core.errors import RefusionError
+
+    assert build.POLYGRAPHY_FOR_TENSORRT_11 == POLYGRAPHY_FOR_TENSORRT[11]
+    monkeypatch.setattr(polygraphy, "__version__", "0.49.26")
+    build.require_polygraphy("10.13.0.35")  # TensorRT 10 builds with it
+    with pytest.raises(RefusionError, match=r"Polygraphy 0.49.26 cannot build engines with TensorRT 11.4.0.106: .*"
+                                            r"precision_is_set.*pip install 'polygraphy>=0.50.3'"):
+        build.require_polygraphy("11.4.0.106")
+    monkeypatch.setattr(polygraphy, "__version__", "0.50.3")
+    build.require_polygraphy("11.4.0.106")
 
 
 def test_installed_polygraphy_meets_the_floor_and_has_the_apis():
