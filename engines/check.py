@@ -40,7 +40,7 @@ from refusion.runtime.core.export_manifest import MANIFEST_NAME, ExportManifest
 from refusion.runtime.core.files import sha256_file
 from refusion.runtime.core.profiles import DecodeLimits, select_profile
 from refusion.runtime.runners.base import RowFeed
-from refusion.runtime.runners.ort_session import import_onnxruntime
+from refusion.runtime.runners.ort_session import CUDA_PROVIDER, Provider, configured_provider, import_onnxruntime
 from refusion.runtime.runners.tensorrt import TensorRTRunner
 
 TOLERANCE = {"float32": Tolerance(1e-3, 1e-3, 0.02), "float16": Tolerance(2e-2, 2e-2, 0.02)}  # by engine precision
@@ -88,16 +88,14 @@ def compare(runner: TensorRTRunner, export: ExportManifest, limits: DecodeLimits
     return result
 
 
-def reference_providers(precision: str) -> list[str | tuple[str, dict[str, str]]]:
+def reference_providers(precision: str) -> list[Provider]:
     """onnxruntime's providers for the reference: CUDA where it has it, else the CPU. For fp32 engines
     (built with TF32 off: the accuracy reference) the CUDA provider runs with TF32 off too, which it
     turns on for fp32 GEMMs by default (`use_tf32`, onnxruntime >= 1.18); a TF32 reference would fail
-    right engines at 1e-3 or hide wrong ones in its noise."""
+    right engines at 1e-3 or hide wrong ones in its noise. A CUDA provider that fails to start is refused
+    (open_session), not left to run the reference on the CPU."""
     available = import_onnxruntime().get_available_providers()
-    cuda: str | tuple[str, dict[str, str]] = "CUDAExecutionProvider"
-    if precision == "float32":
-        cuda = ("CUDAExecutionProvider", {"use_tf32": "0"})
-    return [cuda] * ("CUDAExecutionProvider" in available) + ["CPUExecutionProvider"]
+    return [configured_provider(CUDA_PROVIDER, precision)] * (CUDA_PROVIDER in available) + ["CPUExecutionProvider"]
 
 
 class TensorRTCases(CaseRunner):

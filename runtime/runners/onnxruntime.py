@@ -27,7 +27,7 @@ from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.core.export_manifest import ExportManifest
 from refusion.runtime.runners.base import Runner, pack_rows
 from refusion.runtime.runners.kv_pool import DeviceKVPool, ScratchBuffers
-from refusion.runtime.runners.ort_session import import_onnxruntime, open_session
+from refusion.runtime.runners.ort_session import CUDA_INSTALL, CUDA_PROVIDER, build_info, configured_provider, import_onnxruntime, open_session
 
 # onnxruntime's CPU provider has no bfloat16 MatMul.
 ORT_DTYPES = ("float32", "float16")
@@ -67,12 +67,13 @@ class OrtRunner(Runner):
         if self.provider not in ort.get_available_providers():
             raise RefusionError(
                 f"onnxruntime here has no {self.provider} (available: {', '.join(ort.get_available_providers())}); "
-                "pip install 'refusion-trt[ort-gpu]' on a CUDA machine, or use --backend ort-cpu."
+                f"on a CUDA machine {CUDA_INSTALL}; or use --backend ort-cpu."
             )
         # One session serves both roles, as one TensorRT engine does: the infiller graph takes the planner's
         # inputs and computes every planner output too (its extra outputs are input_probs and the new tokens'
         # KV, which a planner forward leaves unread). So the weights are loaded, and prepacked, once.
-        session = open_session(self.manifest, "infiller", [self.provider], self.threads, self.low_memory)
+        session = open_session(self.manifest, "infiller", [configured_provider(self.provider, self.manifest.dtype)], self.threads,
+                               self.low_memory)
         for graph in GRAPH_NAMES:
             self.sessions[graph] = session
             self._outputs[graph] = [t.name for t in self.manifest.graphs[graph].outputs
@@ -165,7 +166,7 @@ class OrtCudaRunner(OrtRunner):
     onnxruntime's run (which synchronizes its own stream on return). One row alone binds its region in place."""
 
     name = "ort-cuda"
-    provider = "CUDAExecutionProvider"
+    provider = CUDA_PROVIDER  # TF32 off for fp32 exports (ort_session.configured_provider)
     device = "cuda"  # IO binding's device type for the KV buffers
 
     def __init__(self, manifest: ExportManifest, threads: int | None = None, low_memory: bool = False,
@@ -270,14 +271,8 @@ def check_onnxruntime_cuda() -> None:
     records none."""
     from refusion.runtime.runners.cuda import require_driver
 
-    ort = import_onnxruntime()
-    try:
-        from onnxruntime.capi import build_and_package_info as info
-    except ImportError:
-        return
-    built = re.match(r"(\d+)\.(\d+)", str(getattr(info, "cuda_version", "") or ""))
+    package, cuda = build_info()
+    built = re.match(r"(\d+)\.(\d+)", cuda or "")
     if built:
-        major = int(built[1])
-        require_driver(f"onnxruntime-gpu {ort.__version__} (CUDA {built[0]})", (major, int(built[2])),
-                       "install an onnxruntime-gpu built for the driver's CUDA (onnxruntime's CUDA provider install "
-                       "table names them)")
+        require_driver(f"{package} (CUDA {built[0]})", (int(built[1]), int(built[2])),
+                       f"install the onnxruntime-gpu of the driver's CUDA: {CUDA_INSTALL}")

@@ -50,6 +50,17 @@ class SharedWeights:
 
 
 Provider = str | tuple[str, dict[str, str]]  # a provider's name, or its name and options
+CUDA_PROVIDER = "CUDAExecutionProvider"
+# onnxruntime-gpu as each CUDA major's extra installs it (pyproject.toml): with its CUDA and cuDNN libraries
+CUDA_INSTALL = ("pip install 'refusion-trt[ort-gpu]' (onnxruntime-gpu[cuda,cudnn] < 1.27, built for CUDA 12) or "
+                "'refusion-trt[ort-gpu-cu13]' (onnxruntime-gpu[cuda,cudnn] >= 1.27, CUDA 13: a driver >= 580)")
+
+
+def configured_provider(name: str, export_dtype: str) -> Provider:
+    """A provider as a session over graphs of `export_dtype` runs it: CUDA with TF32 off for fp32 graphs (its
+    `use_tf32` defaults on, rounding fp32 GEMMs' inputs to 10 bits), so an fp32 export stays the fp32 reference it
+    is on the CPU provider and on TensorRT fp32 engines (built with TF32 off)."""
+    return (name, {"use_tf32": "0"}) if name == CUDA_PROVIDER and export_dtype == "float32" else name
 
 
 def open_session(manifest: ExportManifest, graph: GraphName, providers: Sequence[Provider], threads: int | None = None,
@@ -76,8 +87,36 @@ def open_session(manifest: ExportManifest, graph: GraphName, providers: Sequence
         session = ort.InferenceSession(str(path), opts, providers=list(providers))
     except Exception as e:  # onnxruntime raises its own exception types
         raise RefusionError(f"{path} could not be loaded by onnxruntime ({e}); {REEXPORT}.") from e
+    _check_provider(session, providers[0] if isinstance(providers[0], str) else providers[0][0])
     _check_io(session, manifest.graphs[graph], path)
     return session
+
+
+def _check_provider(session: Any, wanted: str) -> None:
+    """The session must run on the provider asked first: onnxruntime makes a CPU session, logging only a warning,
+    when a provider's libraries fail to load (onnxruntime-gpu without CUDA or cuDNN: from 1.27 they come only
+    with its [cuda,cudnn] extras), and a CUDA runner would then bind device memory to it."""
+    got = list(session.get_providers())
+    if got[:1] != [wanted]:
+        package, cuda = build_info()
+        raise RefusionError(
+            f"onnxruntime could not start {wanted} and made a session on {', '.join(got)} instead ({package}"
+            f"{f', built for CUDA {cuda}' if cuda else ''}; its log above says which library failed to load). "
+            f"Install onnxruntime-gpu with the CUDA and cuDNN it is built for: {CUDA_INSTALL}; or run on the CPU "
+            "(--backend ort-cpu)."
+        )
+
+
+def build_info() -> tuple[str, str | None]:
+    """The installed onnxruntime's package and version ("onnxruntime-gpu 1.31.1"), and the CUDA it is built for as
+    its build info records it ("13.0"; None for a CPU build)."""
+    ort = import_onnxruntime()
+    try:
+        from onnxruntime.capi import build_and_package_info as info
+    except ImportError:
+        return f"onnxruntime {ort.__version__}", None
+    cuda = str(getattr(info, "cuda_version", "") or "") or None
+    return f"{getattr(info, 'package_name', 'onnxruntime')} {ort.__version__}", cuda
 
 
 def _check_io(session: Any, spec: GraphSpec, path: Path) -> None:

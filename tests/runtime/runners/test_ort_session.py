@@ -78,3 +78,60 @@ def test_only_open_session_makes_onnxruntime_sessions():
                         makers.append(f"{file.relative_to(REPO)}:{function.name}")
             assert "InferenceSession" not in file.read_text() or file == REPO / "runtime/runners/ort_session.py", file
     assert makers == ["runtime/runners/ort_session.py:open_session"]
+
+
+class _SessionOn:
+    """onnxruntime.InferenceSession as onnxruntime-gpu makes it: the graph run on the CPU provider here, the
+    session reporting `providers` as its own (the CUDA one it got, or the CPU one it fell back to); records what
+    it was asked for."""
+
+    def __init__(self, providers: list[str]):
+        import onnxruntime
+
+        self.providers, self.real = providers, onnxruntime.InferenceSession
+        self.asked: list[list] = []
+
+    def __call__(self, path, options, providers):
+        self.asked.append(providers)
+        session = self.real(path, options, providers=["CPUExecutionProvider"])
+        session.get_providers = lambda: self.providers
+        return session
+
+
+def test_a_session_that_fell_back_to_the_cpu_is_refused_with_the_install_command(manifest, fakes, monkeypatch):
+    """onnxruntime-gpu >= 1.27 without its [cuda,cudnn] extras lists CUDA among its available providers, fails
+    to load it, and makes a CPU session: the CUDA runner would bind device memory to it. Refused at activation,
+    naming the extras; the engines check's reference too (it asks CUDA first where onnxruntime lists it)."""
+    import onnxruntime
+
+    from refusion.engines.check import reference_providers
+    from refusion.export.compare import OrtSessions, cases
+    from refusion.runtime.runners.onnxruntime import OrtCudaRunner
+
+    monkeypatch.setattr(onnxruntime, "get_available_providers", lambda: ["CUDAExecutionProvider", "CPUExecutionProvider"])
+    monkeypatch.setattr(onnxruntime, "InferenceSession", _SessionOn(["CPUExecutionProvider"]))
+    runner = OrtCudaRunner(manifest)
+    install = (r"made a session on CPUExecutionProvider instead .* pip install 'refusion-trt\[ort-gpu\]' "
+               r"\(onnxruntime-gpu\[cuda,cudnn\] < 1.27, built for CUDA 12\) or 'refusion-trt\[ort-gpu-cu13\]'")
+    with pytest.raises(RefusionError, match=r"onnxruntime could not start CUDAExecutionProvider and " + install):
+        runner.activate()
+    assert not runner.is_active
+    with pytest.raises(RefusionError, match=install), OrtSessions(manifest, reference_providers("float16")) as ref:
+        ref("infiller", cases(manifest)[0].feed)
+
+
+@pytest.mark.parametrize("dtype, asked", [("fp32", ("CUDAExecutionProvider", {"use_tf32": "0"})),
+                                          ("fp16", "CUDAExecutionProvider")])
+def test_the_cuda_runner_runs_fp32_exports_with_tf32_off(exports, fakes, monkeypatch, dtype, asked):
+    """The CUDA provider turns TF32 on for fp32 GEMMs by default: an fp32 export on `--backend ort-cuda` would not
+    be the fp32 reference it is on the CPU and on TensorRT fp32 engines (TF32 off). fp16 graphs have no TF32."""
+    import onnxruntime
+
+    from refusion.runtime.runners.onnxruntime import OrtCudaRunner
+
+    monkeypatch.setattr(onnxruntime, "get_available_providers", lambda: ["CUDAExecutionProvider", "CPUExecutionProvider"])
+    session = _SessionOn(["CUDAExecutionProvider", "CPUExecutionProvider"])
+    monkeypatch.setattr(onnxruntime, "InferenceSession", session)
+    with OrtCudaRunner(ExportManifest.load(exports[dtype])):
+        pass
+    assert session.asked == [[asked]]

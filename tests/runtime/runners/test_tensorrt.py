@@ -452,7 +452,8 @@ def test_a_cuda_mismatch_is_named_in_one_line(peaky_export, fakes, tmp_path, mon
     from tests.fakes import CpuBoundCudaRunner
 
     monkeypatch.setattr(build_and_package_info, "cuda_version", "13.0", raising=False)
-    with pytest.raises(RefusionError, match=r"onnxruntime-gpu .* \(CUDA 13.0\) is built for CUDA 13.0.*an "
-                                            r"onnxruntime-gpu built for the driver's CUDA"):
+    monkeypatch.setattr(build_and_package_info, "package_name", "onnxruntime-gpu")
+    with pytest.raises(RefusionError, match=r"onnxruntime-gpu 1[\d.]+ \(CUDA 13.0\) is built for CUDA 13.0.*install "
+                                            r"the onnxruntime-gpu of the driver's CUDA: pip install 'refusion-trt\[ort-gpu\]'"):
         CpuBoundCudaRunner(ExportManifest.load(peaky_export), threads=1).activate()
     assert cudart.allocations == {}
