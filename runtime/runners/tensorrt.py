@@ -316,19 +316,26 @@ class TensorRTRunner(Runner):
     def _run_chunked(self, chunk: int, ids: np.ndarray, pos: np.ndarray, past: int, region: int,
                      heads: np.ndarray) -> dict[str, np.ndarray]:
         """Each chunk computes the heads that fall in it (a chunk without any, one at its last token that nothing
-        reads: a forward computes at least one); they are put back in the order asked."""
+        reads: a forward computes at least one); they are put back in the order asked. Each chunk is a forward of
+        its own in RunnerStats. No `input_probs`: at a chunk's last token it reads that token's own id, where the
+        unchunked forward reads the next chunk's first; a prefill's reader takes drafts only, and a future one
+        that wanted it fails at the missing key instead of reading a wrong value."""
         out: dict[str, np.ndarray] = {}
         at = heads[0]
-        for start in range(0, ids.shape[1], chunk):
+        starts = range(0, ids.shape[1], chunk)
+        for start in starts:
             n = min(chunk, ids.shape[1] - start)
             mine = np.flatnonzero((at >= start) & (at < start + n))
             local = (at[mine] - start if mine.size else np.array([n - 1]))[None].astype(np.int64)
             part = self._run("infiller", ids[:, start:start + n], pos[:, start:start + n],
                              causal_after(past + start, n), past + start, past + start, region, local)
             for name, array in part.items():
+                if name == "input_probs":
+                    continue
                 if name not in out:
                     out[name] = np.empty((1, at.size, *array.shape[2:]), array.dtype)
                 out[name][:, mine] = array[:, : mine.size]
+        self.stats.graph("infiller").split(len(starts))
         return out
 
     def _run_batch(self, graph: GraphName, rows: list[RowFeed]) -> list[dict[str, np.ndarray]]:

@@ -457,3 +457,32 @@ def test_a_cuda_mismatch_is_named_in_one_line(peaky_export, fakes, tmp_path, mon
                                             r"the onnxruntime-gpu of the driver's CUDA: pip install 'refusion-trt\[ort-gpu\]'"):
         CpuBoundCudaRunner(ExportManifest.load(peaky_export), threads=1).activate()
     assert cudart.allocations == {}
+
+
+def test_a_prefill_over_a_past_runs_in_chunks_each_counted_without_input_probs(peaky_export, fakes, tmp_path):
+    """A prefill over a cached prefix, longer than the decode profile takes (a block: 16) and with a past the
+    prefill profile does not take, runs as decode-profile chunks: 40 tokens as 16 + 16 + 8, each head where the
+    unchunked forward (onnxruntime) puts it, each chunk a forward in RunnerStats (review 4, K3), and no
+    input_probs, which at a chunk's last token would read its own id, not the next chunk's first (W1)."""
+    from refusion.runtime.core.profiles import DecodeLimits
+    from refusion.runtime.decode.masks import causal_after
+
+    limits = DecodeLimits(max_prompt=64, gen_length=32, slot_size=4, serial_blocks=2)
+    engines = fake_engines(peaky_export, tmp_path / "engines", limits)
+    ids = np.random.default_rng(0).integers(0, 300, (1, 50))
+    pos = np.arange(50)[None]
+    heads = np.array([[0, 15, 16, 17, 31, 39]])  # a chunk's last token and the next one's first among them
+    outs = []
+    for runner in (TensorRTRunner.from_dir(engines), OrtRunner(ExportManifest.load(peaky_export), threads=1)):
+        with runner:
+            runner.allocate_kv(64)
+            runner.run("infiller", ids[:, :10], pos[:, :10], causal_after(0, 10), 0, 0, heads=np.array([[9]]))
+            before = runner.stats.copy()
+            outs.append(runner.run("infiller", ids[:, 10:], pos[:, 10:], causal_after(10, 40), 10, 10, heads=heads))
+            counted = runner.stats.since(before).graph("infiller")
+            outs.append((counted.forwards, counted.rows, counted.fed, counted.padded))
+    got, trt_counted, want, ort_counted = outs
+    assert trt_counted == (3, 3, 40, 40) and ort_counted == (1, 1, 40, 40)
+    assert set(got) == set(want) - {"input_probs"}
+    for name in got:
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-6, err_msg=name)
