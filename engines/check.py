@@ -57,7 +57,7 @@ def check_engines(path: str | Path, report: Report = print) -> bool:
             "(the engine path is the same)."
         )
     export = source_export(engines)
-    result = compare(TensorRTRunner.from_dir(path), export, engines.limits, engines.precision, report)
+    result = compare(TensorRTRunner.from_dir(path, verify=True), export, engines.limits, engines.precision, report)
     report("PASS: TensorRT engines match onnxruntime" if result.ok else "FAIL: TensorRT engines differ from onnxruntime")
     return result.ok
 

@@ -9,7 +9,8 @@ manifest is read as what its engine is, batch 1 in every profile, so it needs no
 A TensorRT engine only runs on the GPU model and TensorRT version it was built with, and a
 truncated or swapped file can crash the deserializer instead of failing cleanly. So loading
 checks, in order: the manifest's format, the TensorRT version and GPU recorded against the
-ones here, then the engine file's size and sha256.
+ones here, then the engine file's size, and its sha256 when asked to verify (`refusion-export check`,
+`--verify`): hashing reads the whole engine, 16 GB for ReFusion-8B, seconds on every start.
 Every refusal carries the exact command that rebuilds the engine here.
 """
 
@@ -161,9 +162,9 @@ class EngineManifest:
             f"built. Rebuild them here with: {self.rebuild_command}"
         )
 
-    def verify_file(self) -> None:
-        """Check the engine file's size and sha256 against the manifest. Streams the file, so a
-        16 GiB engine is never held twice; run it before deserializing it."""
+    def verify_file(self, digest: bool = True) -> None:
+        """Check the engine file's size and, with `digest`, its sha256 against the manifest. Hashing streams the
+        file, so a 16 GiB engine is never held twice; run it before deserializing it."""
         file, entry = self.engine_path, self.engine
         if not file.is_file():
             raise RefusionError(f"{file} is missing; rebuild the engine with: {self.rebuild_command}")
@@ -173,10 +174,12 @@ class EngineManifest:
                 f"{file} has {size} bytes and {ENGINES_MANIFEST} records {entry.bytes}: the file is truncated "
                 f"or was replaced. Rebuild with: {self.rebuild_command}"
             )
-        digest = sha256_file(file)
-        if digest != entry.sha256:
+        if not digest:
+            return
+        found = sha256_file(file)
+        if found != entry.sha256:
             raise RefusionError(
-                f"{file} does not match {ENGINES_MANIFEST} (sha256 {digest[:16]}..., recorded "
+                f"{file} does not match {ENGINES_MANIFEST} (sha256 {found[:16]}..., recorded "
                 f"{entry.sha256[:16]}...): the file was modified or damaged. Rebuild with: {self.rebuild_command}"
             )
 

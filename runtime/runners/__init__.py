@@ -85,7 +85,8 @@ def make_runner(manifest: ExportManifest, backend: str = "auto", threads: int | 
             from refusion.runtime.runners.tensorrt import TensorRTRunner
         except ImportError as e:
             raise RefusionError("the trt backend needs TensorRT: pip install 'refusion-trt[trt]' on a CUDA machine.") from e
-        return TensorRTRunner(manifest, EngineManifest.load(manifest.path), options.max_requests, options.max_batch)
+        return TensorRTRunner(manifest, EngineManifest.load(manifest.path), options.max_requests, options.max_batch,
+                              verify)
     from refusion.runtime.runners.onnxruntime import OrtCudaRunner, OrtRunner
 
     runner = OrtCudaRunner if options.backend == "ort-cuda" else OrtRunner

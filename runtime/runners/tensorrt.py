@@ -1,7 +1,7 @@
 """The TensorRT Runner: one engine serving the planner and the infiller, on one CUDA stream, KV on the device.
 
-Loading verifies engines.json (TensorRT version, GPU, engine sha256), then deserializes the engine from a
-read-only mapping of its file (no host copy). The engine is the infiller graph's with a profile per kind of
+Loading verifies engines.json (TensorRT version, GPU, the engine's size; its sha256 with `verify`), then
+deserializes the engine from a read-only mapping of its file (no host copy). The engine is the infiller graph's with a profile per kind of
 forward (runtime/core/profiles.py), an execution context per profile, all sharing one activation buffer
 (forwards are serialized on the stream). A forward binds its request's KV region (runners/kv_pool.py) as
 past and writes present straight into it at `write_at`; only ids, positions and the mask go up, and only
@@ -98,12 +98,14 @@ class TensorRTRunner(Runner):
     name = "trt"
 
     def __init__(self, manifest: ExportManifest, engines: EngineManifest, max_requests: int | None = None,
-                 max_batch: int | None = None):
+                 max_batch: int | None = None, verify: bool = False):
         """`max_batch`: rows one execution packs, at most the engine's --max-batch (the default);
-        `max_requests`: requests held at once (a KV region each), at least max_batch (default: max_batch)."""
+        `max_requests`: requests held at once (a KV region each), at least max_batch (default: max_batch);
+        `verify`: check the engine's sha256 at activation, not only its size (a full read of the file)."""
         self.max_batch, self.max_requests = batch_and_requests(engines, max_requests, max_batch)
         super().__init__(manifest)
         self.engines = engines
+        self.verify = verify
         self.limits = engines.limits
         self._runtime: tensorrt.Runtime | None = None
         self._stream: Stream | None = None
@@ -117,10 +119,11 @@ class TensorRTRunner(Runner):
         self._host: HostBuffer | None = None  # the heads, on the host (pinned)
 
     @staticmethod
-    def from_dir(path: str | Path, max_requests: int | None = None, max_batch: int | None = None) -> TensorRTRunner:
+    def from_dir(path: str | Path, max_requests: int | None = None, max_batch: int | None = None,
+                 verify: bool = False) -> TensorRTRunner:
         """Engines built by `refusion-export build` (the directory also holds refusion.json)."""
         engines = EngineManifest.load(path)
-        return TensorRTRunner(ExportManifest.read(Path(path)), engines, max_requests, max_batch)
+        return TensorRTRunner(ExportManifest.read(Path(path)), engines, max_requests, max_batch, verify)
 
     # -- requests ----------------------------------------------------------------------------
     def check_request(self, prompt_length: int, params: DecodeParams | DiffusionParams) -> None:
@@ -133,7 +136,7 @@ class TensorRTRunner(Runner):
     # -- lifecycle ---------------------------------------------------------------------------
     def _activate(self) -> None:
         self.engines.verify_target(current_target())  # needs tensorrt; says how to install it
-        self.engines.verify_file()  # every check before any deserialization
+        self.engines.verify_file(digest=self.verify)  # every check before any deserialization
         try:
             self._load()
         except BaseException:

@@ -106,8 +106,11 @@ def test_runner_refuses_before_deserializing(engines_dir, fakes, monkeypatch):
     calls = _spy_deserialize(trt, monkeypatch)
     engine = engines_dir / "model.engine"
     good = engine.read_bytes()
-    engine.write_bytes(good.replace(b"input_ids", b"input_idz"))
+    engine.write_bytes(good.replace(b"input_ids", b"input_idz"))  # the same size: its sha256 tells, to verify
     with pytest.raises(RefusionError, match="model.engine does not match engines.json"):
+        TensorRTRunner.from_dir(engines_dir, verify=True).activate()
+    engine.write_bytes(good[:-1])  # the size, checked at every start
+    with pytest.raises(RefusionError, match="model.engine has .* bytes and engines.json records"):
         TensorRTRunner.from_dir(engines_dir).activate()
     engine.write_bytes(good)
     monkeypatch.setattr(trt, "__version__", "10.14.0")

@@ -486,3 +486,34 @@ def test_a_prefill_over_a_past_runs_in_chunks_each_counted_without_input_probs(p
     assert set(got) == set(want) - {"input_probs"}
     for name in got:
         np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def test_activation_checks_the_engine_size_and_hashes_it_only_to_verify(peaky_export, fakes, tmp_path, monkeypatch):
+    """Hashing reads the whole engine, 16 GB for ReFusion-8B (seconds on every start, and page cache a Jetson
+    shares with its GPU: review 4, S3): a start checks its size, `verify` (refusion-run --verify, the engines check)
+    its sha256 too, as the onnxruntime runners treat an export's files."""
+    from refusion.engines.check import check_engines
+    from refusion.runtime.core import engines_manifest
+    from refusion.runtime.runners import make_runner
+
+    engines = fake_engines(peaky_export, tmp_path / "engines")
+    hashed = []
+    real = engines_manifest.sha256_file
+    monkeypatch.setattr(engines_manifest, "sha256_file", lambda file: hashed.append(file.name) or real(file))
+    with TensorRTRunner.from_dir(engines):
+        pass
+    assert hashed == []
+    assert make_runner(ExportManifest.read(engines), "trt", verify=True).verify
+    with TensorRTRunner.from_dir(engines, verify=True):
+        pass
+    assert hashed == ["model.engine"]
+    assert check_engines(engines, report=lambda line: None) and hashed == ["model.engine"] * 2
+    engine = engines / "model.engine"
+    damaged = bytearray(engine.read_bytes())
+    damaged[-1] ^= 1
+    engine.write_bytes(damaged)
+    with pytest.raises(RefusionError, match=r"model.engine does not match engines.json \(sha256 .*modified or damaged"):
+        TensorRTRunner.from_dir(engines, verify=True).activate()
+    engine.write_bytes(damaged[:-1])
+    with pytest.raises(RefusionError, match=r"model.engine has \d+ bytes and engines.json records \d+: .*truncated"):
+        TensorRTRunner.from_dir(engines).activate()
