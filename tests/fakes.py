@@ -60,6 +60,7 @@ class FakeCudart:
         self.syncs = 0  # waits: stream and event synchronizations
         self.event_syncs = 0
         self.pinned_reads = 0  # device-to-host copies into cudaMallocHost memory
+        self.pinned_uploads = 0  # host-to-device copies from it
         self.copies_2d = 0  # cudaMemcpy2DAsync calls (each one entry of `copies`, all its rows' bytes)
         self.memsets = 0
         self.driver_version = self.runtime_version = 12060  # CUDA 12.6, as cuda(Driver|Runtime)GetVersion encode it
@@ -85,7 +86,7 @@ class FakeCudart:
             return (self.cudaError_t.cudaErrorInvalidValue,)
         if self.pending.get(ptr):
             raise AssertionError(f"cudaFreeHost of pinned memory that work queued on stream(s) {self.pending[ptr]} "
-                                 "still writes")
+                                 "still uses")
         del self.host_allocations[ptr]
         self.pending.pop(ptr, None)
         return (self.cudaError_t.cudaSuccess,)
@@ -136,6 +137,10 @@ class FakeCudart:
         if host is not None:
             self._queue_at(host, stream)
             self.pinned_reads += 1
+        source = self.pinned(src, nbytes) if kind == K.cudaMemcpyHostToDevice else None
+        if source is not None:  # the copy reads it until the stream gets there: no freeing it before
+            self._queue_at(source, stream)
+            self.pinned_uploads += 1
         if kind == K.cudaMemcpyDeviceToDevice and src < dst + nbytes and dst < src + nbytes:
             raise AssertionError("overlapping device-to-device cudaMemcpy is undefined")
         ctypes.memmove(dst, src, nbytes)

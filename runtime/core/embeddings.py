@@ -136,13 +136,14 @@ class EmbeddingTable:
             self._map.madvise(mmap.MADV_RANDOM)
         return np.frombuffer(self._map, dtype(e.dtype).numpy).reshape(e.shape)
 
-    def gather(self, ids: np.ndarray) -> np.ndarray:
-        """inputs_embeds for `ids` [batch, seq]: [batch, seq, hidden] in the export dtype, a fresh array."""
+    def gather(self, ids: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """inputs_embeds for `ids` [batch, seq]: [batch, seq, hidden] in the export dtype, a fresh array or `out`
+        (a runner's pinned host memory, the upload's source)."""
         vocab = self.embeddings.shape[0]
         if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
             raise RefusionError(f"token ids {int(ids.min())}..{int(ids.max())} lie outside the embedding table's "
                                 f"{vocab} rows.")
-        return np.take(self.rows, ids, axis=0)
+        return np.take(self.rows, ids, axis=0, out=out)
 
     def close(self) -> None:
         """Let the map go (it is unmapped once nothing views it; a later gather maps again)."""
@@ -169,7 +170,7 @@ def _drop_cached(fd: int) -> None:
         pass
 
 
-def token_feed(table: EmbeddingTable | None, ids: np.ndarray) -> dict[str, np.ndarray]:
+def token_feed(table: EmbeddingTable | None, ids: np.ndarray, out: np.ndarray | None = None) -> dict[str, np.ndarray]:
     """The inputs a forward's token ids become: always `input_ids` (the verification head reads the next token's
-    id), and `inputs_embeds` from the table where the export keeps it on the host."""
-    return {"input_ids": ids} if table is None else {"input_ids": ids, INPUTS_EMBEDS: table.gather(ids)}
+    id), and `inputs_embeds` from the table where the export keeps it on the host (gathered into `out` if given)."""
+    return {"input_ids": ids} if table is None else {"input_ids": ids, INPUTS_EMBEDS: table.gather(ids, out)}

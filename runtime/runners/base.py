@@ -182,9 +182,14 @@ class Runner(ABC):
     def _feed(self, ids: np.ndarray, pos: np.ndarray, mask: np.ndarray, heads: np.ndarray) -> dict[str, np.ndarray]:
         """A forward's inputs but KV, by the contract's names, as host arrays every backend binds as they come:
         the ids as `token_feed` makes them (where the export keeps its embedding table on the host, the rows
-        are gathered from its map here, for every backend), positions, mask and head positions."""
-        return {**token_feed(self.embeddings, ids), "position_ids": pos, "attention_mask": np.ascontiguousarray(mask),
-                "head_positions": np.ascontiguousarray(heads)}
+        are gathered from its map here, for every backend, into `_embeds_out`), positions, mask and head positions."""
+        out = self._embeds_out(ids) if self.embeddings is not None else None
+        return {**token_feed(self.embeddings, ids, out), "position_ids": pos,
+                "attention_mask": np.ascontiguousarray(mask), "head_positions": np.ascontiguousarray(heads)}
+
+    def _embeds_out(self, ids: np.ndarray) -> np.ndarray | None:
+        """Where a host table's rows for `ids` are gathered: a new array (None), or memory the backend uploads from."""
+        return None
 
     @contextmanager
     def _in_backend(self, graph: GraphName) -> Iterator[None]:

@@ -8,6 +8,7 @@
     buf.copy_to(other, nbytes, src_off, dst_off, stream=s)  # ordered on s, without waiting (gathers)
     buf.copy_rows_to(other, width, height, src_off, src_pitch, dst_off, dst_pitch)  # one strided copy
     buf.copy_to_pinned(host, nbytes, src_off, dst_off)  # into a HostBuffer, returns at once
+    buf.copy_from_host(host.view(shape, dtype))  # from a HostBuffer: returns at once, ordered on the stream
     buf.zero()                              # every byte 0
     buf.free(); stream.close()
 
@@ -345,11 +346,17 @@ class HostBuffer:
 
     def array(self, shape: tuple[int, ...], dtype: Any, offset: int = 0) -> np.ndarray:
         """A new array of `shape` and `dtype` holding the bytes at `offset` (a copy: the buffer is reused)."""
+        return self.view(shape, dtype, offset).copy()
+
+    def view(self, shape: tuple[int, ...], dtype: Any, offset: int = 0) -> np.ndarray:
+        """A writable array of `shape` and `dtype` over the bytes at `offset`, no copy: what is written to it can be
+        uploaded on a stream (pinned: no staging copy). Valid until the buffer is freed; whoever writes it again
+        first waits for the uploads queued from it."""
         dt = np.dtype(dtype)
         count = int(np.prod(shape))
-        self.check(offset, count * dt.itemsize, "array")
+        self.check(offset, count * dt.itemsize, "view")
         raw = (ctypes.c_char * (count * dt.itemsize)).from_address(self.ptr + offset)
-        return np.frombuffer(memoryview(raw), dtype=dt, count=count).reshape(shape).copy()
+        return np.frombuffer(memoryview(raw), dtype=dt, count=count).reshape(shape)
 
     def check(self, offset: int, nbytes: int, what: str) -> None:
         if not self.ptr:

@@ -75,12 +75,17 @@ def test_tokens_as_the_graph_export_on_onnxruntime_cuda(tiny_host, jobs, graph_t
 
 
 def test_tokens_as_the_graph_export_on_tensorrt(tiny_host, jobs, graph_tokens, fakes, tmp_path):
-    """The engines directory carries the table; the engine takes inputs_embeds over its profiles (hidden fixed)."""
+    """The engines directory carries the table; the engine takes inputs_embeds over its profiles (hidden fixed),
+    uploaded from pinned memory the rows are gathered into (one upload an execution; the fake refuses freeing that
+    memory, as it grows, while an upload from it is queued)."""
+    _, cudart = fakes
     engines = fake_engines(tiny_host, tmp_path / "engines", LIMITS)
     assert (engines / "embeddings.bin").read_bytes() == (tiny_host / "embeddings.bin").read_bytes()
     manifest = ExportManifest.read(engines)
     with TensorRTRunner.from_dir(engines) as alone:
         assert decode_alone_on(alone, manifest, jobs) == graph_tokens
+        executions = sum(context.runs for context in alone._contexts)
+    assert cudart.pinned_uploads == executions > 0
     runner = TensorRTRunner.from_dir(engines, max_requests=4, max_batch=4)
     packed = count_packed(runner, "_run_packed")
     with runner:
