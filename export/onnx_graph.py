@@ -4,7 +4,8 @@ The graphs are written op by op (as onnxruntime-genai's model builder does) rath
 traced: the structure is exactly what we declare, only standard ONNX ops appear, fp16/bf16
 graphs keep RMSNorm variance and softmax in fp32, and no torch tracing memory is needed.
 Layout and math mirror `refusion.export.model`, the torch definition the export is
-validated against.
+validated against, but for where attention applies its scale: on the queries (folded into their rotary tables)
+rather than on the scores, the shape TensorRT fuses into one attention kernel (`_attention`).
 
 Every projection goes through one hook, `_Builder.linear`, which dispatches on how the weight
 is stored: a float weight is a plain MatMul; an int4 weight (export/quantize.py) is read as
@@ -98,11 +99,7 @@ def build_graph(
     fed = any(t.name == INPUTS_EMBEDS for t in spec.inputs)
     x = INPUTS_EMBEDS if fed else g.op("Gather", "model.embed_tokens.weight", "input_ids")
     rope = _Rotary(g, dims, onnx_dtype)
-    # Additive attention bias from the boolean mask: [b, 1, 1, s, total]
-    mask5 = g.op("Unsqueeze", "attention_mask", g.ints(1, 2))
-    zero, neg = g.const(np.array(0.0, np.float32)), g.const(np.array(np.finfo(np.float32).min, np.float32))
-    bias = g.op("Where", mask5, zero, neg)
-    scale = g.const(np.array(1.0 / np.sqrt(d), np.float32))
+    bias = _attention_bias(g, n_rep)
 
     for i in range(dims.num_layers):
         p = f"model.layers.{i}."
@@ -110,7 +107,7 @@ def build_graph(
         # The infiller's new keys and values are its present outputs, named where they are made.
         infill = f"present.{i}.key" in wants
         present_k, present_v = (f"present.{i}.key", f"present.{i}.value") if infill else (None, None)
-        # q straight to its grouped shape [b, s, kv, rep, d]: q_norm and RoPE act on the last axis alone
+        # q straight to its grouped shape [b, s, kv, rep, d]: q_norm and RoPE (which scales it) act on the last axis
         q = g.op("Reshape", g.linear(h, p + "self_attn.q_proj.weight"), g.ints(0, 0, dims.kv_heads, n_rep, d))
         k = g.op("Reshape", g.linear(h, p + "self_attn.k_proj.weight"), g.ints(0, 0, dims.kv_heads, d))
         v = g.op("Reshape", g.linear(h, p + "self_attn.v_proj.weight"), g.ints(0, 0, dims.kv_heads, d),
@@ -118,17 +115,9 @@ def build_graph(
         q = rope.apply(_rms_norm(g, q, p + "self_attn.q_norm.weight", dims.rms_norm_eps, onnx_dtype), grouped=True)
         k = rope.apply(_rms_norm(g, k, p + "self_attn.k_norm.weight", dims.rms_norm_eps, onnx_dtype), grouped=False,
                        out=present_k)
-        # [b, total, kv, d] -> grouped-query attention through 5-D broadcasting, no KV repeat
-        keys = g.op("Concat", f"past_key_values.{i}.key", k, axis=1)
+        keys = g.op("Concat", f"past_key_values.{i}.key", k, axis=1)  # [b, total, kv, d]
         values = g.op("Concat", f"past_key_values.{i}.value", v, axis=1)
-        q5 = g.op("Transpose", q, perm=[0, 2, 3, 1, 4])  # [b, kv, rep, s, d]
-        k5 = g.op("Unsqueeze", g.op("Transpose", keys, perm=[0, 2, 3, 1]), g.ints(2))  # [b, kv, 1, d, total]
-        v5 = g.op("Unsqueeze", g.op("Transpose", values, perm=[0, 2, 1, 3]), g.ints(2))  # [b, kv, 1, total, d]
-        # the scale after the MatMul, as torch applies it: onnxruntime fuses the two (FusedMatMul), TensorRT too
-        scores = g.op("Mul", _to_f32(g, g.op("MatMul", q5, k5), onnx_dtype), scale)
-        probs = g.op("Softmax", g.op("Add", scores, bias), axis=-1)
-        attn = g.op("MatMul", _cast(g, probs, onnx_dtype), v5)  # [b, kv, rep, s, d]
-        attn = g.op("Reshape", g.op("Transpose", attn, perm=[0, 3, 1, 2, 4]), g.ints(0, 0, dims.q_size))
+        attn = _attention(g, q, keys, values, bias, dims, onnx_dtype)
         x = g.op("Add", x, g.linear(attn, p + "self_attn.o_proj.weight"))
         h = _rms_norm(g, x, p + "post_attention_layernorm.weight", dims.rms_norm_eps, onnx_dtype)
         gate = g.linear(h, p + "mlp.gate_proj.weight")
@@ -138,6 +127,30 @@ def build_graph(
 
     final_heads(g, spec, dims, x, lambda v, w: _rms_norm(g, v, w, dims.rms_norm_eps, onnx_dtype), onnx_dtype)
     return assemble(g, spec, f"refusion_{spec.name}", [helper.make_opsetid("", g.opset)], IR_VERSION[g.opset])
+
+
+def _attention_bias(g: _Builder, n_rep: int) -> str:
+    """The boolean mask as the additive fp32 bias of `_attention`'s scores, once a forward: [b, 1, rep x s, total],
+    the mask's rows repeated for each of a key head's query heads (their rows in the scores)."""
+    zero, neg = g.const(np.array(0.0, np.float32)), g.const(np.array(np.finfo(np.float32).min, np.float32))
+    bias = g.op("Where", g.op("Unsqueeze", "attention_mask", g.ints(1)), zero, neg)  # [b, 1, s, total]
+    return bias if n_rep == 1 else g.op("Tile", bias, g.ints(1, 1, n_rep, 1))
+
+
+def _attention(g: _Builder, q: str, keys: str, values: str, bias: str, dims: ModelDims, dtype: int) -> str:
+    """Grouped-query attention of q [b, s, kv, rep, d], already scaled, over keys and values [b, total, kv, d]:
+    [b, s, heads x d]. In the shape TensorRT fuses into one attention kernel ("Fused Attention": Q scaled before
+    the first MatMul, 4-D [B, N, S, H] operands, an additive mask, the softmax, the second MatMul): a key head's
+    query heads are folded into the query's sequence axis, [b, kv, rep x s, d] against [b, kv, total, d], which
+    is multi-head attention over the key heads with no KV repeated. Scores, bias and softmax in fp32."""
+    rep, d = dims.num_heads // dims.kv_heads, dims.head_dim
+    q4 = g.op("Reshape", g.op("Transpose", q, perm=[0, 2, 3, 1, 4]), g.ints(0, 0, -1, d))  # [b, kv, rep x s, d]
+    keys_t = g.op("Transpose", keys, perm=[0, 2, 3, 1])  # [b, kv, d, total]
+    values4 = g.op("Transpose", values, perm=[0, 2, 1, 3])  # [b, kv, total, d]
+    scores = g.op("Add", _to_f32(g, g.op("MatMul", q4, keys_t), dtype), bias)  # [b, kv, rep x s, total]
+    attn = g.op("MatMul", _cast(g, g.op("Softmax", scores, axis=-1), dtype), values4)  # [b, kv, rep x s, d]
+    attn = g.op("Transpose", g.op("Reshape", attn, g.ints(0, 0, rep, -1, d)), perm=[0, 3, 1, 2, 4])  # [b, s, kv, rep, d]
+    return g.op("Reshape", attn, g.ints(0, 0, dims.q_size))
 
 
 def final_heads(g: _Builder, spec: GraphSpec, dims: ModelDims, x: str, norm: Callable[[str, str], str],
@@ -208,21 +221,24 @@ def rope_freqs(g: _Builder, dims: ModelDims) -> str:
 
 class _Rotary:
     """RoPE with its tables computed once per forward, in fp32 as HF does: cos and a sign-folded sin, so each
-    use is x * cos + x[..., half-swapped] * sin_signed (one Gather for rotate-half, not Slice/Slice/Neg/Concat)."""
+    use is x * cos + x[..., half-swapped] * sin_signed (one Gather for rotate-half, not Slice/Slice/Neg/Concat).
+    The queries' tables carry attention's 1 / sqrt(head_dim), so the queries leave RoPE scaled (TensorRT's fused
+    attention takes the scale on Q, before the first MatMul), at no node a layer and rounded once, in fp32."""
 
     def __init__(self, g: _Builder, dims: ModelDims, dtype: int):
         d, half = dims.head_dim, dims.head_dim // 2
         freqs = rope_freqs(g, dims)
         emb = g.op("Concat", freqs, freqs, axis=-1)  # [b, s, d]
         cos, sin = g.op("Cos", emb), g.op("Mul", g.op("Sin", emb), g.const(np.repeat(np.float32([-1, 1]), half)))
+        scale = g.const(np.array(1.0 / np.sqrt(d), np.float32))
         self.g = g
         self.swap = g.const(np.concatenate([np.arange(half, d), np.arange(half)]).astype(np.int64))
-        # keys [b, s, kv, d]: tables [b, s, 1, d]; grouped queries [b, s, kv, rep, d]: [b, s, 1, 1, d]
+        # keys [b, s, kv, d]: tables [b, s, 1, d]; grouped queries [b, s, kv, rep, d]: [b, s, 1, 1, d], scaled
         self.heads = tuple(_cast(g, g.op("Unsqueeze", t, g.ints(2)), dtype) for t in (cos, sin))
-        self.grouped = tuple(_cast(g, g.op("Unsqueeze", t, g.ints(2, 3)), dtype) for t in (cos, sin))
+        self.grouped = tuple(_cast(g, g.op("Unsqueeze", g.op("Mul", t, scale), g.ints(2, 3)), dtype) for t in (cos, sin))
 
     def apply(self, x: str, grouped: bool, out: str | None = None) -> str:
-        """RoPE of keys [b, s, kv, d], or of grouped queries [b, s, kv, rep, d]."""
+        """RoPE of keys [b, s, kv, d], or of grouped queries [b, s, kv, rep, d] (scaled for attention)."""
         g = self.g
         cos, sin = self.grouped if grouped else self.heads
         return g.op("Add", g.op("Mul", x, cos), g.op("Mul", g.op("Gather", x, self.swap, axis=-1), sin), out=out)

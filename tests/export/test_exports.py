@@ -147,3 +147,58 @@ def test_checkpoint_tensors_do_not_keep_the_shard_resident(tmp_path):
         largest, peak = max(largest, tensor.nbytes // 1024), max(peak, _mapped_kib(file))
     assert file.stat().st_size > 2 * largest * 1024
     assert peak <= largest + 256, f"{peak} KiB of the checkpoint resident; its largest tensor is {largest} KiB"
+
+
+@pytest.mark.parametrize("name, dtype", [("gqa1", "fp32"), ("gqa4", "fp32"), ("gqa4", "fp16"), ("gqa2", "bf16")])
+def test_attention_has_the_shape_tensorrt_fuses(store, name, dtype):
+    """Every layer's attention as TensorRT's "Fused Attention" takes it: the first MatMul of 4-D operands, the
+    queries [b, kv, rep x s, d] (a key head's query heads folded into the sequence axis) by the keys transposed
+    [b, kv, d, total]; between it and the Softmax only the fp32 Cast and the mask bias's Add, [b, 1, rep x s, total]
+    (no scale there: the queries arrive scaled, their rotary tables carrying 1 / sqrt(head_dim)); the probabilities
+    (cast back) by the values [b, kv, total, d]. Validation and HF parity hold (the other tests of this file)."""
+    import numpy as np
+    from onnx import numpy_helper
+
+    spec = SPECS[name]
+    rep, d = spec.num_heads // spec.kv_heads, spec.head_dim
+    path = store.export(name, dtype).path if dtype != "bf16" else _bf16_export(store, name)
+    model = onnx.shape_inference.infer_shapes(onnx.load(str(path / "infiller.onnx"), load_external_data=False))
+    graph = model.graph
+    producer = {out: node for node in graph.node for out in node.output}
+    readers = {}
+    for node in graph.node:
+        for i in node.input:
+            readers.setdefault(i, []).append(node)
+    shapes = {v.name: [dim.dim_value or dim.dim_param for dim in v.type.tensor_type.shape.dim]
+              for v in list(graph.value_info) + list(graph.input)}
+
+    def past_cast(node):  # the node a Cast (fp16 and bf16 graphs: the fp32 island's edge) stands before
+        return producer[node.input[0]] if node.op_type == "Cast" else node
+
+    softmaxes = [n for n in graph.node if n.op_type == "Softmax"]
+    assert len(softmaxes) == spec.num_layers
+    for softmax in softmaxes:
+        add = producer[softmax.input[0]]
+        scores, bias = add.input
+        bmm1 = past_cast(producer[scores])
+        assert (add.op_type, bmm1.op_type) == ("Add", "MatMul")  # nothing else between: no scale on the scores
+        q, keys = (shapes[t] for t in bmm1.input)
+        assert len(q) == len(keys) == 4 and q[1] == keys[1] == spec.kv_heads and q[3] == keys[2] == d, (q, keys)
+        assert producer[bias].op_type == ("Tile" if rep > 1 else "Where")
+        probs = readers[softmax.output[0]][0]
+        bmm2 = readers[probs.output[0]][0] if probs.op_type == "Cast" else probs
+        values = shapes[bmm2.input[1]]
+        assert bmm2.op_type == "MatMul" and len(values) == 4 and values[1] == spec.kv_heads and values[3] == d
+    constants = {i.name: numpy_helper.to_array(i) for i in graph.initializer if not i.dims and i.data_type == 1}
+    scales = [n for n in graph.node if n.op_type == "Mul" and any(
+        i in constants and np.isclose(constants[i], 1 / np.sqrt(d)) for i in n.input)]
+    assert len(scales) == 2  # the queries' cos and sin tables, once a forward
+
+
+def _bf16_export(store, name: str) -> Path:
+    """bf16 graphs (onnxruntime's CPU provider runs no bfloat16 MatMul: exported unvalidated)."""
+    from refusion.export.exporter import export_onnx
+
+    out = store.root / f"{name}-bf16-attention"
+    return out if (out / "refusion.json").exists() else export_onnx(store.checkpoint(name), out, dtype="bf16",
+                                                                     validate=False)

@@ -1,9 +1,9 @@
 """Node counts of exports' infiller graphs, as written and after onnxruntime's optimizations, and the time of one
-infiller forward of each (1 and 16 tokens over a past, interleaved, median, one thread). Exports of other format
-versions are read too (the feed is built from the session's own inputs), so an export made at an older commit
-can be set beside a new one. Writes results/graph-nodes/nodes.json and results/graph-nodes/nodes.md.
+infiller forward of each (1, 16 and 22 tokens over a past, interleaved, median, one thread). Exports of other
+format versions are read too (the feed is built from the session's own inputs), so an export made at an older
+commit can be set beside a new one. Writes nodes.json and nodes.md to --out (default results/graph-nodes).
 
-    python -m refusion.tools.bench.measure.graph_nodes LABEL=EXPORT_DIR...
+    python -m refusion.tools.bench.measure.graph_nodes [--out DIR] LABEL=EXPORT_DIR...
 """
 
 from __future__ import annotations
@@ -23,7 +23,9 @@ import onnx
 from refusion.runtime.decode.masks import causal_after
 from refusion.tools.bench.common import cpu_model, host_info
 
-PAST, SEQS, REPEATS = 64, (1, 16), 200
+PAST, REPEATS = 64, 200
+# (seq, heads): a 1-token step; 16 and 22 tokens with every head (a verify pass) and with one (a prefill's)
+SHAPES = ((1, 1), (16, 16), (16, 1), (22, 22), (22, 1))
 OUT = Path("results/graph-nodes")  # from the checkout's root
 
 
@@ -60,7 +62,11 @@ def _optimized_nodes(path: Path) -> Counter:
 def main() -> None:
     import onnxruntime as ort
 
-    exports = dict(arg.split("=", 1) for arg in sys.argv[1:])
+    args = sys.argv[1:]
+    out = OUT
+    if args[:1] == ["--out"]:
+        out, args = Path(args[1]), args[2:]
+    exports = dict(arg.split("=", 1) for arg in args)
     result: dict[str, Any] = {"host": host_info(("onnxruntime",)) | {"cpu": cpu_model()}, "past": PAST, "repeats": REPEATS, "exports": {}}
     sessions = {}
     for label, directory in exports.items():
@@ -73,31 +79,30 @@ def main() -> None:
         result["exports"][label] = {"dir": directory, "nodes": sum(written.values()),
                                     "nodes_optimized": sum(optimized.values()), "ops": dict(written.most_common()),
                                     "ops_optimized": dict(optimized.most_common())}
-    # (seq, heads): a 1-token step; 16 tokens with every head (a verify pass) and with one (a prefill's)
-    shapes = [(1, 1), (16, 16), (16, 1)]
-    times: dict[str, dict[str, list[float]]] = {label: {f"{s}/{h}": [] for s, h in shapes} for label in sessions}
-    feeds = {label: {f"{s}/{h}": _feed(sess, s, h) for s, h in shapes} for label, sess in sessions.items()}
-    for _ in range(REPEATS):
-        for key in times[next(iter(times))]:
-            for label, sess in sessions.items():
+    times: dict[str, dict[str, list[float]]] = {label: {f"{s}/{h}": [] for s, h in SHAPES} for label in sessions}
+    feeds = {label: {f"{s}/{h}": _feed(sess, s, h) for s, h in SHAPES} for label, sess in sessions.items()}
+    labels = list(sessions)
+    for repeat in range(REPEATS):
+        for key in times[labels[0]]:
+            for label in labels[::-1] if repeat % 2 else labels:  # each export first as often as the others
                 t0 = time.perf_counter()
-                sess.run(None, feeds[label][key])
+                sessions[label].run(None, feeds[label][key])
                 times[label][key].append(time.perf_counter() - t0)
     for label, per in times.items():
         result["exports"][label]["forward_ms_median"] = {f"seq/heads {k}": round(statistics.median(v) * 1e3, 4)
                                                          for k, v in per.items()}
-    OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "nodes.json").write_text(json.dumps(result, indent=1) + "\n")
-    rows = ["| export | nodes | after onnxruntime's fusions | " + " | ".join(f"ms, seq/heads {s}/{h}" for s, h in shapes)
-            + " |", "|---|---|---|" + "---|" * len(shapes)]
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "nodes.json").write_text(json.dumps(result, indent=1) + "\n")
+    rows = ["| export | nodes | after onnxruntime's fusions | " + " | ".join(f"ms, seq/heads {s}/{h}" for s, h in SHAPES)
+            + " |", "|---|---|---|" + "---|" * len(SHAPES)]
     for label, e in result["exports"].items():
         ms = " | ".join(f"{v:.3f}" for v in e["forward_ms_median"].values())
         rows.append(f"| {label} | {e['nodes']} | {e['nodes_optimized']} | {ms} |")
     cpu = result["host"].get("cpu", "")
     md = (f"# Infiller graph nodes\n\nCPU: {cpu}; onnxruntime {result['host'].get('onnxruntime')}; one thread, past "
-          f"{PAST}, median of {REPEATS} interleaved runs (every output fetched). Written by "
+          f"{PAST}, median of {REPEATS} interleaved runs, the order reversed every other (every output fetched). Written by "
           "`python -m refusion.tools.bench.measure.graph_nodes`.\n\n" + "\n".join(rows) + "\n")
-    (OUT / "nodes.md").write_text(md)
+    (out / "nodes.md").write_text(md)
     print(md)
 
 
