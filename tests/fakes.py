@@ -38,6 +38,7 @@ class FakeCudart:
         cudaSuccess = 0
         cudaErrorInvalidValue = 1
         cudaErrorMemoryAllocation = 2
+        cudaErrorInvalidPitchValue = 12
 
     class cudaMemcpyKind(enum.Enum):
         cudaMemcpyHostToDevice = 1
@@ -65,6 +66,7 @@ class FakeCudart:
         self.memsets = 0
         self.driver_version = self.runtime_version = 12060  # CUDA 12.6, as cuda(Driver|Runtime)GetVersion encode it
         self.integrated = 0  # cudaDeviceProp.integrated: 1 on Jetson
+        self.mem_pitch = 2**31 - 1  # cudaDeviceProp.memPitch: the largest pitch a 2D copy takes (2 GiB on GPUs)
 
     # memory
     def cudaMalloc(self, nbytes: int):
@@ -151,8 +153,8 @@ class FakeCudart:
                           stream):
         """`height` rows of `width` bytes, each checked as one cudaMemcpyAsync; no copied byte may be one
         another row writes (CUDA: "the memory areas may not overlap")."""
-        if width > dpitch or width > spitch:
-            return (self.cudaError_t.cudaErrorInvalidValue,)  # cudaErrorInvalidPitchValue
+        if width > dpitch or width > spitch or max(dpitch, spitch) > self.mem_pitch:
+            return (self.cudaError_t.cudaErrorInvalidPitchValue,)
         reads = [(src + i * spitch, src + i * spitch + width) for i in range(height)]
         writes = [(dst + i * dpitch, dst + i * dpitch + width) for i in range(height)]
         if kind == self.cudaMemcpyKind.cudaMemcpyDeviceToDevice:
@@ -222,7 +224,7 @@ class FakeCudart:
 
     def cudaGetDeviceProperties(self, device: int):
         return (self.cudaError_t.cudaSuccess, SimpleNamespace(name=b"Fake GPU\x00\x00", major=9, minor=0,
-                                                              integrated=self.integrated))
+                                                              integrated=self.integrated, memPitch=self.mem_pitch))
 
     def cudaGetErrorName(self, err):
         return (self.cudaError_t.cudaSuccess, err.name.encode())

@@ -97,20 +97,28 @@ def _call(result: tuple[Any, ...], what: str, rt: Any = None) -> Any:
     return values[0] if len(values) == 1 else values
 
 
+def runtime_cuda() -> tuple[int, int]:
+    """The CUDA runtime cuda-python links in."""
+    rt = cudart()
+    return cuda_version(_call(rt.cudaRuntimeGetVersion(), "cudaRuntimeGetVersion"))
+
+
+def device_properties() -> Any:
+    """The current GPU's cudaDeviceProp (name, major, minor, integrated, memPitch, ...)."""
+    rt = cudart()
+    return _call(rt.cudaGetDeviceProperties(_call(rt.cudaGetDevice(), "cudaGetDevice")), "cudaGetDeviceProperties")
+
+
 def device_info() -> tuple[str, str]:
     """(name, compute capability "major.minor") of the current GPU."""
-    rt = cudart()
-    device = _call(rt.cudaGetDevice(), "cudaGetDevice")
-    props = _call(rt.cudaGetDeviceProperties(device), "cudaGetDeviceProperties")
+    props = device_properties()
     name = props.name.decode(errors="replace") if isinstance(props.name, bytes) else str(props.name)
     return name.split("\x00")[0].strip(), f"{props.major}.{props.minor}"
 
 
 def integrated_gpu() -> bool:
     """The current GPU shares the host's memory and power budget (Jetson)."""
-    rt = cudart()
-    return bool(_call(rt.cudaGetDeviceProperties(_call(rt.cudaGetDevice(), "cudaGetDevice")),
-                      "cudaGetDeviceProperties").integrated)
+    return bool(device_properties().integrated)
 
 
 class Stream:

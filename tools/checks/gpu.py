@@ -1,6 +1,7 @@
 """The TensorRT check for a machine with a GPU, TensorRT, cuda-python and onnxruntime.
 
     python -m refusion.tools.checks.gpu [--workdir DIR] [--weakly-typed]
+    python -m refusion.tools.checks.gpu --cuda-only     # CUDA and cuda-python alone (tools/checks/cuda_memory.py)
 
 On a fixture checkpoint (tools/checks/fixtures) exported fp16, fp32, int4 and int4 with an int4 lm_head
 (`--quantize-head`: the logits MatMul reads a DequantizeLinear) it builds engines and checks,
@@ -424,13 +425,20 @@ def packed_latency(runner: Any, limits: Any, past: int, repeats: int) -> None:
           f"({ms / n:.3f} ms a request)")
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workdir", type=Path, default=None, help="keep the export, engines and timing cache here")
     parser.add_argument("--weakly-typed", action="store_true",
                         help="build the main fp16 and int4 engines weakly typed (the other fp16 build is then "
                              "strongly typed)")
-    args = parser.parse_args()
+    parser.add_argument("--cuda-only", action="store_true",
+                        help="only the device memory checks, on a machine with CUDA and cuda-python but neither "
+                             "TensorRT nor onnxruntime-gpu (tools/checks/cuda_memory.py)")
+    args = parser.parse_args(argv)
+    if args.cuda_only:
+        from refusion.tools.checks import cuda_memory
+
+        return 0 if cuda_memory.run() else 1
     work = args.workdir or Path(tempfile.mkdtemp(prefix="refusion-gpu-check-"))
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
