@@ -115,7 +115,9 @@ class TensorRTCases(CaseRunner):
             return (f"batch {batch}; this TensorRT runner holds {self.runner.max_requests} request(s) "
                     f"(engines built with --max-batch {self.runner.max_batch})")
         heads = feed["head_positions"].shape[1]
-        if select_profile(list(self.runner.engines.engine.profiles), graph, seq, past, 1, heads) is None:
+        write_at = past if graph == "infiller" else None
+        if (select_profile(list(self.runner.engines.engine.profiles), graph, seq, past, 1, heads) is None
+                and not self.runner.chunk_length(graph, feed["input_ids"], feed["attention_mask"], past, write_at)):
             return f"seq {seq} over past {past} ({heads} heads) lies outside the engine's {graph} profiles"
         return ""
 

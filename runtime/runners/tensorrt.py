@@ -286,7 +286,7 @@ class TensorRTRunner(Runner):
         """One request's forward: past bound in place in its region, present written straight into it."""
         seq, count = input_ids.shape[1], heads.shape[1]
         if select_profile(list(self.engines.engine.profiles), graph, seq, past_length, 1, count) is None:
-            chunk = self._chunk(graph, input_ids, attention_mask, past_length, write_at)
+            chunk = self.chunk_length(graph, input_ids, attention_mask, past_length, write_at)
             if chunk:
                 return self._run_chunked(chunk, input_ids, position_ids, past_length, region, heads)
         index = self._profile(graph, seq, past_length, count)  # before any device work
@@ -305,7 +305,7 @@ class TensorRTRunner(Runner):
                 self._count_copies(graph, self._kv.place(region, write_at, buf, seq, 0, stride))
             return self._fetch(graph, outputs)
 
-    def _chunk(self, graph: GraphName, ids: np.ndarray, mask: np.ndarray, past: int, write_at: int | None) -> int:
+    def chunk_length(self, graph: GraphName, ids: np.ndarray, mask: np.ndarray, past: int, write_at: int | None) -> int:
         """A prefill over a past (the part of a prompt the prefix cache did not hold) is longer than a decode
         profile takes and has a past the prefill profile does not: as it is causal after its past and writes
         right after it, it runs as chunks, each over the KV the chunks before it wrote, which computes the same.
@@ -345,14 +345,14 @@ class TensorRTRunner(Runner):
     def _run_batch(self, graph: GraphName, rows: list[RowFeed]) -> list[dict[str, np.ndarray]]:
         """Rows grouped by the profile each needs alone, packed up to that profile's batch range: the
         packed (seq, past) are one row's each, so the group's profile holds them. A row no profile holds that
-        runs in chunks (`_chunk`) runs alone."""
+        runs in chunks (`chunk_length`) runs alone."""
         groups: dict[int, list[int]] = {}
         alone: list[int] = []
         profiles = list(self.engines.engine.profiles)
         for i, row in enumerate(rows):  # every row checked before any device work
             seq = row.input_ids.shape[1]
             if (select_profile(profiles, graph, seq, row.past, 1, row.head_count) is None
-                    and self._chunk(graph, row.input_ids, row.attention_mask, row.past, row.write_at)):
+                    and self.chunk_length(graph, row.input_ids, row.attention_mask, row.past, row.write_at)):
                 alone.append(i)
             else:
                 groups.setdefault(self._profile(graph, seq, row.past, row.head_count), []).append(i)

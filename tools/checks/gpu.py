@@ -3,19 +3,29 @@
     python -m refusion.tools.checks.gpu [--workdir DIR] [--weakly-typed]
     python -m refusion.tools.checks.gpu --cuda-only     # CUDA and cuda-python alone (tools/checks/cuda_memory.py)
 
-On a fixture checkpoint (tools/checks/fixtures) exported fp16, fp32, int4 and int4 with an int4 lm_head
-(`--quantize-head`: the logits MatMul reads a DequantizeLinear) it builds engines and checks,
-one PASS/FAIL line each, exit 0 only if all pass: no weight converted between types in TensorRT's build log
-(each build's own log: Polygraphy logs a warning once per process); the fp32 islands' layers in fp32, as
-the engine inspector reports them; one engine whose profiles serve both roles; the engine against
-onnxruntime on the comparator's shared cases, and against the fp32 export at the top of the position range
-(where half-precision rotary tables would show); generation token-identical to the onnxruntime Runner,
-alone and with requests batched (--max-batch 4, on TensorRT and on onnxruntime CUDA); per-forward latency.
-The fp16 engine is built strongly typed (the default; --weakly-typed for the other), then in the other
-typing mode for the build-log, island and comparator checks; the fp32 engine is compared with onnxruntime
-with TF32 off; each int4 engine gets the fp16 engine's checks; the engine of an fp16 export with its embedding
-table on the host (inputs_embeds) gets them too, and generates the fp16 engine's tokens. The fixture's KV (256 bytes per token and
-layer) is aligned, so present KV is written straight into the cache, as for real models.
+On a fixture checkpoint (tools/checks/fixtures) exported fp16, fp32, int4, int4 with an int4 lm_head
+(`--quantize-head`), fp16 with its embedding table on the host and fp16 in onnxruntime's fused ops, it builds
+engines and checks them, one PASS/FAIL line each (INFO lines report what is not judged), exit 0 only if all
+pass. The steps follow the order of a first run on a new device (docs/tensorrt.md), each resting on the ones before:
+1. the versions (driver, TensorRT, Polygraphy, cuda-python, onnxruntime-gpu), a Polygraphy that builds on this
+   TensorRT and an onnxruntime CUDA session on CUDA, not fallen back to the CPU; the device memory checks of
+   --cuda-only;
+2. the fp16 engine (strongly typed unless --weakly-typed): no weight converted between types in TensorRT's build
+   log (each build's own log: Polygraphy logs a warning once per process), the fp32 islands' layers in fp32 as the
+   engine inspector reports them, one engine whose profiles serve both roles, the comparator against onnxruntime,
+   the fp32 export at the top of the position range (where half-precision rotary tables would show), generation
+   token-identical to the onnxruntime Runner, per-forward latency;
+3. the int4 engines, the lm_head int4 too: the same checks, and their sizes and lm_head layers reported;
+4. a prefill over a prefix cache hit, which runs in decode-profile chunks: against onnxruntime, the cache on
+   against off, its time against one prefill (tools/checks/chunked.py);
+5. requests batched (--max-batch 4, on TensorRT and on onnxruntime CUDA), each with its tokens alone, and the
+   packed latency; the embedding table on the host (inputs_embeds): the fp16 checks and the fp16 engine's tokens;
+6. attention fusion: the inspector's attention kernels and Softmax layers, prefill latency by length (reported);
+7. fp32: the engine against onnxruntime with TF32 off; onnxruntime CUDA on the fp32 export with TF32 off and the
+   CPU provider's tokens;
+then the fp16 engine in the other typing mode (build log, islands, comparator; TensorRT 11 builds strongly typed
+networks only) and the onnxruntime-ops export on onnxruntime CUDA. The fixture's KV (256 bytes per token and layer)
+is aligned, so present KV is written straight into the cache, as for real models.
 """
 
 from __future__ import annotations
@@ -280,7 +290,7 @@ def batched(export: Path, engines: Path, cuda_runner: Any = None) -> bool:
     cuda = cuda_runner or OrtCudaRunner
     if cuda_runner is None and "CUDAExecutionProvider" not in import_onnxruntime().get_available_providers():
         print("SKIP: onnxruntime CUDA batched requests (onnxruntime here has no CUDAExecutionProvider; "
-              "pip install 'refusion-trt[ort-gpu]')")
+              "pip install 'refusion-trt[ort-gpu]' or '[ort-gpu-cu13]')")
     else:
         manifest = ExportManifest.load(export)
         runners["onnxruntime CUDA"] = (cuda(manifest), cuda(manifest, max_requests=n, max_batch=n))
@@ -326,7 +336,7 @@ def ort_ops_on_cuda(export: Path, standard: Path, provider: str = "CUDAExecution
 
     if provider not in import_onnxruntime().get_available_providers():
         print(f"SKIP: --ops onnxruntime on onnxruntime CUDA (onnxruntime here has no {provider}; "
-              "pip install 'refusion-trt[ort-gpu]')")
+              "pip install 'refusion-trt[ort-gpu]' or '[ort-gpu-cu13]')")
         return True
     manifest = ExportManifest.load(export)
     report = compare_runners(OrtSessions(manifest, (provider,)), OrtSessions(manifest), cases(manifest),
@@ -430,7 +440,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", type=Path, default=None, help="keep the export, engines and timing cache here")
     parser.add_argument("--weakly-typed", action="store_true",
                         help="build the main fp16 and int4 engines weakly typed (the other fp16 build is then "
-                             "strongly typed)")
+                             "strongly typed); TensorRT 10 only")
     parser.add_argument("--cuda-only", action="store_true",
                         help="only the device memory checks, on a machine with CUDA and cuda-python but neither "
                              "TensorRT nor onnxruntime-gpu (tools/checks/cuda_memory.py)")
@@ -439,39 +449,153 @@ def main(argv: list[str] | None = None) -> int:
         from refusion.tools.checks import cuda_memory
 
         return 0 if cuda_memory.run() else 1
+    from refusion.runtime.runners.tensorrt import require_tensorrt
+
+    require_tensorrt()
+    import tensorrt
+
+    if args.weakly_typed and int(str(tensorrt.__version__).split(".")[0]) >= 11:
+        parser.error(f"--weakly-typed: TensorRT {tensorrt.__version__} builds strongly typed networks only")
     work = args.workdir or Path(tempfile.mkdtemp(prefix="refusion-gpu-check-"))
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    from refusion.engines.check import check_engines
+    ok = run_steps(work, strongly=not args.weakly_typed)
+    line(ok, f"GPU check ({time.perf_counter() - t0:.0f} s, work directory {work})")
+    return 0 if ok else 1
 
-    strongly = not args.weakly_typed
+
+def run_steps(work: Path, strongly: bool) -> bool:
+    """The steps in the order of a first run on a new device (docs/tensorrt.md): each rests on the ones before."""
+    from refusion.engines.check import check_engines
+    from refusion.tools.checks import cuda_memory, stack
+    from refusion.tools.checks.chunked import chunked_prefill
+
     export, export32, int4, export_host, export_ort = fixture(work)
-    engines, ok = built(export, work, strongly, "engines")
-    ok &= one_engine(export, engines)
+    print("== 1. versions, and the device memory the runners use", flush=True)
+    ok = stack.versions(export) & cuda_memory.run()
+    print("== 2. the fp16 engine, strongly typed by default", flush=True)
+    engines, good = built(export, work, strongly, "engines")
+    ok &= good & one_engine(export, engines)
     ok &= line(check_engines(engines), "TensorRT fp16 engines vs onnxruntime (comparator)")
     ok &= long_positions(export, export32, engines)
     ok &= parity(export, engines)
-    ok &= batched(export, engines)
     latency(engines)
-    ok &= other_typing(export, work, not strongly)
-    engines32, _ = build(export32, work, True, "engines-fp32")
-    ok &= line(check_engines(engines32), "TensorRT fp32 engines vs onnxruntime with TF32 off (comparator)")
+    print("== 3. int4 engines, the lm_head int4 too", flush=True)
     for name, export4 in int4.items():
         engines4, good = built(export4, work, strongly, f"engines-{name}")
         ok &= good & one_engine(export4, engines4)
+        int4_sizes(engines, engines4)
         head = ", int4 lm_head" if INT4_EXPORTS[name] else ""
         ok &= line(check_engines(engines4), f"TensorRT int4 (block {INT4_BLOCK}{head}) engine vs onnxruntime "
                                             "(comparator)")
         ok &= parity(export4, engines4)
         latency(engines4)
+    print("== 4. a prefill over a prefix cache hit, in chunks", flush=True)
+    ok &= chunked_prefill(export, engines)
+    print("== 5. requests batched; the embedding table on the host", flush=True)
+    ok &= batched(export, engines)
     engines_host, good = built(export_host, work, strongly, "engines-host")  # inputs_embeds, the table on the host
     ok &= good & one_engine(export_host, engines_host)
     ok &= line(check_engines(engines_host), "TensorRT fp16 engine, embeddings host, vs onnxruntime (comparator)")
     ok &= parity(export_host, engines_host)
     ok &= same_tokens(engines, engines_host)
+    print("== 6. attention fusion", flush=True)
+    attention_fusion(engines)
+    print("== 7. fp32: TensorRT and onnxruntime CUDA with TF32 off", flush=True)
+    engines32, _ = build(export32, work, True, "engines-fp32")
+    ok &= line(check_engines(engines32), "TensorRT fp32 engines vs onnxruntime with TF32 off (comparator)")
+    ok &= fp32_on_ort_cuda(export32)
+    print("== then: the other typing mode, onnxruntime's fused ops on CUDA", flush=True)
+    ok &= other_typing(export, work, not strongly)
     ok &= ort_ops_on_cuda(export_ort, export)
-    line(ok, f"GPU check ({time.perf_counter() - t0:.0f} s, work directory {work})")
-    return 0 if ok else 1
+    return ok
+
+
+ATTENTION_KERNEL = re.compile(r"mha|flash|attention", re.IGNORECASE)  # in a layer's name or tactic
+
+
+def attention_fusion(engines: Path, repeats: int = 20) -> None:
+    """What TensorRT made of the attention subgraph (review 4, S1; export/onnx_graph.py `_attention`): the engine
+    inspector's layers after the longest prefill, those whose name or tactic names an attention kernel, and the
+    Softmax layers left standing (each an unfused attention, its fp32 scores written and read again); then the
+    prefill's time at growing lengths, whose attention part grows as tokens x context. Reported, not judged: how
+    the inspector names fused kernels (inside Myelin nodes it shows none) differs between TensorRT versions."""
+    from refusion.runtime.decode.masks import causal_after
+    from refusion.runtime.runners.tensorrt import TensorRTRunner
+
+    with TensorRTRunner.from_dir(engines) as runner:
+        block, longest = runner.limits.block_length, runner.limits.max_prompt + runner.limits.block_length
+        runner.allocate_kv(longest)
+        lengths = sorted({*(block << i for i in range(8) if block << i < longest), longest})
+        for seq in lengths:
+            ids, pos = np.zeros((1, seq), np.int64), np.arange(seq, dtype=np.int64)[None]
+            heads = np.arange(seq - block, seq, dtype=np.int64)[None]
+            times = []
+            for _ in range(repeats + 3):
+                t0 = time.perf_counter()
+                runner.run("infiller", ids, pos, causal_after(0, seq), 0, 0, heads=heads)
+                times.append(time.perf_counter() - t0)
+            ms = statistics.median(times[3:]) * 1e3
+            print(f"latency: prefill of {seq:4d} tokens: {ms:8.3f} ms, {ms * 1e3 / seq:7.2f} us a token, "
+                  f"{ms * 1e6 / seq / seq:7.3f} ns a token x context", flush=True)
+        layers = runner.layer_information(0).get("Layers", [])
+    fused = [str(layer.get("Name")) for layer in layers if isinstance(layer, dict)
+             and ATTENTION_KERNEL.search(f"{layer.get('Name', '')} {layer.get('TacticName', '')}")]
+    softmax = [layer for layer in layers if isinstance(layer, dict) and layer.get("LayerType") == "SoftMax"]
+    myelin = [layer for layer in layers if isinstance(layer, dict) and layer.get("LayerType") == "Myelin"]
+    print(f"INFO: attention: {len(layers)} engine layers, {len(fused)} naming an attention kernel "
+          f"{fused[:4]}, {len(softmax)} Softmax layers, {len(myelin)} Myelin nodes (their kernels not shown)",
+          flush=True)
+
+
+def int4_sizes(engines16: Path, engines4: Path) -> None:
+    """The int4 engine's bytes beside the fp16 engine's and the exports' weights (no dequantized fp16 copy in
+    the engine: about the int4 weights' size, plus what TensorRT's kernels take, which on the fixture is most of
+    it), and the layers that read the lm_head as the inspector shows them (a weight-only GEMM, with --quantize-head).
+    Reported, not judged."""
+    import json
+
+    from refusion.runtime.core.engines_manifest import EngineManifest
+    from refusion.runtime.core.export_manifest import ExportManifest
+    from refusion.runtime.decode.masks import causal_after
+    from refusion.runtime.runners.tensorrt import TensorRTRunner
+
+    mib = 2**20
+    sizes = {path: EngineManifest.load(path).engine.bytes / mib for path in (engines16, engines4)}
+    weights = {path: Path(EngineManifest.load(path).source["export"]) / ExportManifest.weights_file
+               for path in (engines16, engines4)}
+    with TensorRTRunner.from_dir(engines4) as runner:
+        runner.allocate_kv(16)
+        runner.run("infiller", np.zeros((1, 16), np.int64), np.arange(16)[None], causal_after(0, 16), 0, 0)
+        layers = [layer for layer in runner.layer_information(0).get("Layers", []) if isinstance(layer, dict)]
+    head = [f"{layer.get('Name')} ({layer.get('LayerType')}, {layer.get('TacticName', '?')})" for layer in layers
+            if "lm_head" in json.dumps(layer)]
+    print(f"INFO: {engines4.name}: engine {sizes[engines4]:.1f} MiB (weights.bin {weights[engines4].stat().st_size / mib:.1f}"
+          f" MiB) against the fp16 engine's {sizes[engines16]:.1f} MiB (weights.bin "
+          f"{weights[engines16].stat().st_size / mib:.1f} MiB); layers reading lm_head: {head[:3]}", flush=True)
+
+
+def fp32_on_ort_cuda(export32: Path) -> bool:
+    """`--backend ort-cuda` on the fp32 export (review 4, W2): its session runs with TF32 off, and its generations
+    are the CPU provider's token for token. Skipped where onnxruntime has no CUDA provider."""
+    from refusion.runtime.generator import Generator
+    from refusion.runtime.runners.ort_session import CUDA_PROVIDER, import_onnxruntime
+
+    if CUDA_PROVIDER not in import_onnxruntime().get_available_providers():
+        print("SKIP: fp32 on onnxruntime CUDA (onnxruntime here has no CUDAExecutionProvider)", flush=True)
+        return True
+    jobs = [(prompt, dict(gen_length=g, slot_size=k, serial_num_blocks=b, slot_threshold=st, token_threshold=tt))
+            for prompt in PROMPTS for g, k, b, st, tt in DECODES] + [(p, dict(gen_length=32, mode="ar")) for p in PROMPTS]
+    tokens, options = [], {}
+    for backend in ("ort-cuda", "ort-cpu"):
+        with Generator.from_dir(export32, backend=backend) as gen:
+            tokens.append([gen.generate(prompt_ids=prompt, **params).token_ids for prompt, params in jobs])
+            if backend == "ort-cuda":
+                options = gen.runner.sessions["infiller"].get_provider_options().get(CUDA_PROVIDER, {})
+    differ = [i for i, (a, b) in enumerate(zip(*tokens)) if a != b]
+    ok = line(options.get("use_tf32") == "0", f"fp32 on onnxruntime CUDA: use_tf32 {options.get('use_tf32')!r}")
+    return ok & line(not differ, f"fp32 on onnxruntime CUDA: {len(jobs)} generations token-identical to the CPU "
+                                 f"provider's{f'; request(s) {differ} differ' if differ else ''}")
 
 
 def built(export: Path, work: Path, strongly_typed: bool, name: str) -> tuple[Path, bool]:

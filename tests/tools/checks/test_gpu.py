@@ -134,7 +134,6 @@ def test_the_whole_check_runs_on_the_fakes(fakes, tmp_path, monkeypatch, capsys)
     """`python -m refusion.tools.checks.gpu` end to end on the CPU fakes, the builds replaced by fake engines
     of the same plans: every check runs and passes (onnxruntime CUDA, absent here, is skipped and said so)."""
     import functools
-    import sys
 
     from refusion.engines import build
     from refusion.runtime.runners.tensorrt import current_target
@@ -146,13 +145,22 @@ def test_the_whole_check_runs_on_the_fakes(fakes, tmp_path, monkeypatch, capsys)
                                 plan.options.strongly_typed, 0.0)
         return plan.output
 
+    from refusion.tools.checks import chunked
+
     monkeypatch.setattr(build, "build_engines", build_engines)
     monkeypatch.setattr(gpu_check, "latency", functools.partial(gpu_check.latency, repeats=1))
-    monkeypatch.setattr(sys, "argv", ["gpu", "--workdir", str(tmp_path)])
-    assert gpu_check.main() == 0
+    monkeypatch.setattr(gpu_check, "attention_fusion", functools.partial(gpu_check.attention_fusion, repeats=1))
+    monkeypatch.setattr(chunked, "chunked_prefill", functools.partial(chunked.chunked_prefill, repeats=1))
+    assert gpu_check.main(["--workdir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "FAIL" not in out and out.splitlines()[-1].startswith("PASS: GPU check")
-    for check in ("engines (strongly typed): no weights converted", "fp32 islands (engines)", "one engine for both",
+    steps = [text for text in out.splitlines() if text.startswith("== ")]
+    assert [text.split(".")[0] for text in steps] == [f"== {n}" for n in range(1, 8)] + [
+        "== then: the other typing mode, onnxruntime's fused ops on CUDA"]
+    for check in ("Polygraphy 0.53.6 builds on TensorRT 10.13.0.35", "stream synchronize waits for queued work",
+                  "KV pool on a stream (TensorRT)", "CUDA check", "chunked prefill (320 tokens over 128, 5 forwards",
+                  "TensorRT: 6 generations over a shared 128-token prefix, the prefix cache on as off",
+                  "engines (strongly typed): no weights converted", "fp32 islands (engines)", "one engine for both",
                   "TensorRT fp16 engines vs onnxruntime (comparator)", "TensorRT fp16 vs onnxruntime fp32 up to",
                   "generation parity", "TensorRT: 8 requests together", "engines-weak (weakly typed)",
                   "fp32 islands (engines-weak)", "TensorRT fp16 engines, weakly typed, vs onnxruntime",
@@ -163,6 +171,39 @@ def test_the_whole_check_runs_on_the_fakes(fakes, tmp_path, monkeypatch, capsys)
                   "TensorRT fp16 engine, embeddings host, vs onnxruntime",
                   "embeddings host: 8 generations token-identical to the graph-embedding engine's"):
         assert f"PASS: {check}" in out, check
+    for skipped in ("onnxruntime CUDA session", "fp32 on onnxruntime CUDA", "onnxruntime CUDA batched requests"):
+        assert f"SKIP: {skipped} (onnxruntime here has no CUDAExecutionProvider" in out, skipped
+    assert "INFO: attention: " in out and "INFO: engines-int4-head: engine " in out
+
+
+def test_weakly_typed_is_refused_up_front_on_tensorrt_11(fakes, monkeypatch, tmp_path, capsys):
+    """TensorRT 11 builds strongly typed networks only: refused before the fixture is exported, not at the first
+    build minutes later (review 4, K1)."""
+    trt, _ = fakes
+    monkeypatch.setattr(trt, "__version__", "11.4.0.106")
+    with pytest.raises(SystemExit) as exit_:
+        gpu_check.main(["--weakly-typed", "--workdir", str(tmp_path / "work")])
+    assert exit_.value.code == 2 and not (tmp_path / "work").exists()
+    assert "--weakly-typed: TensorRT 11.4.0.106 builds strongly typed networks only" in capsys.readouterr().err
+
+
+def test_the_chunked_prefill_step_on_the_fakes(exports, fakes, tmp_path, monkeypatch, capsys):
+    """Step 4 on the fakes: the chunked forward against onnxruntime's one forward, generations with the prefix
+    cache on as off, and the latency line; fails when the runner cannot chunk the forward."""
+    from refusion.runtime.runners.tensorrt import TensorRTRunner
+    from refusion.tools.checks import chunked
+
+    engines = fake_engines(exports["fp16"], tmp_path / "engines", DecodeLimits(**gpu_check.LIMITS))
+    assert chunked.chunked_prefill(exports["fp16"], engines, repeats=1)
+    out = capsys.readouterr().out
+    assert "PASS: chunked prefill (320 tokens over 128, 5 forwards of at most 64) vs onnxruntime's one forward" in out
+    for runner in ("TensorRT", "onnxruntime"):
+        assert f"PASS: {runner}: 6 generations over a shared 128-token prefix, the prefix cache on as off" in out
+        assert f"INFO: {runner}, prefix cache on: " in out and f"INFO: {runner}, prefix cache on: 0 " not in out
+    assert "latency: prefill of 512 tokens in one forward " in out and "384 tokens in 6 chunks of at most 64" in out
+    monkeypatch.setattr(TensorRTRunner, "chunk_length", lambda self, *args: 0)
+    assert not chunked.chunks_as_onnxruntime(exports["fp16"], engines)
+    assert "left out: 320 tokens over a 128-token past (infiller): seq 320 over past 128" in capsys.readouterr().out
 
 
 def test_the_onnxruntime_ops_step_runs_its_comparison_and_generations(exports, tmp_path, capsys):
