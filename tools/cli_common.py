@@ -148,7 +148,8 @@ _LOAD_OPTIONS = (
                  help="onnxruntime only: no memory arena (activations freed after each forward; the weights are "
                       "resident once either way)."),
     click.option("--verify", is_flag=True,
-                 help="Check every file's sha256 before loading (a full read of the export)."),
+                 help="Check every file's sha256 before loading, the TensorRT engine's too (a full read of the export "
+                      "or engines directory); without it, their sizes."),
     click.option("--prefix-cache-mb", type=float, default=DEFAULT_MB, show_default=True,
                  help="Budget of the prefix cache: the KV of prompt prefixes (a system prompt, a conversation's "
                       "earlier turns) that later requests copy instead of prefilling; 0 turns it off."),
