@@ -449,9 +449,13 @@ def main(argv: list[str] | None = None) -> int:
         from refusion.tools.checks import cuda_memory
 
         return 0 if cuda_memory.run() else 1
+    from refusion.runtime.core.errors import RefusionError
     from refusion.runtime.runners.tensorrt import require_tensorrt
 
-    require_tensorrt()
+    try:
+        require_tensorrt()
+    except RefusionError as e:
+        parser.error(f"{e} Without TensorRT, --cuda-only checks the device memory code with CUDA and cuda-python.")
     import tensorrt
 
     if args.weakly_typed and int(str(tensorrt.__version__).split(".")[0]) >= 11:

@@ -6,6 +6,7 @@ weight conversions."""
 from __future__ import annotations
 
 import shutil
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -185,6 +186,14 @@ def test_weakly_typed_is_refused_up_front_on_tensorrt_11(fakes, monkeypatch, tmp
         gpu_check.main(["--weakly-typed", "--workdir", str(tmp_path / "work")])
     assert exit_.value.code == 2 and not (tmp_path / "work").exists()
     assert "--weakly-typed: TensorRT 11.4.0.106 builds strongly typed networks only" in capsys.readouterr().err
+
+
+def test_without_tensorrt_the_check_points_to_cuda_only(monkeypatch, tmp_path, capsys):
+    monkeypatch.setitem(sys.modules, "tensorrt", None)
+    with pytest.raises(SystemExit) as exit_:
+        gpu_check.main(["--workdir", str(tmp_path / "work")])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "TensorRT is not installed" in err and "--cuda-only checks the device" in err
 
 
 def test_the_chunked_prefill_step_on_the_fakes(exports, fakes, tmp_path, monkeypatch, capsys):
