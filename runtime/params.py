@@ -2,76 +2,40 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, fields
-from numbers import Integral, Real
 from typing import Any, Literal
 
 from refusion.runtime.core.defaults import DecodeDefaults
 from refusion.runtime.core.errors import RefusionError
-from refusion.runtime.decode import MODES, STRATEGIES
+from refusion.runtime.core.settings import DECODE, DEFAULTS
+from refusion.runtime.decode import STRATEGIES
 
-Mode = Literal["refusion", "ar"]  # decode.MODES, spelled out for type checkers
+Mode = Literal["refusion", "ar"]  # decode.MODES, spelled out for type checkers (a test holds them equal)
 
 
 @dataclass(frozen=True)
 class DecodeParams:
-    gen_length: int = 512
-    slot_size: int = 32
-    serial_num_blocks: int = 4
-    slot_threshold: float = 0.9
-    token_threshold: float = 0.4
-    temperature: float = 0.0
-    seed: int | None = None
-    mode: Mode = "refusion"
-    max_tokens: int | None = None  # at most this many new tokens; None: the canvas (gen_length, padded) bounds them
-    top_k: int = 0  # temperature > 0: draw among the k most likely candidates (0: all the export's K)
-    top_p: float = 1.0  # ... the smallest set of them whose tempered probability reaches top_p (1: no cut)
-    min_p: float = 0.0  # ... those at least min_p x the most likely one's tempered probability (0: no cut)
-    upstream_eos_drop: bool = False  # ReFusion: drop slots after an EOS found in infill as upstream does (holes)
+    """The decode settings of a request: the `decode` rows of runtime/core/settings.py, each checked there."""
+
+    gen_length: int = DEFAULTS["gen_length"]
+    slot_size: int = DEFAULTS["slot_size"]
+    serial_num_blocks: int = DEFAULTS["serial_num_blocks"]
+    slot_threshold: float = DEFAULTS["slot_threshold"]
+    token_threshold: float = DEFAULTS["token_threshold"]
+    temperature: float = DEFAULTS["temperature"]
+    seed: int | None = DEFAULTS["seed"]
+    mode: Mode = DEFAULTS["mode"]
+    max_tokens: int | None = DEFAULTS["max_tokens"]
+    top_k: int = DEFAULTS["top_k"]
+    top_p: float = DEFAULTS["top_p"]
+    min_p: float = DEFAULTS["min_p"]
+    upstream_eos_drop: bool = DEFAULTS["upstream_eos_drop"]
 
     def __post_init__(self) -> None:
-        for name in ("gen_length", "slot_size", "serial_num_blocks"):
-            value = getattr(self, name)
-            if not _is_int(value) or value <= 0:
-                raise RefusionError(f"{name}={value!r} must be a positive integer.")
-            object.__setattr__(self, name, int(value))  # numpy scalars become plain, JSON-safe numbers
-        if self.max_tokens is not None:
-            if not _is_int(self.max_tokens) or self.max_tokens <= 0:
-                raise RefusionError(f"max_tokens={self.max_tokens!r} must be a positive integer (the most new tokens "
-                                    "to return), or None.")
-            object.__setattr__(self, "max_tokens", int(self.max_tokens))
-        for name in ("slot_threshold", "token_threshold"):
-            value = getattr(self, name)
-            if not _is_number(value):
-                raise RefusionError(
-                    f"{name}={value!r} must be a number in [0, 1]; it is compared against a probability.")
-            if not 0.0 <= value <= 1.0:
-                raise RefusionError(f"{name}={value!r} is outside [0, 1]; it is compared against a probability.")
-            object.__setattr__(self, name, float(value))
-        if not _is_number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
-            raise RefusionError(
-                f"temperature={self.temperature!r} must be >= 0 and finite (0 is greedy; e.g. 0.7 samples).")
-        object.__setattr__(self, "temperature", float(self.temperature))
+        for setting in DECODE:
+            object.__setattr__(self, setting.name, setting.check(getattr(self, setting.name)))
         if self.seed is not None:
-            if not _is_int(self.seed) or not -2**63 <= self.seed < 2**64:
-                raise RefusionError(f"seed={self.seed!r} must be None or an integer in [-2**63, 2**64) (it seeds the "
-                                    "sampling noise).")
-            object.__setattr__(self, "seed", int(self.seed) % 2**64)  # a negative int64 seed as its unsigned bits
-        if not _is_int(self.top_k) or self.top_k < 0:
-            raise RefusionError(f"top_k={self.top_k!r} must be an integer >= 0 (0: every candidate the export emits).")
-        object.__setattr__(self, "top_k", int(self.top_k))
-        if not _is_number(self.top_p) or not 0.0 <= self.top_p <= 1.0:
-            raise RefusionError(f"top_p={self.top_p!r} must be a number in [0, 1] (1: no nucleus cut; 0: the most "
-                                "likely candidate alone).")
-        if not _is_number(self.min_p) or not 0.0 <= self.min_p < 1.0:
-            raise RefusionError(f"min_p={self.min_p!r} must be a number in [0, 1) (0: no cut).")
-        object.__setattr__(self, "top_p", float(self.top_p))
-        object.__setattr__(self, "min_p", float(self.min_p))
-        if not isinstance(self.upstream_eos_drop, bool):
-            raise RefusionError(f"upstream_eos_drop={self.upstream_eos_drop!r} must be True or False.")
-        if self.mode not in MODES:
-            raise RefusionError(f"mode={self.mode!r} is not one of {', '.join(map(repr, MODES))}.")
+            object.__setattr__(self, "seed", self.seed % 2**64)  # a negative int64 seed as its unsigned bits
         STRATEGIES[self.mode].check(self)
 
     @staticmethod
@@ -114,12 +78,3 @@ class DecodeParams:
 
 
 DECODE_SETTINGS = tuple(f.name for f in fields(DecodeParams))
-
-
-def _is_int(value: object) -> bool:
-    """An integer, numpy's included, but not a bool."""
-    return isinstance(value, Integral) and not isinstance(value, bool)
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, Real) and not isinstance(value, bool)

@@ -27,10 +27,10 @@ from refusion.tools.cli_common import progress
               help="Longest generation, in tokens [default: the export's recorded gen_length].")
 @click.option("--slot-size", type=int, default=None,
               help="Typical slot size (sets opt shapes) [default: the export's recorded slot_size].")
-@click.option("--serial-blocks", type=int, default=None,
+@click.option("--serial-num-blocks", "--serial-blocks", "serial_blocks", type=int, default=None,
               help="Typical serial blocks [default: the export's recorded serial_num_blocks].")
 @click.option("--max-slots", type=int, default=None,
-              help="Slots per block the engines take [default: gen-length / serial-blocks / slot-size]; "
+              help="Slots per block the engines take [default: gen-length / serial-num-blocks / slot-size]; "
                    "raise it to serve fewer, longer blocks.")
 @click.option("--max-batch", type=int, default=1, show_default=True,
               help="Requests whose decode forwards run as one batch; the runner then holds this many at once "

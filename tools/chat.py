@@ -15,7 +15,8 @@ from __future__ import annotations
 import contextlib
 import io
 import sys
-from collections.abc import Iterable, Iterator
+import textwrap
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -23,16 +24,10 @@ from typing import Any
 import click
 
 from refusion.runtime.core.errors import RefusionError
+from refusion.runtime.core.settings import ALIASES, BY_NAME, DECODE, Setting
 from refusion.runtime.generator import Generator
 from refusion.runtime.params import DecodeParams
-from refusion.tools.cli_common import (
-    decode_options,
-    decode_settings,
-    load_options,
-    load_settings,
-    request_options,
-    request_settings,
-)
+from refusion.tools.cli_common import given_settings, load_options, load_settings, setting_options
 
 
 def _boolean(value: str) -> bool:
@@ -43,16 +38,23 @@ def _boolean(value: str) -> bool:
     return words[value.lower()]
 
 
-# /settings keys: short names, and every DecodeParams field by its own name
-ALIASES = {"k": "slot_size", "blocks": "serial_num_blocks", "serial_blocks": "serial_num_blocks"}
-_TYPES = {"max_tokens": int, "gen_length": int, "slot_size": int, "serial_num_blocks": int, "slot_threshold": float,
-          "token_threshold": float, "temperature": float, "top_k": int, "top_p": float, "min_p": float, "seed": int,
-          "mode": str, "upstream_eos_drop": _boolean}
-HELP = """commands:
+# /settings keys: every decode setting by its name (runtime/core/settings.py), its short key and former names
+_TYPES: dict[str, Callable[[str], Any]] = {s.name: {"int": int, "number": float, "bool": _boolean}.get(s.kind, str)
+                                           for s in DECODE}
+
+
+def _key(setting: Setting) -> str:
+    text = f"{setting.short} ({setting.name})" if setting.short else setting.name
+    if setting.choices:
+        return f"{text} ({' | '.join(setting.choices)})"
+    return f"{text} (true | false)" if setting.kind == "bool" else text
+
+
+_KEYS = textwrap.fill("change them: " + ", ".join(_key(s) for s in DECODE) + ";", 104,
+                      initial_indent=" " * 24, subsequent_indent=" " * 24).lstrip()
+HELP = f"""commands:
   /settings             show the decode settings
-  /settings k=v ...     change them: k (slot_size), blocks (serial_num_blocks), max_tokens, gen_length,
-                        slot_threshold, token_threshold, temperature, top_k, top_p, min_p, seed,
-                        mode (refusion | ar), upstream_eos_drop (true | false);
+  /settings k=v ...     {_KEYS}
                         e.g. /settings slot_size=4 mode=ar max_tokens=32 (seed=none, max_tokens=none: unset)
   /stats                switch the stats line after each answer on or off
   /reset                start a new conversation
@@ -172,7 +174,7 @@ class ChatSession:
                 raise RefusionError(f"/settings {item!r} is not key=value with a key among k, blocks, "
                                     f"{', '.join(_TYPES)}; e.g. /settings slot_size=4 mode=ar.")
             try:
-                optional = name in ("seed", "max_tokens") and value.lower() == "none"
+                optional = BY_NAME[name].optional and value.lower() == "none"
                 changed[name] = None if optional else _TYPES[name](value)
             except ValueError as e:
                 kind, example = {int: ("an integer", "4"), _boolean: ("true or false", "true")}.get(
@@ -215,8 +217,7 @@ def _typed(prompt: str) -> Iterator[str]:
 @click.option("--system", default=None, help="A system message that opens the conversation.")
 @click.option("--no-thinking", is_flag=True, help="Render the chat template with enable_thinking=False.")
 @click.option("--no-stats", is_flag=True, help="No stats line on stderr after each answer (/stats switches it).")
-@request_options
-@decode_options
+@setting_options
 @load_options
 @click.pass_context
 def chat(ctx: click.Context, model_dir: Path, system: str | None, no_thinking: bool, no_stats: bool,
@@ -227,7 +228,7 @@ def chat(ctx: click.Context, model_dir: Path, system: str | None, no_thinking: b
     a turn failed. Earlier turns' KV comes from the prefix cache; a conversation that outgrows the model's
     positions drops its oldest turns (the system message kept), said once on stderr. Decode settings left out
     take the values the export recorded for its model."""
-    settings = {**decode_settings(options), **request_settings(options)}
+    settings = given_settings(options)
     with Generator.from_dir(model_dir, **load_settings(options)) as gen:
         session = ChatSession(gen, settings, system, enable_thinking=not no_thinking, stats=not no_stats)
         if not sys.stdin.isatty():

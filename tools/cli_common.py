@@ -5,6 +5,7 @@ and load options of `refusion-run generate` and `chat`; a PROMPT argument of `-`
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import click
@@ -12,7 +13,7 @@ from tqdm import tqdm
 
 from refusion.export.progress import ProgressEvent
 from refusion.runtime.core.errors import RefusionError
-from refusion.runtime.decode import MODES
+from refusion.runtime.core.settings import SETTINGS, Setting
 from refusion.runtime.prefix_cache import DEFAULT_MB
 from refusion.runtime.runners import BACKENDS
 
@@ -102,44 +103,27 @@ def version_option(f: Any) -> Any:
     return click.version_option(package_name="refusion-trt", message="%(prog)s %(version)s")(f)
 
 
-# The decode settings and load options of `refusion-run generate` and `refusion-run chat`.
-_RECORDED = "default: the export's recorded value"
-_DECODE_OPTIONS = (
-    click.option("--mode", type=click.Choice(MODES), default="refusion", show_default=True),
-    click.option("--gen-length", type=int,
-                 help=f"ReFusion's canvas ({_RECORDED}): positions decoded, padded to whole slots and cut into the "
-                      "serial blocks; given with a max-tokens cap, the cap wins and this sets only the block length."),
-    click.option("--slot-size", type=int, help=f"Tokens per slot ({_RECORDED})."),
-    click.option("--serial-blocks", type=int,
-                 help=f"Equal blocks the generation is cut into, decoded in turn ({_RECORDED})."),
-    click.option("--slot-threshold", type=float,
-                 help=f"A slot is chosen when its first token's draft probability exceeds it ({_RECORDED})."),
-    click.option("--token-threshold", type=float,
-                 help=f"A drafted token is accepted when its AR probability exceeds it ({_RECORDED})."),
-    click.option("--temperature", type=float, default=0.0, show_default=True,
-                 help="0 is greedy; > 0 samples (Gumbel-max) from the export's top-K candidates."),
-    click.option("--top-k", type=int, default=None,
-                 help="With --temperature: draw among the K most likely candidates [default: all the export's]."),
-    click.option("--top-p", type=float, default=None,
-                 help="With --temperature: among the fewest candidates whose probability reaches P [default: 1]."),
-    click.option("--min-p", type=float, default=None,
-                 help="With --temperature: among those at least P x the most likely's probability [default: 0]."),
-    click.option("--seed", type=int, default=None, help="Seed of the Gumbel noise when --temperature > 0."),
-    click.option("--upstream-eos-drop", is_flag=True,
-                 help="ReFusion: after an EOS found in infill, drop slots as upstream does, leaving some positions "
-                      "before the EOS undecoded (holes); for comparing with the upstream code (docs/decoding.md)."),
-)
-# What a request asks beyond its decode settings: its length and where it stops.
-_REQUEST_OPTIONS = (
-    click.option("--max-tokens", type=int,
-                 help="At most this many new tokens (any N >= 1 that fits the positions; default: none, "
-                      "the canvas length bounds the answer). ReFusion lays out blocks to cover N and cuts the answer there."),
-    click.option("--stop", multiple=True, metavar="TEXT",
-                 help="End the answer before the first occurrence of TEXT (repeatable: the first of any); "
-                      "finish_reason stop."),
-    click.option("--stop-token-id", "stop_token_ids", type=int, multiple=True, metavar="ID",
-                 help="End the answer at this token id, not shown (repeatable)."),
-)
+# The request settings of `refusion-run generate`, `chat` and `client`: every row of runtime/core/settings.py
+# that has a CLI option, with its kind, default and help; left out, a recorded setting takes the export's value.
+_CLI_TYPES = {"int": int, "number": float, "string": str, "strings": str, "ints": int}
+
+
+def _setting_option(setting: Setting) -> Callable[[Any], Any]:
+    flags = [setting.flag, *("--" + alias.replace("_", "-") for alias in setting.aliases)]
+    help = setting.help[0].upper() + setting.help[1:] + "."
+    if setting.kind == "bool":
+        return click.option(*flags, setting.name, is_flag=True, default=False, help=help)
+    if setting.kind in ("strings", "ints"):
+        return click.option(*flags, setting.name, type=_CLI_TYPES[setting.kind], multiple=True, default=(),
+                            metavar="TEXT" if setting.kind == "strings" else "ID", help=help + " Repeatable.")
+    kind = click.Choice(setting.choices) if setting.choices else _CLI_TYPES[setting.kind]
+    if setting.recorded or setting.default is None:
+        left_out = "the export's recorded value" if setting.recorded else "none"
+        return click.option(*flags, setting.name, type=kind, default=None, help=f"{help} [default: {left_out}]")
+    return click.option(*flags, setting.name, type=kind, default=setting.default, show_default=True, help=help)
+
+
+CLI_SETTINGS = tuple(s for s in SETTINGS if s.cli != "")
 _LOAD_OPTIONS = (
     click.option("--backend", type=click.Choice(BACKENDS), default="auto", show_default=True,
                  help="auto: trt if engines are there, else ort-cuda if available, else ort-cpu."),
@@ -156,18 +140,10 @@ _LOAD_OPTIONS = (
 )
 
 
-def decode_options(f: Any) -> Any:
-    """--mode --gen-length --slot-size --serial-blocks --slot-threshold --token-threshold --temperature --top-k
-    --top-p --min-p --seed --upstream-eos-drop; the command takes them as keyword arguments and hands them to `decode_settings`."""
-    for option in reversed(_DECODE_OPTIONS):
-        f = option(f)
-    return f
-
-
-def request_options(f: Any) -> Any:
-    """--max-tokens --stop --stop-token-id; `request_settings` reads them."""
-    for option in reversed(_REQUEST_OPTIONS):
-        f = option(f)
+def setting_options(f: Any) -> Any:
+    """An option per request setting the CLIs take (CLI_SETTINGS); `given_settings` reads them."""
+    for setting in reversed(CLI_SETTINGS):
+        f = _setting_option(setting)(f)
     return f
 
 
@@ -179,21 +155,12 @@ def load_options(f: Any) -> Any:
     return f
 
 
-def decode_settings(options: dict[str, Any]) -> dict[str, Any]:
-    """The decode options, taken out of a command's `options`, as Generator settings (None: the export's
-    recorded value)."""
-    names = {"serial_blocks": "serial_num_blocks"}  # option name -> setting name, where they differ
-    taken = ("mode", "gen_length", "slot_size", "serial_blocks", "slot_threshold", "token_threshold",
-             "temperature", "seed", "upstream_eos_drop")
-    settings = {names.get(name, name): options.pop(name) for name in taken}
-    cuts = {name: options.pop(name) for name in ("top_k", "top_p", "min_p")}
-    return settings | {name: value for name, value in cuts.items() if value is not None}  # left out: no cut
-
-
-def request_settings(options: dict[str, Any]) -> dict[str, Any]:
-    """The request options, taken out of a command's `options`, as Generator.submit's keywords."""
-    return {"max_tokens": options.pop("max_tokens"), "stop": tuple(options.pop("stop")),
-            "stop_token_ids": tuple(options.pop("stop_token_ids"))}
+def given_settings(options: dict[str, Any]) -> dict[str, Any]:
+    """The settings given on the command line, taken out of a command's `options`, as Generator.submit's
+    keywords; those left out (None, no stop) are left out, to take the export's value or none."""
+    taken = {s.name: options.pop(s.name) for s in CLI_SETTINGS}
+    return {name: tuple(value) if isinstance(value, tuple) else value for name, value in taken.items()
+            if value is not None and value != ()}
 
 
 def load_settings(options: dict[str, Any]) -> dict[str, Any]:

@@ -1,9 +1,10 @@
 """`refusion-run`: generate with an export (or engines), chat, and benchmark decoding methods.
 
     refusion-run generate out/refusion-onnx "prompt" [--chat] [--stream] [--json [--logprobs]] [--prompt-ids 1,2,3]
-                 [--max-tokens N] [--stop TEXT ...] [--stop-token-id ID ...]
-                 [--mode refusion|ar] [--gen-length N --slot-size K --serial-blocks B
-                  --slot-threshold X --token-threshold Y --temperature T --seed S]
+                 [--max-tokens N] [--stop TEXT ...] [--stop-token-id ID ...] [--timeout S]
+                 [--mode refusion|ar] [--gen-length N --slot-size K --serial-num-blocks B
+                  --slot-threshold X --token-threshold Y --temperature T --top-k K --top-p P --min-p P --seed S
+                  --upstream-eos-drop]
                  [--backend ...] [--threads N] [--low-memory] [--verify]
     refusion-run chat out/refusion-onnx [the same decode and load options] [--system TEXT] [--no-stats]
     refusion-run serve out/refusion-onnx [--http-port 8000 --grpc-port 8001 --metrics-port 8002] (docs/serving.md)
@@ -33,14 +34,12 @@ from refusion.tools.bench.serving import bench_serve
 from refusion.tools.chat import chat
 from refusion.tools.cli_common import (
     ErrorReportingGroup,
-    decode_options,
-    decode_settings,
+    given_settings,
     load_options,
     load_settings,
     progress,
     read_prompt,
-    request_options,
-    request_settings,
+    setting_options,
     version_option,
 )
 from refusion.tools.serve_command import client, serve
@@ -71,8 +70,7 @@ def _prompt_ids(text: str | None) -> list[int] | None:
 @click.option("--json", "as_json", is_flag=True,
               help="Print one JSON object: text, token_ids, prompt_ids, finish_reason, stats.")
 @click.option("--logprobs", is_flag=True, help="With --json: each token's log-probability too (logprobs).")
-@request_options
-@decode_options
+@setting_options
 @load_options
 def generate(model_dir: Path, prompt: str | None, chat: bool, no_thinking: bool, prompt_ids: str | None,
              stream: bool, as_json: bool, logprobs: bool, **options: Any) -> None:
@@ -88,9 +86,9 @@ def generate(model_dir: Path, prompt: str | None, chat: bool, no_thinking: bool,
     if chat and prompt_ids is not None:
         raise RefusionError("--chat does not combine with --prompt-ids: token ids are fed exactly as given, "
                             "without the chat template; drop --chat, or give the PROMPT text instead.")
-    asked = {**request_settings(options), "logprobs": logprobs}
-    params = DecodeParams.with_defaults(ExportManifest.read(model_dir).defaults,  # validated before loading anything
-                                        **decode_settings(options), max_tokens=asked.pop("max_tokens"))
+    given = given_settings(options)
+    asked = {name: given.pop(name) for name in RequestOptions.names() if name in given} | {"logprobs": logprobs}
+    params = DecodeParams.with_defaults(ExportManifest.read(model_dir).defaults, **given)  # before loading anything
     RequestOptions(**asked)  # the stop options too are checked before loading
     prompt_kwargs = dict(prompt_ids=_prompt_ids(prompt_ids), chat=chat, enable_thinking=not no_thinking)
     prompt = read_prompt(prompt)

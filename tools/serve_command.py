@@ -32,15 +32,7 @@ from refusion.serve.security import API_KEY_ENV, DEFAULT_ADDRESS, api_key, bind_
 from refusion.serve.triton.client import CLIENT_TIMEOUT_S, generate, request_body, stream_events
 from refusion.serve.triton.launcher import Ports, TritonServer, check_export
 from refusion.serve.triton.settings import ServeSettings
-from refusion.tools.cli_common import (
-    decode_options,
-    decode_settings,
-    progress,
-    quiet_option,
-    read_prompt,
-    request_options,
-    request_settings,
-)
+from refusion.tools.cli_common import given_settings, progress, quiet_option, read_prompt, setting_options
 
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 APIS = ("openai", "triton")
@@ -176,15 +168,13 @@ def _serve_openai(model_dir: Path, settings: ServeSettings, model_name: str, htt
 @click.option("--stream", is_flag=True, help="Print text as it settles (generate_stream).")
 @click.option("--json", "as_json", is_flag=True,
               help="Print the final response as JSON: text, token_ids, finish_reason, cached_prompt_tokens.")
-@click.option("--timeout", "timeout_s", type=float, default=None, help="The request's deadline on the server, seconds.")
 @click.option("--logprobs", is_flag=True, help="With --json: each token's log-probability (return_log_probs).")
 @click.option("--client-timeout", type=float, default=CLIENT_TIMEOUT_S, show_default=True,
               help="Seconds to wait for the server's answer (when streaming: for each event) before giving up.")
 @click.option("--api-key", "key", default=None, help=f"The server's API key (default: ${API_KEY_ENV}, else none).")
-@request_options
-@decode_options
-def client(prompt: str, url: str, model_name: str, chat: bool, stream: bool, as_json: bool, timeout_s: float | None,
-           logprobs: bool, client_timeout: float, key: str | None, **options: Any) -> None:
+@setting_options
+def client(prompt: str, url: str, model_name: str, chat: bool, stream: bool, as_json: bool, logprobs: bool,
+           client_timeout: float, key: str | None, **options: Any) -> None:
     """Send PROMPT to a server started with `refusion-run serve` and print the answer. Decode settings
     left out take the values the served export recorded. PROMPT - reads the prompt from stdin (its trailing
     newline dropped)."""
@@ -193,9 +183,8 @@ def client(prompt: str, url: str, model_name: str, chat: bool, stream: bool, as_
         raise RefusionError("--stream and --json do not combine; choose one.")
     if logprobs and not as_json:
         raise RefusionError("--logprobs is reported in the JSON output; add --json.")
-    asked = request_settings(options)
-    settings = {**decode_settings(options), **{k: v for k, v in asked.items() if v not in (None, ())},
-                **({"logprobs": True} if logprobs else {})}
+    settings = {**given_settings(options), **({"logprobs": True} if logprobs else {})}
+    timeout_s = settings.pop("timeout_s", None)
     if not client_timeout > 0:
         raise RefusionError(f"--client-timeout {client_timeout} must be a positive number of seconds.")
     key = api_key(key)

@@ -38,6 +38,7 @@ from refusion.runtime.core.contract import (
 )
 from refusion.runtime.core.defaults import DecodeDefaults
 from refusion.runtime.core.errors import RefusionError
+from refusion.runtime.core.settings import DEFAULTS
 
 Range = tuple[int, int, int]  # min, opt, max
 ShapeRange = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]
@@ -49,9 +50,9 @@ class DecodeLimits:
     covers every other row of its settings table (their blocks are no longer)."""
 
     max_prompt: int = 2048
-    gen_length: int = 512  # padded up to whole slots, as the loop pads it
-    slot_size: int = 32
-    serial_blocks: int = 4
+    gen_length: int = DEFAULTS["gen_length"]  # padded up to whole slots, as the loop pads it
+    slot_size: int = DEFAULTS["slot_size"]
+    serial_blocks: int = DEFAULTS["serial_num_blocks"]  # engines.json's name for it
     max_slots: int | None = None  # slots per block the engines take; None: gen_length / serial_blocks / slot_size
     max_batch: int = 1  # rows (requests) one decode forward packs; 1: the batch-1 engines of format v2
 
@@ -64,7 +65,7 @@ class DecodeLimits:
         object.__setattr__(self, "gen_length", padded)
         if padded % self.serial_blocks or (padded // self.serial_blocks) % self.slot_size:
             raise RefusionError(
-                f"--gen-length {padded} cannot be cut into --serial-blocks {self.serial_blocks} blocks of whole "
+                f"--gen-length {padded} cannot be cut into --serial-num-blocks {self.serial_blocks} blocks of whole "
                 f"--slot-size {self.slot_size} slots; choose gen_length as a multiple of "
                 f"slot_size x serial_blocks = {self.slot_size * self.serial_blocks}."
             )
@@ -99,7 +100,7 @@ class DecodeLimits:
     def flags(self) -> list[str]:
         """These limits as `refusion-export build` flags."""
         return [f"--max-prompt {self.max_prompt}", f"--gen-length {self.gen_length}", f"--slot-size {self.slot_size}",
-                f"--serial-blocks {self.serial_blocks}", f"--max-slots {self.max_slots}",
+                f"--serial-num-blocks {self.serial_blocks}", f"--max-slots {self.max_slots}",
                 f"--max-batch {self.max_batch}"]
 
 

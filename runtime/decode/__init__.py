@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from refusion.runtime.core.errors import RefusionError
+from refusion.runtime.core.settings import read_by
 from refusion.runtime.decode import ar, llada, refusion
 from refusion.runtime.decode.steps import DecodeTrace, StepMachine, Tokens
 
@@ -18,7 +19,7 @@ Steps = Callable[[Tokens, Any, DecodeTrace], StepMachine]  # (tokens, params, tr
 @dataclass(frozen=True)
 class Strategy:
     steps: Steps
-    settings: tuple[str, ...]  # the params its steps read (the rest of DecodeParams is left unread)
+    settings: tuple[str, ...]  # the params its steps read (runtime/core/settings.py's rows that name it)
     kv_capacity: Callable[[int, Any], int]  # KV tokens a request needs, from its prompt length
     positions: Callable[[Any], int]  # positions the generation takes after the prompt
     # TensorRT: (gen_length, slot size, serial blocks) the engines' limits must hold; None: no profile takes
@@ -29,13 +30,10 @@ class Strategy:
     prefix_reuse: bool = True  # its steps start from Tokens.cached (a cached prompt prefix's KV in the region)
 
 
-_COMMON = ("temperature", "top_k", "top_p", "min_p", "seed", "max_tokens")
 STRATEGIES: dict[str, Strategy] = {
-    "refusion": Strategy(refusion.refusion_steps, _COMMON + ("gen_length", "slot_size", "serial_num_blocks",
-                                                              "slot_threshold", "token_threshold",
-                                                              "upstream_eos_drop"),
-                         refusion.kv_capacity, refusion.positions, refusion.profile_needs, refusion.check),
-    "ar": Strategy(ar.ar_steps, _COMMON + ("gen_length",), ar.kv_capacity, ar.positions, ar.profile_needs),
+    "refusion": Strategy(refusion.refusion_steps, read_by("refusion"), refusion.kv_capacity, refusion.positions,
+                         refusion.profile_needs, refusion.check),
+    "ar": Strategy(ar.ar_steps, read_by("ar"), ar.kv_capacity, ar.positions, ar.profile_needs),
     # the benchmark's baseline, with its own params (llada.DiffusionParams)
     "llada": Strategy(llada.llada_steps, ("gen_length", "steps", "block_length", "order", "early_exit"),
                       llada.kv_capacity, llada.positions, None, public=False, prefix_reuse=False),

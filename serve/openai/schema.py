@@ -2,7 +2,8 @@
 against FIELDS), and a request body read against them.
 
 Every field is OpenAI's, or one of ReFusion's own settings taken as an extra body field (`refusion=True`;
-the openai client sends them with `extra_body={...}`). Each feeds one keyword of Generator.submit, or asks
+the openai client sends them with `extra_body={...}`); the fields that are request settings are made from their
+rows in runtime/core/settings.py. Each feeds one keyword of Generator.submit, or asks
 for what the server does anyway (`only`: n=1, presence_penalty=0). A field that is unknown, unsupported, of
 the wrong JSON type or outside `only` is an ApiError 400 that names it; null counts as left out. Nothing
 from a request is evaluated: messages fill the export's own chat template as plain strings.
@@ -20,7 +21,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from refusion.runtime.core.errors import RefusionError
-from refusion.runtime.decode import MODES
+from refusion.runtime.core.settings import SETTINGS
 from refusion.serve.frontend import ServeRequest
 from refusion.serve.openai.responses import ApiError
 from refusion.serve.security import read_json_object
@@ -42,6 +43,19 @@ class ApiField:
     refusion: bool = False  # ReFusion's own, an extra body field beside OpenAI's
 
 
+def _setting_fields() -> tuple[ApiField, ...]:
+    """The fields that are request settings, from their rows in runtime/core/settings.py: each of a setting's
+    OpenAI names (OpenAI's own first; an alias after it), with its kind and help."""
+    fields = []
+    for setting in SETTINGS:
+        for i, name in enumerate(setting.openai):
+            help = setting.help if not i else f"the same as {setting.openai[0]} (give one of the two)"
+            fields.append(ApiField(name, setting.kind, help, setting.name, _ENDPOINTS.get(name, BOTH),
+                                   refusion=setting.openai_extra))
+    return tuple(fields)
+
+
+_ENDPOINTS = {"max_completion_tokens": (CHAT,), "logprobs": (CHAT,), "top_logprobs": (CHAT,)}  # the rest: both
 FIELDS = (
     ApiField("model", "string", "the served model's name, as GET /v1/models lists it (required)"),
     ApiField("messages", "object", "the conversation: system / developer / user / assistant messages with text "
@@ -50,20 +64,9 @@ FIELDS = (
              endpoints=(COMPLETIONS,)),
     ApiField("stream", "bool", "send the answer as server-sent events as it settles, then `data: [DONE]`"),
     ApiField("stream_options", "object", "with stream: {\"include_usage\": true} adds a last chunk with the usage"),
-    ApiField("max_tokens", "int", "at most this many new tokens (finish_reason length when it cuts the answer)",
-             "max_tokens"),
-    ApiField("max_completion_tokens", "int", "the same as max_tokens (give one of the two)", "max_tokens",
-             endpoints=(CHAT,)),
-    ApiField("stop", "strings", "a stop sequence or a list of them: the answer ends before the first", "stop"),
-    ApiField("temperature", "number", "0 is greedy; left out: the export's recorded setting (greedy)", "temperature"),
-    ApiField("top_p", "number", "with temperature > 0: the nucleus cut, in (0, 1]", "top_p"),
-    ApiField("seed", "int", "seed of the sampling noise, any int64: the same seed, the same answer", "seed"),
-    ApiField("logprobs", "bool", "each returned token's log-probability in choices[i].logprobs.content (each "
-             "chunk's, streaming)", "logprobs", endpoints=(CHAT,)),
+    *_setting_fields(),
     ApiField("logprobs", "int", "each returned token's log-probability, and this many alternatives to it (at most "
              "the export's candidates)", "logprobs", endpoints=(COMPLETIONS,)),
-    ApiField("top_logprobs", "int", "with logprobs: this many alternatives to each token, the most likely first (at "
-             "most the export's candidates)", "top_logprobs", endpoints=(CHAT,)),
     ApiField("n", "int", "choices per prompt: n requests that share the prompt's KV (through the prefix cache)"),
     ApiField("user", "string", "the end user's id: taken and not used"),
     ApiField("response_format", "object", "{\"type\": \"text\"} only (the default): no structured output"),
@@ -71,23 +74,8 @@ FIELDS = (
     ApiField("frequency_penalty", "number", "no penalties: 0 only", only=(0,)),
     ApiField("echo", "bool", "the prompt is not repeated: false only", endpoints=(COMPLETIONS,), only=(False,)),
     ApiField("best_of", "int", "1 only", endpoints=(COMPLETIONS,), only=(1,)),
-    ApiField("mode", "string", f"decoding: {' or '.join(MODES)} (left out: the export's)", "mode", refusion=True),
-    ApiField("gen_length", "int", "ReFusion's canvas (expert setting; max_tokens caps the answer)", "gen_length",
-             refusion=True),
-    ApiField("slot_size", "int", "tokens per slot", "slot_size", refusion=True),
-    ApiField("serial_num_blocks", "int", "blocks the canvas is cut into", "serial_num_blocks", refusion=True),
-    ApiField("slot_threshold", "number", "slot selection threshold in [0, 1]", "slot_threshold", refusion=True),
-    ApiField("token_threshold", "number", "token acceptance threshold in [0, 1]", "token_threshold", refusion=True),
-    ApiField("top_k", "int", "with temperature > 0: among the k most likely candidates (0: all)", "top_k",
-             refusion=True),
-    ApiField("min_p", "number", "with temperature > 0: the minimum-probability cut, in [0, 1)", "min_p", refusion=True),
-    ApiField("stop_token_ids", "ints", "token ids that end the answer", "stop_token_ids", refusion=True),
-    ApiField("upstream_eos_drop", "bool", "drop slots after an EOS found in infill as upstream does (holes)",
-             "upstream_eos_drop", refusion=True),
-    ApiField("return_token_ids", "bool", "the answer's token ids in choices[0].token_ids (the last chunk's, "
+    ApiField("return_token_ids", "bool", "the answer's token ids in choices[i].token_ids (the last chunk's, "
              "streaming)", refusion=True),
-    ApiField("timeout_s", "number", "deadline in seconds: the answer ends there (finish_reason length)", "timeout_s",
-             refusion=True),
 )
 
 # OpenAI's fields this server does not do, with why: refused by name rather than as unknown.

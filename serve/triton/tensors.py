@@ -1,5 +1,6 @@
 """The served model's tensors, declared once as data: Triton's config.pbtxt is written from this
-table and requests are read against it. The names are TensorRT-LLM's (text_input, max_tokens, stop_words,
+table and requests are read against it; the inputs that are request settings are made from their rows in
+runtime/core/settings.py. The names are TensorRT-LLM's (text_input, max_tokens, stop_words,
 top_k, top_p, return_log_probs, stream -> text_output, output_log_probs), so genai-perf and clients written for
 TensorRT-LLM models talk to it. Each input feeds one keyword of Generator.submit.
 
@@ -18,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from refusion.runtime.core.errors import RefusionError
-from refusion.runtime.decode import MODES
+from refusion.runtime.core.settings import BY_NAME, SETTINGS, Setting
 from refusion.serve.frontend import ServeRequest
 
 
@@ -32,29 +33,20 @@ class ServedTensor:
     many: bool = False  # a list of values (stop sequences), not one
 
 
+def _triton_type(setting: Setting) -> str:
+    """A setting's tensor type: an integer that may exceed INT32 (a seed) is INT64."""
+    if setting.kind in ("int", "ints"):
+        return "TYPE_INT64" if setting.high is not None and setting.high > 2**31 - 1 else "TYPE_INT32"
+    return {"number": "TYPE_FP32", "bool": "TYPE_BOOL"}.get(setting.kind, "TYPE_STRING")
+
+
 INPUTS = (
     ServedTensor("text_input", "TYPE_STRING", "the prompt (UTF-8)", optional=False),
-    ServedTensor("max_tokens", "TYPE_INT32", "at most this many new tokens", "max_tokens"),
-    ServedTensor("stop_words", "TYPE_STRING", "stop sequences: the answer ends before the first", "stop", many=True),
-    ServedTensor("stop_token_ids", "TYPE_INT32", "token ids that end the answer", "stop_token_ids", many=True),
     ServedTensor("stream", "TYPE_BOOL", "send settled text as it commits, then a final response"),
     ServedTensor("chat", "TYPE_BOOL", "wrap text_input as a user message in the model's chat template"),
-    ServedTensor("mode", "TYPE_STRING", " or ".join([f"{MODES[0]} (default)", *MODES[1:]]), "mode"),
-    ServedTensor("slot_size", "TYPE_INT32", "tokens per slot", "slot_size"),
-    ServedTensor("serial_num_blocks", "TYPE_INT32", "blocks the generation is cut into", "serial_num_blocks"),
-    ServedTensor("slot_threshold", "TYPE_FP32", "slot selection threshold in [0, 1]", "slot_threshold"),
-    ServedTensor("token_threshold", "TYPE_FP32", "token acceptance threshold in [0, 1]", "token_threshold"),
-    ServedTensor("gen_length", "TYPE_INT32", "ReFusion's canvas (expert setting; max_tokens caps the answer)",
-                 "gen_length"),
-    ServedTensor("temperature", "TYPE_FP32", "0 is greedy", "temperature"),
-    ServedTensor("top_k", "TYPE_INT32", "sample among the k most likely candidates (0: all)", "top_k"),
-    ServedTensor("top_p", "TYPE_FP32", "sample among the fewest candidates whose probability reaches it", "top_p"),
-    ServedTensor("min_p", "TYPE_FP32", "sample among those at least min_p x the most likely's probability", "min_p"),
-    ServedTensor("upstream_eos_drop", "TYPE_BOOL", "drop slots after an EOS found in infill as upstream does (holes)",
-                 "upstream_eos_drop"),
-    ServedTensor("return_log_probs", "TYPE_BOOL", "the final response carries output_log_probs", "logprobs"),
-    ServedTensor("seed", "TYPE_INT64", "seed of the sampling noise (any int64)", "seed"),
-    ServedTensor("timeout_s", "TYPE_FP32", "deadline in seconds: the request ends with finish_reason timeout"),
+    # every request setting that has a Triton input, from its row in runtime/core/settings.py
+    *(ServedTensor(s.triton, _triton_type(s), s.help, s.name, many=s.kind in ("strings", "ints"))
+      for s in SETTINGS if s.triton),
 )
 OUTPUTS = (
     ServedTensor("text_output", "TYPE_STRING", "settled text: a piece per streamed response, all of it otherwise"),
@@ -76,9 +68,7 @@ def read_request(tensors: Mapping[str, np.ndarray]) -> ServeRequest:
     if "text_input" not in values:
         raise RefusionError("text_input is missing: send the prompt as text_input (a string).")
     settings = {spec.setting: values[spec.name] for spec in INPUTS if spec.setting and spec.name in values}
-    timeout_s = values.get("timeout_s")
-    if timeout_s is not None and not timeout_s > 0:
-        raise RefusionError(f"timeout_s={timeout_s!r} must be a positive number of seconds; leave it out for none.")
+    timeout_s = BY_NAME["timeout_s"].check(settings.pop("timeout_s", None))
     return ServeRequest(values["text_input"], bool(values.get("stream", False)), bool(values.get("chat", False)),
                         timeout_s, settings)
 

@@ -60,7 +60,7 @@ def test_rebuild_command_carries_every_choice(exports, tmp_path):
                       timing_cache=tmp_path / "tc.cache")
     cmd = plan.command
     for part in ("refusion-export build", str(exports["fp16"].resolve()), "--precision fp16", "--max-prompt 64",
-                 "--gen-length 64", "--slot-size 8", "--serial-blocks 2", "--max-slots 4", "--weakly-typed",
+                 "--gen-length 64", "--slot-size 8", "--serial-num-blocks 2", "--max-slots 4", "--weakly-typed",
                  "--workspace 4", f"--timing-cache {(tmp_path / 'tc.cache').resolve()}", "--force"):
         assert part in cmd
     assert "typed" not in plan_build(exports["fp16"], tmp_path / "engines", LIMITS).command  # strongly: the default

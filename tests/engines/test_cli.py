@@ -20,8 +20,8 @@ def test_build_refuses_before_tensorrt(exports, tmp_path):
     out = tmp_path / "engines"
     result = runner.invoke(build_command, [str(exports["fp32"]), "-o", str(out), "--precision", "fp16"])
     assert isinstance(result.exception, RefusionError) and "--dtype fp16" in str(result.exception)
-    result = runner.invoke(build_command, [str(exports["fp32"]), "-o", str(out), "--serial-blocks", "3"])
-    assert isinstance(result.exception, RefusionError) and "--serial-blocks 3" in str(result.exception)
+    result = runner.invoke(build_command, [str(exports["fp32"]), "-o", str(out), "--serial-num-blocks", "3"])
+    assert isinstance(result.exception, RefusionError) and "--serial-num-blocks 3" in str(result.exception)
     if importlib.util.find_spec("tensorrt") is None:  # on GPU machines the build would run
         result = runner.invoke(build_command, [str(exports["fp32"]), "-o", str(out), "--max-prompt", "64"])
         assert isinstance(result.exception, RefusionError)

@@ -140,8 +140,8 @@ def test_kv_memory_is_prefix_plus_slots_never_a_copy_per_slot(gen):
     (lambda g: g.generate(prompt_ids=[1, 99999], **SMALL), "outside the vocabulary"),
     (lambda g: g.generate(prompt_ids=[1, 2], **{**SMALL, "temperature": 0.7, "top_k": 65}),
      "top_k=65 exceeds the 64 candidates this export's graphs emit; lower top_k, or re-export with"),
-    (lambda g: g.generate(prompt_ids=[1, 2], **{**SMALL, "top_p": -0.1}), "top_p=-0.1 must be a number in [0, 1]"),
-    (lambda g: g.generate(prompt_ids=[1, 2], **{**SMALL, "min_p": 1.0}), "min_p=1.0 must be a number in [0, 1)"),
+    (lambda g: g.generate(prompt_ids=[1, 2], **{**SMALL, "top_p": -0.1}), "top_p=-0.1 is outside [0, 1]"),
+    (lambda g: g.generate(prompt_ids=[1, 2], **{**SMALL, "min_p": 1.0}), "min_p=1.0 is outside [0, 1) (0: no cut)"),
     (lambda g: g.generate(prompt_ids=[1, 2], chat=True, **SMALL),
      "chat=True does not combine with prompt_ids: token ids are fed exactly as given, without the chat template"),
     (lambda g: g.generate(prompt_ids=[1, 3.7], **SMALL), "prompt_ids[1]=3.7 is not an integer token id"),
@@ -154,10 +154,10 @@ def test_kv_memory_is_prefix_plus_slots_never_a_copy_per_slot(gen):
     (lambda g: g.generate(messages=[{"role": "user"}], **SMALL), "is not a list of {'role'"),
     (lambda g: g.generate(prompt_ids=[1, 2], unknown_setting=1, **SMALL),
      "unknown setting unknown_setting=1; the decode settings are gen_length, slot_size"),
-    (lambda g: g.generate(prompt_ids=[1, 2], stop=[""], **SMALL), "each stop sequence must be a non-empty string"),
-    (lambda g: g.generate(prompt_ids=[1, 2], stop=3, **SMALL), "stop=3 must be a string or a list of strings"),
+    (lambda g: g.generate(prompt_ids=[1, 2], stop=[""], **SMALL), "stop=[''] holds ''; each must be a non-empty string"),
+    (lambda g: g.generate(prompt_ids=[1, 2], stop=3, **SMALL), "stop=3 must be a string or a list of non-empty strings"),
     (lambda g: g.generate(prompt_ids=[1, 2], stop_token_ids=[99999], **SMALL), "stop token id 99999 is outside"),
-    (lambda g: g.generate(prompt_ids=[1, 2], stop_token_ids=[-1], **SMALL), "token ids are non-negative integers"),
+    (lambda g: g.generate(prompt_ids=[1, 2], stop_token_ids=[-1], **SMALL), "stop_token_ids=[-1] holds -1; it must be a list of integers >= 0"),
     (lambda g: g.generate(prompt_ids=[1, 2], **{**SMALL, "gen_length": "64"}), "gen_length='64' must be a positive"),
     (lambda g: g.generate(prompt_ids=[1, 2], **{**SMALL, "temperature": float("nan")}), "temperature=nan must be"),
     (lambda g: next(g.stream(prompt_ids=[1, 2], chat=True, **SMALL)), "chat=True does not combine with prompt_ids"),
@@ -220,7 +220,7 @@ def test_not_an_export_and_corrupt_graph(tmp_path, export_dir):
 def test_cli_generate_json_and_errors(export_dir):
     runner = CliRunner()
     args = ["generate", str(export_dir), "--prompt-ids", "5,17,42", "--gen-length", "32", "--slot-size", "4",
-            "--serial-blocks", "2", "--backend", "ort-cpu", "--json"]
+            "--serial-num-blocks", "2", "--backend", "ort-cpu", "--json"]
     out = runner.invoke(cli, args)
     assert out.exit_code == 0, out.output
     data = json.loads(out.stdout)
@@ -232,7 +232,7 @@ def test_cli_generate_json_and_errors(export_dir):
     bad = runner.invoke(cli, ["generate", str(export_dir), "--prompt-ids", "1,x"])
     assert bad.exit_code == 1 and "--prompt-ids" in bad.stderr
     text = runner.invoke(cli, ["generate", str(export_dir), "Hello", "--chat", "--stream", "--gen-length", "16",
-                               "--slot-size", "4", "--serial-blocks", "1", "--backend", "ort-cpu"])
+                               "--slot-size", "4", "--serial-num-blocks", "1", "--backend", "ort-cpu"])
     assert text.exit_code == 0, text.output
 
 

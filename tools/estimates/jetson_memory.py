@@ -167,8 +167,10 @@ def main(argv: list[str] | None = None) -> int:
                              "resident: an assumption), or a row of each [both]")
     parser.add_argument("--out", type=Path, help="also write jetson.md and jetson.json here")
     defaults = DecodeLimits()
-    for name in ("max_prompt", "gen_length", "slot_size", "serial_blocks"):
+    for name in ("max_prompt", "gen_length", "slot_size"):
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name))
+    parser.add_argument("--serial-num-blocks", "--serial-blocks", dest="serial_blocks", type=int,
+                        default=defaults.serial_blocks)
     args = parser.parse_args(argv)
     from refusion.runtime.core.export_manifest import ExportManifest
 

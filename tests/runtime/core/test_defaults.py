@@ -31,7 +31,7 @@ def test_a_fitting_setting_is_kept():
 @pytest.mark.parametrize("kwargs, match", [
     ({"gen_length": 0}, r"gen_length=0 must be a positive integer"),
     ({"slot_size": True}, r"slot_size=True must be a positive integer"),
-    ({"slot_threshold": 1.5}, r"slot_threshold=1.5 must be a number in \[0, 1\]"),
+    ({"slot_threshold": 1.5}, r"decode default slot_threshold=1.5 is outside \[0, 1\]"),
     ({"gen_length": 100}, r"gen_length 100 is not a multiple of slot_size x serial_num_blocks = 128"),
 ])
 def test_invalid_defaults_refused(kwargs, match):

@@ -119,7 +119,7 @@ def test_limits_round_trip_and_flags():
 
 @pytest.mark.parametrize("kwargs, flag", [
     (dict(max_prompt=0), "--max-prompt"),
-    (dict(gen_length=512, slot_size=32, serial_blocks=3), "--serial-blocks 3"),
+    (dict(gen_length=512, slot_size=32, serial_blocks=3), "--serial-num-blocks 3"),
     (dict(max_slots=2), "--max-slots 2"),  # fewer than the 4 slots of a default block
     (dict(max_slots=17), "--max-slots 17"),  # a block longer than the generation
 ])

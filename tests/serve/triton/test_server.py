@@ -368,7 +368,7 @@ def test_the_client_command_prints_the_answer_streamed_or_whole(server, alone):
 
     ids, text = alone("count to five", **SHORT)
     args = ["client", "count to five", "--url", server.url, "--max-tokens", "32", "--slot-size", "4",
-            "--serial-blocks", "2"]
+            "--serial-num-blocks", "2"]
     for extra in ([], ["--stream"]):
         result = CliRunner().invoke(cli, args + extra)
         assert result.exit_code == 0 and result.stdout == text + "\n", result.output

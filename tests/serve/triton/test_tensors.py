@@ -105,7 +105,7 @@ def test_a_json_body_is_read_against_the_tensors():
 
 @pytest.mark.parametrize("body, message", [
     ({"text_input": "hi", "max_token": 5}, "'max_token' is not an input of this model; did you mean 'max_tokens'?"),
-    ({"text_input": "hi", "foo": 1}, "'foo' is not an input of this model; it takes text_input, max_tokens"),
+    ({"text_input": "hi", "foo": 1}, "'foo' is not an input of this model; it takes text_input, stream, chat, gen_length"),
     ({"max_tokens": 5}, "text_input is missing"),
     ({"text_input": "hi", "stream": True}, '"stream": true needs generate_stream'),
     ({"text_input": "hi", "max_tokens": 2**31}, r"max_tokens=2147483648 does not fit TYPE_INT32 \[-2147483648, 2147483647\]"),

@@ -42,7 +42,7 @@ def test_memory_of_a_tiny_export(tiny, capsys):
     # 48 x 544 x 2 + 4 x 48 x 48 x 10 = 144384 < 219136
     assert (fp16.activations, fp16.activations_profile) == (34816 + 184320, "decode")
     assert jetson_memory.main([str(tiny), "--max-prompt", "16", "--gen-length", "64", "--slot-size", "4",
-                               "--serial-blocks", "2", "--block-size", "32"]) == 0
+                               "--serial-num-blocks", "2", "--block-size", "32"]) == 0
     out = capsys.readouterr().out
     assert "| fp16 | 0.00 GiB (0.00 GB) | in the engine |" in out and out.count("fits (+61.0)") == 6
 
@@ -62,7 +62,7 @@ def test_int4_head_and_host_embeddings_of_a_tiny_export(tiny, tmp_path):
     assert host.total == int4.total - 49152 + 49152 + 48 * 128
     assert by["fp16", True].weights == by["fp16", False].weights - 49152
     assert jetson_memory.main([str(tiny), "--max-prompt", "16", "--gen-length", "64", "--slot-size", "4",
-                               "--serial-blocks", "2", "--block-size", "32", "--head", "int4", "--embeddings", "host",
+                               "--serial-num-blocks", "2", "--block-size", "32", "--head", "int4", "--embeddings", "host",
                                "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "jetson.json").read_text())
     assert [(r["precision"], r["host_embeddings"]) for r in report["rows"]] == [

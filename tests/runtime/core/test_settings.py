@@ -1,0 +1,124 @@
+"""runtime/core/settings.py is the one table of request settings: every place a setting is declared (the
+runtime's dataclasses, the strategies, the OpenAI fields, Triton's inputs, the CLIs' options, chat's
+/settings and the docs' tables) says what its row says."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import get_args
+
+import pytest
+
+from refusion.runtime.core.defaults import DecodeDefaults
+from refusion.runtime.core.errors import RefusionError
+from refusion.runtime.core.profiles import DecodeLimits
+from refusion.runtime.core.settings import ALIASES, BY_NAME, DECODE, EVERY, RECORDED, REQUEST, SETTINGS, read_by
+from refusion.runtime.decode import MODES, STRATEGIES
+from refusion.runtime.options import RequestOptions
+from refusion.runtime.params import DecodeParams, Mode
+from tests.helpers import REPO
+
+
+def _fields(cls) -> dict[str, object]:
+    return {f.name: f.default for f in dataclasses.fields(cls)}
+
+
+def test_the_runtimes_dataclasses_hold_the_rows():
+    assert _fields(DecodeParams) == {s.name: s.default for s in DECODE}  # in the table's order, its defaults
+    assert list(_fields(DecodeParams)) == [s.name for s in DECODE]
+    assert _fields(RequestOptions) == {s.name: s.default for s in REQUEST}
+    assert _fields(DecodeDefaults) == {s.name: s.default for s in RECORDED}
+    limits = DecodeLimits()
+    assert (limits.gen_length, limits.slot_size, limits.serial_blocks) == tuple(
+        BY_NAME[name].default for name in ("gen_length", "slot_size", "serial_num_blocks"))
+
+
+def test_the_strategies_read_what_the_rows_say():
+    assert EVERY == MODES == get_args(Mode) == BY_NAME["mode"].choices
+    for mode in MODES:
+        assert STRATEGIES[mode].settings == read_by(mode)
+        assert set(read_by(mode)) <= set(_fields(DecodeParams))
+    assert "slot_size" in read_by("refusion") and "slot_size" not in read_by("ar") and "mode" not in read_by("ar")
+
+
+@pytest.mark.parametrize("setting", SETTINGS, ids=lambda s: s.name)
+def test_each_row_checks_its_kind_and_bounds(setting):
+    if setting.default is not None:
+        assert setting.check(setting.default) == setting.default
+    bad = {"int": 1.5, "number": "x", "bool": 1, "string": 3, "strings": 3, "ints": ["2"]}[setting.kind]
+    with pytest.raises(RefusionError, match=re.escape(f"{setting.name}={bad!r}")):
+        setting.check(bad)
+    if setting.low is not None and setting.kind in ("int", "number"):
+        with pytest.raises(RefusionError, match=re.escape(setting.name)):
+            setting.check(setting.low - 1)
+    assert setting.check(None) is None if setting.optional else True
+
+
+def test_the_openai_fields_are_the_rows():
+    from refusion.serve.openai.schema import FIELDS
+
+    fed = {f.name: f for f in FIELDS if f.keyword and not (f.name == "logprobs" and f.kind == "int")}
+    for setting in SETTINGS:
+        for i, name in enumerate(setting.openai):
+            field = fed.pop(name)
+            assert (field.keyword, field.kind, field.refusion) == (setting.name, setting.kind, setting.openai_extra)
+            assert field.help == setting.help or (i and setting.openai[0] in field.help)
+    assert not fed, f"OpenAI fields that feed a setting with no row: {sorted(fed)}"
+
+
+def test_the_triton_inputs_are_the_rows():
+    pytest.importorskip("numpy")
+    from refusion.serve.triton.tensors import INPUTS
+
+    fed = {spec.name: spec for spec in INPUTS if spec.setting}
+    for setting in (s for s in SETTINGS if s.triton):
+        spec = fed.pop(setting.triton)
+        assert (spec.setting, spec.help, spec.many) == (setting.name, setting.help,
+                                                        setting.kind in ("strings", "ints"))
+        kind = {"int": "INT", "ints": "INT", "number": "FP32", "bool": "BOOL"}.get(setting.kind, "STRING")
+        assert kind in spec.triton_type
+    assert not fed
+
+
+def test_the_cli_options_are_the_rows():
+    import click
+
+    from refusion.tools.chat import chat
+    from refusion.tools.run_cli import cli
+    from refusion.tools.serve_command import client
+
+    for command in (cli.commands["generate"], chat, client):
+        options = {p.name: p for p in command.params if isinstance(p, click.Option)}
+        for setting in (s for s in SETTINGS if s.cli != ""):
+            option = options[setting.name]
+            assert option.opts[0] == setting.flag
+            assert option.opts[1:] == ["--" + a.replace("_", "-") for a in setting.aliases]
+            assert option.help.lower().startswith(setting.help.lower())
+            left_out = None if setting.recorded or setting.kind not in ("int", "number", "string") else setting.default
+            assert option.default in (left_out, False, ()), (setting.name, option.default)
+            if setting.choices:
+                assert tuple(option.type.choices) == setting.choices
+
+
+def test_chats_settings_are_the_decode_rows():
+    from refusion.tools.chat import _TYPES, HELP
+
+    assert list(_TYPES) == [s.name for s in DECODE]
+    assert ALIASES == {"k": "slot_size", "blocks": "serial_num_blocks", "serial_blocks": "serial_num_blocks"}
+    for setting in DECODE:
+        assert setting.name in HELP
+
+
+def _first_column(doc: str, header: str) -> set[str]:
+    table = doc[doc.index(header):].split("\n\n", 1)[0]
+    return {name for row in table.splitlines()[2:] for name in re.findall(r"`([^`]+)`", row.split("|")[1])}
+
+
+def test_the_docs_tables_name_every_row():
+    api = (REPO / "docs" / "api.md").read_text()
+    assert _first_column(api, "| setting | meaning |") == {s.name for s in DECODE}
+    assert _first_column(api, "| option | meaning |") == {s.name for s in REQUEST}
+    serving = (REPO / "docs" / "serving.md").read_text()
+    inputs = _first_column(serving, "| input | type |")
+    assert {s.triton for s in SETTINGS if s.triton} <= inputs
