@@ -33,7 +33,7 @@ from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.core.export_manifest import MANIFEST_NAME
 from refusion.runtime.request import GenerationResult
 from refusion.runtime.request import Request as Generation
-from refusion.runtime.stop import covering
+from refusion.runtime.text import covering
 from refusion.serve.frontend import Final, Frontend, ServeRequest, Status
 from refusion.serve.openai.metrics import CONTENT_TYPE, Arrival, ServerMetrics
 from refusion.serve.openai.responses import ApiError, Reply, answer_logprobs, error_body, sse, token_logprobs

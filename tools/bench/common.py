@@ -26,7 +26,7 @@ from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.core.export_manifest import MANIFEST_NAME, ExportManifest
 from refusion.runtime.decode import STRATEGIES
 from refusion.runtime.generator import Generator
-from refusion.runtime.request import SettledText
+from refusion.runtime.text import SettledText
 from refusion.tools import tasks as T
 
 Progress = Callable[[str], None]  # takes a line of text (a ProgressEvent is one)

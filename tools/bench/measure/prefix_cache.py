@@ -30,7 +30,7 @@ import numpy as np
 from refusion.runtime.decode.masks import causal_after
 from refusion.runtime.generator import Generator
 from refusion.runtime.prefix_cache import BLOCK_TOKENS, DEFAULT_MB, PrefixCache
-from refusion.runtime.request import SettledText
+from refusion.runtime.text import SettledText
 from refusion.tools.bench.common import cpu_model, host_info
 
 WORDS = ("robot arm gripper camera frame target object table left right move stop slow fast grasp release "

@@ -1,12 +1,12 @@
-"""Stop sequences in settled text, without a model: where they are found, what a stream holds back."""
+"""The answer's text rule without a model (runtime/text.py): where stop sequences are found, what a stream holds
+back, which tokens an answer cut at a stop returns."""
 
 from __future__ import annotations
 
 import pytest
 
 from refusion.runtime.decode.steps import Commit
-from refusion.runtime.request import SettledText
-from refusion.runtime.stop import covering, first_stop, held_back
+from refusion.runtime.text import SettledText, covering, first_stop, held_back
 
 EOS = 0
 CHARS = {i: c for i, c in enumerate("␃abcdefghijklmnopqrstuvwxyz ", start=0)}  # token 0 is EOS
