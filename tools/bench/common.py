@@ -61,13 +61,9 @@ def prompts_digest(examples: list[T.Example]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def answer_ids(ids: list[int], eos_id: int) -> list[int]:
-    """The answer: the tokens before the first EOS."""
-    return ids[: ids.index(eos_id)] if eos_id in ids else list(ids)
-
-
 def through_eos(ids: list[int], eos_id: int) -> list[int]:
-    """The tokens counted for speed: through the first EOS (all of them when there is none)."""
+    """Of every committed token (the PyTorch reference's output, GenerationResult.committed_ids), those counted for
+    speed and read as the answer's: through the first EOS (all of them when there is none)."""
     return ids[: ids.index(eos_id) + 1] if eos_id in ids else list(ids)
 
 

@@ -33,7 +33,6 @@ from refusion.tools import tasks as T
 from refusion.tools.bench.common import (
     LevelRun,
     Progress,
-    answer_ids,
     check_sizes,
     closed_loop,
     finish_plot,
@@ -134,7 +133,7 @@ def run_concurrency_bench(cfg: ConcurrencyConfig, progress: Progress = echo_prog
                 for c in cfg.levels:
                     run = run_level(gen, bench, settings, c)
                     for ex, t in zip(bench_examples, run.timings, strict=True):
-                        t.correct = T.score(ex, gen.tokenizer.decode(answer_ids(t.token_ids, gen.manifest.eos_token_id)))
+                        t.correct = T.score(ex, gen.tokenizer.decode(t.token_ids))
                     runs[c].append(run)
                     progress(f"[{repeat}/{cfg.repeats}] " + _run_line(c, run, runs[1][0]))
             levels = [summarize_level(c, runs[c], runs[1]) for c in cfg.levels]

@@ -42,7 +42,6 @@ from refusion.tools.bench.common import (
     LevelRun,
     Progress,
     Timing,
-    answer_ids,
     check_sizes,
     closed_loop,
     finish_plot,
@@ -57,7 +56,6 @@ from refusion.tools.bench.common import (
     run_request,
     settings_label,
     summarize_timings,
-    through_eos,
     write_report,
 )
 from refusion.tools.cli_common import progress as echo_progress
@@ -171,13 +169,14 @@ def token_counts(answer: list[int], chars: list[int], decode: Callable[[list[int
     return counts
 
 
-def to_timing(s: Streamed, eos: int, decode: Callable[[list[int]], str]) -> Timing:
-    """A Streamed request in bench-concurrency's terms (tokens through the first EOS, as GenerationStats)."""
-    answer = answer_ids(s.token_ids, eos)
-    tokens = len(through_eos(s.token_ids, eos))
-    counts = token_counts(answer, [c for _, c in s.stamps], decode)
+def to_timing(s: Streamed, decode: Callable[[list[int]], str]) -> Timing:
+    """A Streamed request in bench-concurrency's terms: its token_ids are the answer's, and the EOS that ended
+    it counts as GenerationStats counts it (finish_reason eos on Triton, stop on the OpenAI server: these
+    requests have no stop sequences)."""
+    tokens = len(s.token_ids) + (s.finish_reason in ("eos", "stop"))
+    counts = token_counts(s.token_ids, [c for _, c in s.stamps], decode)
     stamps = [(t, n) for (t, _), n in zip(s.stamps, counts, strict=True)]
-    return Timing(s.token_ids, tokens, len(answer), len(stamps), s.latency, stamps[0][0] if stamps else None,
+    return Timing(s.token_ids, tokens, len(s.token_ids), len(stamps), s.latency, stamps[0][0] if stamps else None,
                   inter_token_latency(stamps))
 
 
@@ -258,7 +257,7 @@ class Bench:
         if isinstance(result, Timing):
             return result
         assert self.gen.tokenizer is not None
-        return to_timing(result, self.gen.manifest.eos_token_id, self.gen.tokenizer.decode)
+        return to_timing(result, self.gen.tokenizer.decode)
 
 
 def run_serve_bench(cfg: ServeBenchConfig, progress: Progress = echo_progress) -> dict[str, Any]:

@@ -65,9 +65,9 @@ def test_token_counts_are_recovered_from_the_text_of_each_piece():
     answer = list("hello world")
     assert S.token_counts(answer, [2, 5, 11], decode) == [2, 5, 11]
     assert S.token_counts(answer, [11, 14], decode) == [11, 11]  # text past the settled tokens: all of them
-    timing = S.to_timing(S.Streamed(list("abc") + ["<eos>", "x"], "eos", 0.05, [(0.01, 1), (0.03, 3)]), "<eos>",
-                         decode)
-    assert (timing.tokens, timing.settled, timing.pieces, timing.ttft) == (4, 3, 2, 0.01)
+    timing = S.to_timing(S.Streamed(list("abc"), "eos", 0.05, [(0.01, 1), (0.03, 3)]), decode)
+    assert (timing.tokens, timing.settled, timing.pieces, timing.ttft) == (4, 3, 2, 0.01)  # the EOS counted
+    assert S.to_timing(S.Streamed(list("abc"), "length", 0.05, [(0.01, 1)]), decode).tokens == 3
     assert timing.itl == pytest.approx(0.01)
 
 
