@@ -125,7 +125,9 @@ def create_app(frontend: Frontend[Arrival], metrics: ServerMetrics, config: AppC
 
     async def complete(endpoint: str, http: Request) -> Response:
         arrival = Arrival(endpoint)
-        api = read_request(endpoint, parse_json(await _read_body(http, config)), config.model)
+        body = await _read_body(http, config)
+        # Parsed and checked off the event loop: linear in the body's size, which the limit bounds, but not free.
+        api = await run_in_threadpool(lambda: read_request(endpoint, parse_json(body), config.model))
         if api.choices > frontend.limit:
             raise ApiError(400, f"the request asks for {api.choices} choices ({len(api.jobs)} prompt(s) x n={api.n}), "
                                 f"more than the {frontend.limit} requests this server holds at once; ask for fewer.",

@@ -115,10 +115,6 @@ def parse_json(body: bytes) -> dict[str, Any]:
     """A request body as a JSON object (serve/security.py's reader: nesting, duplicate keys and NaN refused);
     anything else is a 400 that says what it is."""
     try:
-        body.decode("utf-8")  # UTF-8 only: json would take a BOM-led body as UTF-16
-    except UnicodeDecodeError as e:
-        raise ApiError(400, f"the body is not UTF-8 ({e.reason} at byte {e.start}).") from None
-    try:
         value = read_json_object(body)
     except RefusionError as e:
         raise ApiError(400, str(e).replace('{"text_input": "...", ...}', '{"model": ..., "messages": [...]}')) from None

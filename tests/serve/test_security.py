@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import random
+import threading
 
 import pytest
 
@@ -21,6 +23,7 @@ from refusion.serve.security import (
 )
 
 KEY = "s3cret-key-of-24-chars!!"
+HANG_GUARD_S = 60.0
 
 
 def test_the_key_comes_from_the_option_else_the_environment(monkeypatch):
@@ -72,6 +75,45 @@ def test_nesting_is_measured_without_recursion():
     assert json_depth(b"") == 0
 
 
+def test_nesting_is_measured_in_time_linear_in_the_body_whatever_it_holds():
+    """The probe's O6 / S31: an unterminated run of escaped quotes made the old pattern scan to the end from
+    every quote, 57 s for 124 KB; 4 MB of it would take hours. The hang guard is thousands of times what a
+    linear scan takes, and far short of the quadratic one."""
+    done = []
+    scan = threading.Thread(target=lambda: done.append(json_depth(b'"' + b'\\"' * 2_000_000 + b"[[")), daemon=True)
+    scan.start()
+    scan.join(HANG_GUARD_S)
+    assert done == [0]  # all of it one unterminated string: no bracket counts
+
+
+def _depth(value) -> int:
+    children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else None
+    return 0 if children is None else 1 + max(map(_depth, children), default=0)
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 3, 7, security._SCAN_CHUNK])
+def test_nesting_agrees_with_the_parser_across_chunk_boundaries(monkeypatch, chunk):
+    """Escapes, quotes and brackets in strings, split anywhere between two chunks of the scan."""
+    monkeypatch.setattr(security, "_SCAN_CHUNK", chunk)
+    rng = random.Random(chunk)
+
+    def text() -> str:
+        return "".join(rng.choice('ab"\\[]{}\n\u00e9') for _ in range(rng.randrange(6)))
+
+    def value(depth: int = 0):
+        roll = rng.random()
+        if depth < 6 and roll < 0.3:
+            return [value(depth + 1) for _ in range(rng.randrange(4))]
+        if depth < 6 and roll < 0.6:
+            return {text(): value(depth + 1) for _ in range(rng.randrange(4))}
+        return text() if roll < 0.9 else rng.randrange(100)
+
+    for _ in range(300):
+        v = value()
+        body = json.dumps(v, ensure_ascii=rng.random() < 0.5).encode()
+        assert json_depth(body) == _depth(v), body
+
+
 @pytest.mark.parametrize("body, message", [
     (b'{"text_input": ' + b"[" * 60000 + b"]" * 60000 + b"}", "the body nests 60001 deep, over the limit of 32"),
     (b"{", "the body is not JSON"),
@@ -80,6 +122,7 @@ def test_nesting_is_measured_without_recursion():
     (b'{"a": Infinity}', "the body holds Infinity"),
     (b'{"a": -Infinity}', "the body holds -Infinity"),
     (b'\xff{}', "the body is not UTF-8"),
+    ('{"a": [[1]]}'.encode("utf-16"), "the body is not UTF-8"),  # json.loads would read it; the nesting scan cannot
 ])
 def test_a_body_is_read_as_one_json_object_or_refused(body, message):
     with pytest.raises(RefusionError, match=message):
