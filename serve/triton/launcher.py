@@ -21,7 +21,6 @@ import importlib.util
 import os
 import re
 import secrets
-import select
 import shutil
 import signal
 import socket
@@ -43,6 +42,7 @@ from refusion.runtime.runners import runner_options
 from refusion.runtime.tokenizer import Tokenizer
 from refusion.serve.security import DEFAULT_ADDRESS, bind_address, body_limit
 from refusion.serve.triton import lifetime
+from refusion.serve.triton.fd_wait import readable
 from refusion.serve.triton.gateway import Gateway, Health, HttpGateway, Upstream
 from refusion.serve.triton.settings import SETTINGS_FILE, ServeSettings
 from refusion.serve.triton.tensors import config_pbtxt
@@ -280,8 +280,7 @@ class TritonServer:
                 pidfds[os.pidfd_open(pid)] = pid
             except OSError:  # died already
                 pidfds[os.open("/dev/null", os.O_RDONLY)] = pid
-        readable, _, _ = select.select([*pidfds, self._wake[0]], [], [])
-        dead = [pidfds[fd] for fd in readable if fd in pidfds]
+        dead = [pidfds[fd] for fd in readable([*pidfds, self._wake[0]]) if fd in pidfds]
         for fd in pidfds:
             os.close(fd)
         # A stub ends on purpose in a drain, and with tritonserver when that dies (which wait() reports).
@@ -361,7 +360,7 @@ class TritonServer:
             previous = signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
             try:
                 while self.process.poll() is None:
-                    if wake_r in select.select([pidfd, wake_r], [], [])[0]:
+                    if wake_r in readable([pidfd, wake_r]):
                         os.read(wake_r, 512)
             finally:
                 signal.set_wakeup_fd(previous)

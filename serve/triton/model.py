@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import select
 import signal
 import threading
 from pathlib import Path
@@ -30,6 +29,7 @@ from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.generator import Generator
 from refusion.runtime.request import GenerationResult
 from refusion.serve.frontend import Final, Frontend, ServeRequest, Status
+from refusion.serve.triton.fd_wait import readable
 from refusion.serve.triton.settings import SETTINGS_FILE, ServeSettings
 from refusion.serve.triton.tensors import INPUT_NAMES, read_request
 
@@ -126,7 +126,7 @@ class TritonPythonModel:
         the launcher also asks the kernel to kill it, but only while the thread that started it lives); or
         the scheduler thread dead, so that no request could be answered. Exit at once: no one is left to
         answer, or (a dead scheduler) the launcher sees this process end and stops the server."""
-        launcher_gone = self.launcher is not None and select.select([self.launcher], [], [], 0)[0]
+        launcher_gone = self.launcher is not None and bool(readable([self.launcher], 0))
         if launcher_gone and os.getppid() == self.parent:
             os.kill(self.parent, signal.SIGKILL)
         if launcher_gone or os.getppid() != self.parent or not self.frontend.gen.scheduler.alive:
