@@ -15,6 +15,7 @@ import ipaddress
 import json
 import os
 import re
+import resource
 import socket
 from typing import Any
 
@@ -28,6 +29,7 @@ MIN_KEY_LENGTH = 16
 MAX_JSON_DEPTH = 32  # a request is a flat object; OpenAI's messages with content parts and tool schemas stay below
 JSON_ESCAPE_BYTES = 6  # JSON may spend 6 bytes (\u00e9) on one byte of text
 BODY_OVERHEAD = 64 << 10  # the request's other fields beside its prompt
+FILES_RESERVED = 256  # open files a server keeps beside its connections: the model's, its threads', its logs'
 
 
 def api_key(option: str | None) -> str | None:
@@ -75,6 +77,17 @@ def exposure_warning(address: str, key: str | None) -> str | None:
         return None
     return (f"warning: serving on {address} without an API key: any host that reaches it may use the model; "
             f"give --api-key (or ${API_KEY_ENV}), or --address {DEFAULT_ADDRESS}.")
+
+
+def connections_allowed(wanted: int) -> int:
+    """`wanted` open connections, or as many as this process's open-file limit leaves room for beside
+    FILES_RESERVED; the soft limit is raised to the hard one first (as Go's runtime does), since the usual soft
+    1024 would make accept() fail before a server could close an idle connection to make room."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
+        soft = hard if hard != resource.RLIM_INFINITY else max(soft, wanted + FILES_RESERVED)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    return wanted if soft == resource.RLIM_INFINITY else max(1, min(wanted, soft - FILES_RESERVED))
 
 
 def body_limit(max_prompt_bytes: int) -> int:

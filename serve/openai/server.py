@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import errno
 import socket
 import threading
@@ -26,11 +27,13 @@ from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.generator import Generator
 from refusion.serve.frontend import Frontend
 from refusion.serve.openai.app import AppConfig, create_app
+from refusion.serve.openai.connections import ConnectionLimits, guarded_protocol
 from refusion.serve.openai.metrics import Arrival, ServerMetrics
-from refusion.serve.security import DEFAULT_ADDRESS, bind_address, body_limit
+from refusion.serve.security import DEFAULT_ADDRESS, bind_address, body_limit, connections_allowed
 
-MAX_CONNECTIONS = 1024  # open connections and requests beyond it are answered 503 by uvicorn at once
+MAX_CONNECTIONS = 1024  # open at once; one more closes the one that has waited longest on its client
 KEEP_ALIVE_S = 5  # an idle keep-alive connection is closed after this
+HEADER_TIMEOUT_S = 10.0  # for a request's line and headers, from the connection opening or the previous answer
 BODY_TIMEOUT_S = 30.0  # a body that has not arrived this long after its headers is refused (408)
 _EXIT_MARGIN_S = 15  # uvicorn's own shutdown timeout beyond the drain's deadline: time for the cancelled to answer
 _HANG_GUARD_S = 60.0
@@ -39,10 +42,13 @@ _HANG_GUARD_S = 60.0
 class OpenAIServer:
     def __init__(self, gen: Generator, *, model_name: str = "refusion", address: str = DEFAULT_ADDRESS, port: int = 8000,
                  api_key: str | None = None, max_queue: int = 64, drain_timeout_s: float = 30.0,
-                 max_body: int | None = None, body_timeout_s: float = BODY_TIMEOUT_S, verbose: bool = False):
+                 max_body: int | None = None, body_timeout_s: float = BODY_TIMEOUT_S,
+                 header_timeout_s: float = HEADER_TIMEOUT_S, max_connections: int = MAX_CONNECTIONS,
+                 verbose: bool = False):
         """`api_key`: clients must send it (serve/security.py's api_key() reads --api-key and the environment);
         `max_body` (bytes of a request body): default, the longest prompt that fits the model, JSON-escaped,
-        and the rest (serve/security.py's body_limit)."""
+        and the rest (serve/security.py's body_limit); the connections' deadlines and bound: connections.py;
+        `verbose`: uvicorn's info log and an access line per request on stderr."""
         if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 0:
             raise RefusionError(f"max_queue={max_queue!r} (--max-queue) must be an integer >= 0.")
         if not drain_timeout_s >= 0:
@@ -58,9 +64,11 @@ class OpenAIServer:
         app = create_app(self.frontend, self.metrics, AppConfig(model_name, limit, body_timeout_s, api_key))
         self.socket = _bind(bind_address(address), port)
         self.address, self.port = address, self.socket.getsockname()[1]
-        config = uvicorn.Config(app, http="h11", loop="asyncio", lifespan="off", log_config=None,
+        limits = ConnectionLimits(connections_allowed(max_connections), header_timeout_s, body_timeout_s)
+        config = uvicorn.Config(app, http=guarded_protocol(limits), loop="asyncio", lifespan="off",
+                                log_config=_verbose_logging() if verbose else None,
                                 log_level="info" if verbose else "warning", access_log=verbose,
-                                timeout_keep_alive=KEEP_ALIVE_S, limit_concurrency=MAX_CONNECTIONS,
+                                timeout_keep_alive=KEEP_ALIVE_S, limit_concurrency=None,
                                 timeout_graceful_shutdown=int(drain_timeout_s + _EXIT_MARGIN_S))
         self._server = _Uvicorn(config)
         self._thread: threading.Thread | None = None
@@ -130,6 +138,13 @@ class _Uvicorn(uvicorn.Server):
         self.loop = asyncio.get_running_loop()
         await super().startup(sockets)
         self.ready.set()
+
+
+def _verbose_logging() -> dict[str, object]:
+    """uvicorn's own log configuration, its access lines on stderr (beside the rest) rather than stdout."""
+    config = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)
+    config["handlers"]["access"]["stream"] = "ext://sys.stderr"
+    return config
 
 
 def _bind(address: str, port: int) -> socket.socket:

@@ -11,16 +11,23 @@ What it serves (docs/serving.md, "Security and limits"):
   no key needed, for load balancers.
 - GET /v2 and /v2/models/MODEL: Triton's metadata. On the metrics port, GET /metrics.
 Everything else is 404. With an API key, every request but health needs `Authorization: Bearer KEY`.
+
+Connections: a request's line and headers must arrive within `header_timeout_s` of the connection opening or of
+the previous answer, and its body within `body_timeout_s` of its headers (a deadline for the whole, not for each
+read: a byte at a time does not hold one open); at most `max_connections` are open, and one more closes the one
+that has waited longest on its client (a request not yet whole, or idle between requests), so that idle
+connections cannot shut out /v2/health/ready and clients that send their requests.
 """
 
 from __future__ import annotations
 
 import http.client
+import io
 import json
 import re
-import select
 import socket
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -28,14 +35,17 @@ from typing import TYPE_CHECKING, Any
 
 from refusion.runtime.core.errors import RefusionError
 from refusion.serve.frontend import Status, decode
-from refusion.serve.security import authorized, read_json_object
+from refusion.serve.security import authorized, connections_allowed, read_json_object
+from refusion.serve.triton.fd_wait import readable
 from refusion.serve.triton.tensors import read_json
 
 if TYPE_CHECKING:
     from refusion.serve.triton.upstream import TritonCalls
 
-IDLE_TIMEOUT_S = 30  # a client silent this long (between requests, or mid-request) is disconnected
-MAX_CONNECTIONS = 1024  # more are answered 503 at once; each open connection holds a thread
+HEADER_TIMEOUT_S = 30.0  # for a request's line and headers, from the connection opening or the previous answer
+BODY_TIMEOUT_S = 30.0  # for its body, from its headers (408 past it)
+WRITE_TIMEOUT_S = 30.0  # a client that reads nothing of its answer this long is disconnected
+MAX_CONNECTIONS = 1024  # open at once (each holds a thread); one more closes the one that has waited longest
 DISCARD_LIMIT = 64 << 20  # a body over the limit but under this is read and dropped, so its client sees the 413
 _MODEL_PATH = re.compile(r"/v2/models/([^/]+)(?:/versions/[^/]+)?(/.*)?")
 
@@ -85,9 +95,13 @@ class Gateway:
     api_key: str | None
     max_body: int
     metrics: bool = False  # the metrics port: GET /metrics only
+    max_connections: int = MAX_CONNECTIONS
+    header_timeout_s: float = HEADER_TIMEOUT_S
+    body_timeout_s: float = BODY_TIMEOUT_S
     calls: TritonCalls | None = None  # set once Triton is ready
     in_flight: int = 0  # generate / generate_stream requests being answered
-    idle: dict[socket.socket, bool] = field(default_factory=dict)  # open connections: idle between requests?
+    # Open connections: since when (time.monotonic) each has waited on its client, None while it is answered.
+    waiting: dict[socket.socket, float | None] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -100,6 +114,7 @@ class HttpGateway:
             self.server = _Server((address, port), _Handler)
         except OSError as e:
             raise RefusionError(_bind_error(flag, address, port, e)) from None
+        gateway.max_connections = connections_allowed(gateway.max_connections)
         self.server.gateway = gateway
         self.gateway = gateway
         self._thread: threading.Thread | None = None
@@ -110,11 +125,11 @@ class HttpGateway:
         self._thread.start()
 
     def drain(self) -> None:
-        """Close the connections idle between requests (the draining health refuses new ones; those busy close
-        after their response), so that no keep-alive connection holds the shutdown."""
+        """Close the connections waiting on their clients (the draining health refuses new requests; those
+        answered close after their response), so that no keep-alive connection holds the shutdown."""
         with self.gateway.lock:  # held while cutting: a handler cannot turn busy between the check and the cut
-            for conn, is_idle in self.gateway.idle.items():
-                if is_idle:
+            for conn, since in self.gateway.waiting.items():
+                if since is not None:
                     _shut(conn)
 
     def close(self) -> None:
@@ -122,7 +137,7 @@ class HttpGateway:
             self.server.shutdown()
         self.server.server_close()
         with self.gateway.lock:
-            conns = list(self.gateway.idle)
+            conns = list(self.gateway.waiting)
         for conn in conns:
             _shut(conn)
 
@@ -136,6 +151,15 @@ def _bind_error(flag: str, address: str, port: int, e: OSError) -> str:
     return f"cannot listen on {address}:{port} for {flag} ({e.strerror})."
 
 
+def _shut_longest_waiting(waiting: dict[socket.socket, float | None]) -> None:
+    """Close the connection that has waited longest on its client, if one waits (the caller holds the lock)."""
+    since = {conn: t for conn, t in waiting.items() if t is not None}
+    if since:
+        oldest = min(since, key=since.__getitem__)
+        del waiting[oldest]  # counted out now: its thread ends as its read fails
+        _shut(oldest)
+
+
 def _shut(conn: socket.socket) -> None:
     try:
         conn.shutdown(socket.SHUT_RDWR)
@@ -144,18 +168,21 @@ def _shut(conn: socket.socket) -> None:
 
 
 class _Server(ThreadingHTTPServer):
-    """One thread per connection, up to MAX_CONNECTIONS."""
+    """One thread per connection, up to the gateway's max_connections."""
 
     daemon_threads = True
     request_queue_size = socket.SOMAXCONN  # connections not yet accepted (the default 5 resets bursts of clients)
     gateway: Gateway
 
     def process_request(self, request: Any, client_address: Any) -> None:
-        with self.gateway.lock:
-            full = len(self.gateway.idle) >= MAX_CONNECTIONS
+        g = self.gateway
+        with g.lock:
+            if len(g.waiting) >= g.max_connections:
+                _shut_longest_waiting(g.waiting)
+            full = len(g.waiting) >= g.max_connections
             if not full:
-                self.gateway.idle[request] = True
-        if full:
+                g.waiting[request] = time.monotonic()
+        if full:  # every connection is being answered
             body = b'{"error":"the server holds its limit of open connections; retry later."}'
             try:
                 request.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
@@ -168,7 +195,7 @@ class _Server(ThreadingHTTPServer):
 
     def shutdown_request(self, request: Any) -> None:
         with self.gateway.lock:
-            self.gateway.idle.pop(request, None)
+            self.gateway.waiting.pop(request, None)
         super().shutdown_request(request)
 
     def handle_error(self, request: Any, client_address: Any) -> None:
@@ -178,8 +205,9 @@ class _Server(ThreadingHTTPServer):
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # keep-alive
     server_version = "refusion"
-    timeout = IDLE_TIMEOUT_S
+    timeout = WRITE_TIMEOUT_S  # reads take what is left of the request's deadline (_DeadlineReader)
     server: _Server
+    deadline = 0.0  # time.monotonic() by which what is being read (headers, then body) must have arrived
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
         pass  # Triton's log and the metrics say what happened; no line per request
@@ -188,10 +216,20 @@ class _Handler(BaseHTTPRequestHandler):
     def gateway(self) -> Gateway:
         return self.server.gateway
 
-    def _busy(self, busy: bool) -> None:
+    def setup(self) -> None:
+        super().setup()
+        self.rfile = io.BufferedReader(_DeadlineReader(self))
+
+    def handle_one_request(self) -> None:
+        self.deadline = time.monotonic() + self.gateway.header_timeout_s
+        super().handle_one_request()
+
+    def _waiting(self, waiting: bool) -> None:
+        """Mark the connection waiting on its client (the drain and a full server may close it) or being
+        answered (neither closes it then)."""
         with self.gateway.lock:
-            if self.connection in self.gateway.idle:
-                self.gateway.idle[self.connection] = not busy
+            if self.connection in self.gateway.waiting:
+                self.gateway.waiting[self.connection] = time.monotonic() if waiting else None
 
     def do_GET(self) -> None:  # noqa: N802 - http.server's name
         self._route("GET")
@@ -200,7 +238,7 @@ class _Handler(BaseHTTPRequestHandler):
         self._route("POST")
 
     def _route(self, method: str) -> None:
-        self._busy(True)
+        self._waiting(False)  # under the lock: a drain cuts the connection before this or not at all
         try:
             self._serve(method, self.path.split("?", 1)[0])
         except OSError:  # the client went away (or stopped reading) mid-answer
@@ -208,7 +246,7 @@ class _Handler(BaseHTTPRequestHandler):
         finally:
             if self.gateway.health.draining:
                 self.close_connection = True
-            self._busy(False)
+            self._waiting(True)  # for its next request
 
     def _serve(self, method: str, path: str) -> None:
         g = self.gateway
@@ -287,12 +325,26 @@ class _Handler(BaseHTTPRequestHandler):
         return length if length >= 0 else None
 
     def _body(self) -> bytes | None:
-        """The request's body within the limit, or None once an error has been answered."""
+        """The request's body within the limit and its deadline, or None once an error has been answered."""
         refusal = self._body_refusal()
-        if refusal is None:
-            return self.rfile.read(self._length() or 0)
-        self._refuse(*refusal)
-        return None
+        if refusal is not None:
+            self._refuse(*refusal)
+            return None
+        self.deadline = time.monotonic() + self.gateway.body_timeout_s
+        length = self._length() or 0
+        self._waiting(True)  # on the client again: a full server or the drain may close the connection meanwhile
+        try:
+            body = self.rfile.read(length)
+        except TimeoutError:
+            body = None
+        finally:
+            self._waiting(False)
+        if body is None or len(body) < length:  # the deadline passed, or the client stopped sending
+            self.close_connection = True
+            self._error(408, f"the body did not arrive within {self.gateway.body_timeout_s:g} s of its headers; "
+                             "send it whole.")
+            return None
+        return body
 
     def _refuse(self, status: int, message: str) -> None:
         """An error answered before the body is read. A body up to DISCARD_LIMIT is read and dropped first: a
@@ -300,6 +352,7 @@ class _Handler(BaseHTTPRequestHandler):
         answer. A larger one, or one the client waits to send (Expect: 100-continue), closes the connection."""
         length = self._length()
         if length is not None and length <= DISCARD_LIMIT and self.headers.get("Expect", "").lower() != "100-continue":
+            self.deadline = time.monotonic() + self.gateway.body_timeout_s
             while length > 0:
                 length -= len(self.rfile.read(min(1 << 16, length)) or b"\0" * length)
         else:
@@ -390,6 +443,28 @@ def _status(message: str) -> tuple[int, str]:
     return (status or Status.UNAVAILABLE).value, text
 
 
+class _DeadlineReader(io.RawIOBase):
+    """A handler's connection as a file whose reads wait no longer than what is left of the handler's deadline:
+    the deadline bounds the whole request, however its bytes trickle in."""
+
+    def __init__(self, handler: _Handler):
+        self.handler = handler
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        conn = self.handler.connection
+        left = self.handler.deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the request did not arrive in time")
+        conn.settimeout(left)
+        try:
+            return conn.recv_into(buffer)
+        finally:
+            conn.settimeout(self.handler.timeout)  # writes keep their own timeout
+
+
 class _Hangup:
     """While a request is answered: watch its client's socket, and when the client closes it, cancel the
     request (the model frees its KV region within a forward)."""
@@ -411,8 +486,7 @@ class _Hangup:
         self._wake_w.close()
 
     def _watch(self) -> None:
-        readable, _, _ = select.select([self.client, self._wake_r], [], [])
-        if self._wake_r in readable:
+        if self._wake_r.fileno() in readable([self.client.fileno(), self._wake_r.fileno()]):
             return
         try:
             closed = self.client.recv(1, socket.MSG_PEEK) == b""

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
+import resource
 import socket
 import threading
 import time
@@ -80,10 +82,10 @@ def triton_http():
     server.shutdown()
 
 
-def _start(triton_http: int, api_key: str | None = None, metrics: bool = False, max_body: int = 4096):
+def _start(triton_http: int, api_key: str | None = None, metrics: bool = False, max_body: int = 4096, **limits):
     health = Health(started=True)
     upstream = Upstream(http_port=triton_http, grpc_port=1, metrics_port=triton_http, secret="secret")
-    g = Gateway(upstream, MODEL, health, api_key, max_body, metrics=metrics)
+    g = Gateway(upstream, MODEL, health, api_key, max_body, metrics=metrics, **limits)
     port = free_ports(1)[0]
     front = HttpGateway("127.0.0.1", port, g)
     calls = FakeCalls()
@@ -291,7 +293,7 @@ def _wait_until_idle(front: HttpGateway) -> None:
     deadline = time.monotonic() + 30
     while True:
         with front.gateway.lock:
-            if all(front.gateway.idle.values()):
+            if None not in front.gateway.waiting.values():
                 return
         assert time.monotonic() < deadline, "a handler never marked its connection idle"
         time.sleep(0.001)
@@ -300,7 +302,7 @@ def _wait_until_idle(front: HttpGateway) -> None:
 def test_the_drain_cuts_a_connection_only_while_no_handler_can_turn_it_busy(gateway, monkeypatch):
     """A connection idle when the drain looked may have taken a request since: cut outside the lock, a
     readiness answer lost its body after its headers (seen under load). The cut happens under the lock
-    _busy takes, so a handler is either done before it or starts after it."""
+    a handler takes to turn busy, so a handler is either done before it or starts after it."""
     front, port, _ = gateway
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
     conn.request("GET", "/v2/health/live")
@@ -337,16 +339,139 @@ def test_a_draining_refusal_reads_the_body_first_so_the_client_gets_the_answer(t
         front.close()
 
 
-def test_connections_past_the_limit_are_answered_503(triton_http, monkeypatch):
-    monkeypatch.setattr(gateway_module, "MAX_CONNECTIONS", 1)
-    front, port, _ = _start(triton_http)
+def test_past_the_limit_with_every_connection_answered_a_new_one_gets_503(triton_http):
+    front, port, calls = _start(triton_http, max_connections=1)
+    calls.next = held = FakeGeneration([], hold=True)
     try:
-        held = socket.create_connection(("127.0.0.1", port))
-        held.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\n")
-        held.recv(4096)  # answered: this connection is open and counted
+        busy = socket.create_connection(("127.0.0.1", port))
+        data = b'{"text_input": "hi"}'
+        busy.sendall(f"POST /v2/models/{MODEL}/generate HTTP/1.1\r\nHost: x\r\nContent-Length: {len(data)}\r\n\r\n"
+                     .encode() + data)
+        _wait_until(lambda: calls.bodies, "the request is being answered")
         status, answer, _ = request(port, "GET", "/v2/health/live")
         assert status == 503 and "open connections" in json.loads(answer)["error"]
-        held.close()
+        held.cancel()
+        busy.close()
+    finally:
+        front.close()
+
+
+def _wait_until(condition, what: str) -> None:
+    deadline = time.monotonic() + 60  # a hang guard: each wait ends on an event of the server's
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.005)
+
+
+def _closed_by_server(sock: socket.socket) -> bool:
+    sock.settimeout(60)
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
+def test_idle_connections_make_room_for_new_ones_longest_waiting_first(triton_http):
+    """The probe's S15: connections that never finish a request cannot shut out readiness and generate."""
+    front, port, _ = _start(triton_http, max_connections=3)
+    waiting = front.gateway.waiting
+
+    def open_waiting(data: bytes = b"") -> socket.socket:
+        count = len(waiting)
+        sock = socket.create_connection(("127.0.0.1", port))
+        sock.sendall(data)
+        _wait_until(lambda: len(waiting) == count + 1, "the connection is accepted")
+        return sock
+
+    try:
+        silent = open_waiting()
+        partial = open_waiting(b"GET /v2/health/re")
+        kept = http.client.HTTPConnection("127.0.0.1", port, timeout=60)  # keep-alive, idle after its answer
+        kept.request("GET", "/v2/health/live")
+        assert kept.getresponse().read() == b""
+        _wait_until(lambda: len(waiting) == 3 and None not in waiting.values(), "all three wait on their clients")
+        spares = []
+        for gone in (silent, partial):
+            assert request(port, "GET", "/v2/health/ready")[0] == 200  # one more: the longest waiting made room
+            assert _closed_by_server(gone)
+            _wait_until(lambda: len(waiting) == 2, "the answered connection is closed")
+            spares.append(open_waiting())  # back at the limit, the next oldest is the next to go
+        assert generate(port, {"text_input": "hi"})[0] == 200
+        assert _closed_by_server(kept.sock)
+        for sock in (silent, partial, *spares):
+            sock.close()
+    finally:
+        front.close()
+
+
+def test_a_request_trickled_a_byte_at_a_time_is_cut_at_its_deadline(triton_http):
+    """The probe's S15: the deadline is for the request line and headers together, not for each read."""
+    front, port, _ = _start(triton_http, header_timeout_s=0.5)
+    try:
+        sock = socket.create_connection(("127.0.0.1", port))
+        trickle = iter(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n" + b"X-Pad: " + b"a" * 60_000)
+        hang_guard = time.monotonic() + 60
+        while not _cut(sock, bytes([next(trickle)])):
+            assert time.monotonic() < hang_guard, "a request trickled in was never cut"
+            time.sleep(0.05)  # each byte well within the deadline: only a deadline for the whole cuts it
+        sock.close()
+    finally:
+        front.close()
+
+
+def _cut(sock: socket.socket, data: bytes) -> bool:
+    """Whether the server has closed `sock` (else `data` is sent)."""
+    try:
+        sock.sendall(data)
+    except OSError:
+        return True
+    sock.settimeout(0)
+    try:
+        return sock.recv(1) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+    finally:
+        sock.settimeout(None)
+
+
+def test_a_body_that_does_not_arrive_in_time_gets_408(triton_http):
+    front, port, calls = _start(triton_http, body_timeout_s=0.5)
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
+            sock.sendall(f"POST /v2/models/{MODEL}/generate HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{{"
+                         .encode())  # the rest never comes: the outcome does not depend on speed
+            answer = sock.makefile("rb").read()
+        assert answer.startswith(b"HTTP/1.1 408") and b"did not arrive within 0.5 s" in answer
+        assert not calls.bodies
+    finally:
+        front.close()
+
+
+def test_a_hang_up_is_seen_on_a_descriptor_past_1024(gateway):
+    """The probe's S32: with a thousand connections open, select() failed on the client's descriptor and the
+    request went on for a client that had gone."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.skip(f"the open-file limit ({hard}) leaves no descriptor past 1024")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200), hard))
+    filler = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]  # the next descriptors are past 1024
+    try:
+        test_a_client_that_hangs_up_cancels_its_request(gateway, "generate")
+    finally:
+        for fd in filler:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_the_probes_quadratic_body_is_refused_at_once(triton_http):
+    """The probe's S31: an unterminated run of escaped quotes took the nesting check time quadratic in its
+    length (124 KB: 49 s, every gateway thread stalled). At 4 MB that is hours; linear, a fraction of a second."""
+    front, port, _ = _start(triton_http, max_body=8 << 20)
+    try:
+        status, answer = generate(port, b'"' + b'\\"' * 2_000_000)
+        assert status == 400 and "the body is not JSON" in json.loads(answer)["error"]
     finally:
         front.close()
 

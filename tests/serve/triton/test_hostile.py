@@ -9,6 +9,8 @@ import ipaddress
 import json
 import mmap
 import os
+import resource
+import socket
 import urllib.request
 
 import pytest
@@ -164,3 +166,31 @@ def test_metrics_are_served_without_triton_internals_exposed(server):
     with urllib.request.urlopen(f"http://127.0.0.1:{server.ports.metrics}/metrics", timeout=30) as response:
         assert b"refusion_requests_in_flight" in response.read()
     assert raw(server, "GET", "/v2/logging", port=server.ports.metrics)[0] == 404
+
+
+def test_1100_connections_that_send_a_byte_leave_readiness_and_generate_served(server):
+    """The probe's S15: 1,030 connections sending a byte every 10 s (the idle timeout was per read) kept readiness
+    and generate at 503 for as long as they were held. Here 1,100 that each sent a byte of a request line, held
+    open while both are answered: past the limit the longest waiting are closed to make room."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 2600:
+        pytest.skip(f"the open-file limit ({hard}) cannot hold 1,100 connections at both ends")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # the client ends live in this process too
+    attack = []
+    try:
+        for _ in range(1100):
+            attack.append(socket.create_connection(("127.0.0.1", server.ports.http), timeout=60))
+            attack[-1].sendall(b"G")
+        still_serving(server)
+        held = 0
+        for sock in attack:
+            sock.setblocking(False)
+            try:
+                held += sock.recv(1) != b""
+            except BlockingIOError:
+                held += 1  # open, nothing to read: still held
+        assert held > 1000
+    finally:
+        for sock in attack:
+            sock.close()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
