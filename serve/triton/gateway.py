@@ -1,6 +1,6 @@
-"""The HTTP server clients reach. Triton's own HTTP port is bound to loopback behind it and answers only
-requests that carry the launcher's secret header, so Triton's JSON parser, shared-memory, repository,
-logging, trace and statistics APIs are out of every client's reach.
+"""The HTTP server clients reach. Triton listens behind it on Unix sockets in the launcher's private work
+directory, so Triton's JSON parser, shared-memory, repository, logging, trace and statistics APIs are out of
+every client's reach, and of every other local user's.
 
 What it serves (docs/serving.md, "Security and limits"):
 - POST /v2/models/MODEL/generate and /generate_stream: the body read within the size and nesting limits and
@@ -31,6 +31,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from refusion.runtime.core.errors import RefusionError
@@ -69,20 +70,64 @@ class Health:
         return "the server is shutting down" if self.draining else "the model is loading"
 
 
-@dataclass
+_SOCKET_PATH_MAX = 107  # bytes of a Unix socket's path (sun_path, less its terminating NUL)
+
+
+@dataclass(frozen=True)
 class Upstream:
-    """Triton on loopback, and the header its restricted APIs expect (the gateways share one: a retried
-    start moves Triton to other ports)."""
+    """Triton's HTTP, gRPC and metrics endpoints: Unix sockets in `directory`, the launcher's work directory,
+    which mkdtemp makes mode 0700: no other user can enter it, so none can reach Triton (its command line, which
+    any local user can read, holds no secret)."""
 
-    http_port: int
-    grpc_port: int
-    metrics_port: int
-    secret: str
-    host: str = "127.0.0.1"
-    header: str = "x-refusion-gateway"
+    directory: Path
 
-    def connection(self, port: int) -> http.client.HTTPConnection:
-        return http.client.HTTPConnection(self.host, port, timeout=None)
+    def __post_init__(self) -> None:
+        longest = str(self.metrics)
+        if len(longest.encode()) > _SOCKET_PATH_MAX:
+            raise RefusionError(f"Triton's socket {longest} is a path longer than a Unix socket's "
+                                f"{_SOCKET_PATH_MAX} bytes; point TMPDIR at a directory with a shorter path.")
+
+    @property
+    def http(self) -> Path:
+        return self.directory / "http.sock"
+
+    @property
+    def metrics(self) -> Path:
+        return self.directory / "metrics.sock"
+
+    @property
+    def grpc_address(self) -> str:
+        """What tritonserver's --grpc-address is given; it joins address and --grpc-port with ':', so with port
+        0 the socket is named grpc.sock:0 (`grpc_target`)."""
+        return f"unix:{self.directory / 'grpc.sock'}"
+
+    @property
+    def grpc_target(self) -> str:
+        return f"{self.grpc_address}:0"
+
+    def get(self, endpoint: Path, path: str, timeout_s: float | None = None) -> tuple[int, str | None, bytes]:
+        """GET `path` from Triton's HTTP or metrics socket: (status, content type, body); OSError if nothing
+        answers there."""
+        conn = UnixHTTPConnection(endpoint, timeout_s)
+        try:
+            conn.request("GET", path)
+            response = conn.getresponse()
+            return response.status, response.getheader("Content-Type"), response.read()
+        finally:
+            conn.close()
+
+
+class UnixHTTPConnection(http.client.HTTPConnection):
+    """HTTP to a Unix socket."""
+
+    def __init__(self, endpoint: Path, timeout_s: float | None):
+        super().__init__("localhost", timeout=timeout_s)
+        self.endpoint = endpoint
+
+    def connect(self) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(self.timeout)
+        self.sock.connect(str(self.endpoint))
 
 
 @dataclass
@@ -254,7 +299,7 @@ class _Handler(BaseHTTPRequestHandler):
             if (method, path) != ("GET", "/metrics"):
                 return self._error(404, f"{path} is not served here: the metrics port serves GET /metrics.")
             if self._authorized():
-                self._forward_get(g.upstream.metrics_port, "/metrics")
+                self._forward_get(g.upstream.metrics, "/metrics")
             return None
         match = _MODEL_PATH.fullmatch(path)
         model, rest = (match.group(1), match.group(2) or "") if match else (None, "")
@@ -271,7 +316,7 @@ class _Handler(BaseHTTPRequestHandler):
             return None
         if method == "GET" and (path == "/v2" or (model is not None and rest == "")):
             if self._authorized():
-                self._forward_get(g.upstream.http_port, path)
+                self._forward_get(g.upstream.http, path)
             return None
         return self._error(404, f"{method} {path} is not served here: this server answers generate, generate_stream, "
                                 "health, readiness and metadata (docs/serving.md).")
@@ -359,16 +404,12 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True
         self._error(status, message)
 
-    def _forward_get(self, port: int, path: str) -> None:
-        conn = self.gateway.upstream.connection(port)
+    def _forward_get(self, endpoint: Path, path: str) -> None:
         try:
-            conn.request("GET", path, headers={self.gateway.upstream.header: self.gateway.upstream.secret})
-            response = conn.getresponse()
-            self._reply(response.status, response.read(), response.getheader("Content-Type") or "text/plain")
+            status, content_type, body = self.gateway.upstream.get(endpoint, path)
         except OSError as e:
-            self._error(503, f"the model server does not answer ({e}); it is stopping or has stopped.")
-        finally:
-            conn.close()
+            return self._error(503, f"the model server does not answer ({e}); it is stopping or has stopped.")
+        self._reply(status, body, content_type or "text/plain")
 
     # -- generate and generate_stream ---------------------------------------------------------
     def _generate(self, streaming: bool) -> None:

@@ -1,7 +1,7 @@
 """The gRPC server clients reach: KServe's GRPCInferenceService, the methods a client of a generative model
-uses, passed through as bytes to Triton's gRPC port on loopback (which answers only the launcher's secret
-header). Shared memory, model configuration, the repository, statistics, trace and log settings are not
-served (UNIMPLEMENTED); a message over the size limit is refused by gRPC itself (RESOURCE_EXHAUSTED).
+uses, passed through as bytes to Triton's gRPC socket in the launcher's private work directory. Shared
+memory, model configuration, the repository, statistics, trace and log settings are not served
+(UNIMPLEMENTED); a message over the size limit is refused by gRPC itself (RESOURCE_EXHAUSTED).
 
 Readiness is the gateways' own Health. With an API key, every method but the health ones needs the metadata
 `authorization: Bearer KEY` (UNAUTHENTICATED otherwise). A request refused inside a stream cannot carry a gRPC
@@ -77,7 +77,7 @@ class GrpcGateway:
             self._authorize(context)
             assert self.calls is not None
             try:
-                return self.calls.channel.unary_unary(f"/{SERVICE}/{method}")(request, metadata=self.calls.metadata)
+                return self.calls.channel.unary_unary(f"/{SERVICE}/{method}")(request)
             except grpc.RpcError as e:
                 context.abort(e.code(), e.details())
                 raise  # abort raises; this is never reached
@@ -88,7 +88,7 @@ class GrpcGateway:
         if not self.health.ready:
             context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.health.reason}; send the requests to another instance.")
         assert self.calls is not None
-        call = self.calls.channel.stream_stream(f"/{SERVICE}/ModelStreamInfer")(requests, metadata=self.calls.metadata)
+        call = self.calls.channel.stream_stream(f"/{SERVICE}/ModelStreamInfer")(requests)
         context.add_callback(call.cancel)  # the client went away: Triton cancels the stream's requests
         try:
             yield from call

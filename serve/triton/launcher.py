@@ -6,9 +6,9 @@ model repository of our own rather than through PyTriton's callable proxy, becau
 not pass Triton's request cancellation to the callable: a client that goes away would keep its
 request decoding. Triton's Python backend does (serve/triton/model.py polls it).
 
-Triton listens on loopback only, on ports of its own, and every API of it needs a secret header made at
-each start; the ports clients reach are the gateways' (serve/triton/gateway.py, grpc_gateway.py), which
-serve generation, health and metadata within the limits of serve/security.py. tritonserver dies with
+Triton listens on Unix sockets in the launcher's work directory (mode 0700: no other local user can reach
+them) and on no TCP port; the ports clients reach are the gateways' (serve/triton/gateway.py,
+grpc_gateway.py), which serve generation, health and metadata within the limits of serve/security.py. tritonserver dies with
 this process (lifetime.py), and what a killed launcher left is removed at the next start.
 
     with TritonServer(export_dir, Ports(8000, 8001, 8002)) as server:
@@ -17,10 +17,10 @@ this process (lifetime.py), and what a killed launcher left is removed at the ne
 
 from __future__ import annotations
 
+import http.client
 import importlib.util
 import os
 import re
-import secrets
 import shutil
 import signal
 import socket
@@ -30,8 +30,6 @@ import sysconfig
 import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
@@ -56,12 +54,11 @@ _MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 _EXIT_MARGIN_S = 15  # Triton's exit timeout: time for the model to stop, once nothing is in flight
 _ANSWER_MARGIN_S = 5  # beyond the drain's deadline: time for the cancelled to get their final responses
 _DRAIN_POLL_S = 0.1
-_API_GROUPS = "health,metadata,inference,shared-memory,model-config,model-repository,statistics,trace,logging"
 _GPU_PRESENT = Path("/dev/nvidiactl").exists()
 # What Triton prints on every start on a machine without a GPU, though it asked for none (GPU metrics, off
 # there, take the rest); on a machine with a GPU nothing is hidden.
 _CPU_NOISE = ("CudaDriverHelper has not been initialized",)
-_START_TRIES = 3  # Triton's loopback ports are picked free just before it binds them; another may take one first
+_SOCKET_NOISE = ("NODELAY NOT SUPPORTED",)  # libevhtp on each Unix socket it listens on: TCP options do not apply
 
 
 @dataclass(frozen=True)
@@ -172,16 +169,10 @@ class TritonServer:
         install = TritonInstall.find()
         lifetime.remove_stale()
         try:
+            self._workdir = Path(tempfile.mkdtemp(prefix=lifetime.WORKDIR_PREFIX))  # mode 0700
+            lifetime.claim(self._workdir)
             self._open_gateways(self.max_body)  # a taken port fails here, before Triton starts
-            for attempt in range(_START_TRIES):
-                try:
-                    self._start_triton(install, ready_timeout_s)
-                    break
-                except _PortTaken:
-                    self._end_triton()
-                    if attempt == _START_TRIES - 1:
-                        raise RefusionError("tritonserver found its loopback ports taken at each of "
-                                            f"{_START_TRIES} tries; free some ports, then start again.") from None
+            self._start_triton(install, ready_timeout_s)
             from refusion.serve.triton.upstream import TritonCalls
 
             assert self.upstream is not None
@@ -197,8 +188,8 @@ class TritonServer:
     def _open_gateways(self, max_body: int) -> None:
         from refusion.serve.triton.grpc_gateway import GrpcGateway  # grpcio: the serve extra
 
-        http_port, grpc_port, metrics_port = free_ports(3)
-        upstream = self.upstream = Upstream(http_port, grpc_port, metrics_port, secret=secrets.token_urlsafe(32))
+        assert self._workdir is not None
+        upstream = self.upstream = Upstream(self._workdir)
         api = Gateway(upstream, self.model_name, self.health, self.api_key, max_body)
         metrics = Gateway(upstream, self.model_name, self.health, self.api_key, max_body, metrics=True)
         self._gateways = [HttpGateway(self.address, self.ports.http, api),
@@ -207,19 +198,15 @@ class TritonServer:
                                           max_body))
 
     def _start_triton(self, install: TritonInstall, ready_timeout_s: float) -> None:
-        assert self.upstream is not None
-        if self.process is not None:  # a retry: Triton's ports afresh (the gateways share this Upstream)
-            self.upstream.http_port, self.upstream.grpc_port, self.upstream.metrics_port = free_ports(3)
-        self._workdir = Path(tempfile.mkdtemp(prefix=lifetime.WORKDIR_PREFIX))
-        lifetime.claim(self._workdir)
+        assert self.upstream is not None and self._workdir is not None
         settings = replace(self.settings, work_dir=str(self._workdir), launcher_pid=os.getpid())
         repository, backends = write_repository(self._workdir, self.model_name, settings, install)
         up = self.upstream
-        restricted = f"{_API_GROUPS}:{up.header}={up.secret}"
+        # Unix sockets only (libevhtp and gRPC take "unix:" addresses; the ports are then unused but for the gRPC
+        # socket's name): no TCP port of Triton's, and no secret on its command line, which any local user reads.
         command = [str(install.server), f"--model-repository={repository}", f"--backend-directory={backends}",
-                   f"--http-port={up.http_port}", f"--grpc-port={up.grpc_port}", f"--metrics-port={up.metrics_port}",
-                   f"--http-address={up.host}", f"--grpc-address={up.host}", f"--metrics-address={up.host}",
-                   f"--http-restricted-api={restricted}", f"--grpc-restricted-protocol={restricted}",
+                   f"--http-address=unix:{up.http}", f"--grpc-address={up.grpc_address}",
+                   f"--metrics-address=unix:{up.metrics}", "--http-port=0", "--grpc-port=0", "--metrics-port=0",
                    f"--exit-timeout-secs={_EXIT_MARGIN_S}", "--pinned-memory-pool-byte-size=0",
                    f"--allow-gpu-metrics={str(_GPU_PRESENT).lower()}", f"--log-info={str(self.verbose).lower()}",
                    # Its shared-memory regions named after our work directory, so cleanup finds what a crash left.
@@ -246,8 +233,6 @@ class TritonServer:
                 error_file = self._workdir / "load-error"
                 if error_file.is_file():  # our own message in place of Triton's report of the failed load
                     raise RefusionError(error_file.read_text())
-                if "already in use" in self._relay.held_text():
-                    raise _PortTaken
                 self._relay.release()
                 raise RefusionError(f"tritonserver exited with code {self.process.returncode} before the model "
                                     f"{self.model_name!r} was ready; its log above says why (--verbose for more).")
@@ -259,12 +244,9 @@ class TritonServer:
 
     def _upstream_ready(self) -> bool:
         assert self.upstream is not None
-        request = urllib.request.Request(f"http://{self.upstream.host}:{self.upstream.http_port}/v2/health/ready",
-                                         headers={self.upstream.header: self.upstream.secret})
         try:
-            with urllib.request.urlopen(request, timeout=2) as response:
-                return response.status == 200
-        except (urllib.error.URLError, OSError):
+            return self.upstream.get(self.upstream.http, "/v2/health/ready", timeout_s=2)[0] == 200
+        except (OSError, http.client.HTTPException):
             return False
 
     def ready(self) -> bool:
@@ -341,10 +323,8 @@ class TritonServer:
             return False
         assert self.upstream is not None
         try:
-            with urllib.request.urlopen(f"http://{self.upstream.host}:{self.upstream.metrics_port}/metrics",
-                                        timeout=5) as response:
-                text = response.read().decode()
-        except (urllib.error.URLError, OSError):
+            text = self.upstream.get(self.upstream.metrics, "/metrics", timeout_s=5)[2].decode()
+        except (OSError, http.client.HTTPException):
             return True  # no metrics: nothing left to wait for
         return all(float(line.rsplit(" ", 1)[1]) == 0 for line in text.splitlines()
                    if line.startswith("refusion_requests_in_flight{"))
@@ -375,6 +355,7 @@ class TritonServer:
         self._stopping = True
         if self.process is None:
             self._close_gateways()
+            self._remove_workdir()
             return None
         self.signal(signal.SIGTERM)
         if timeout_s is None:
@@ -416,6 +397,9 @@ class TritonServer:
             pass
         if self._relay is not None:
             self._relay.join()
+        self._remove_workdir()
+
+    def _remove_workdir(self) -> None:
         if self._workdir is not None:
             lifetime.remove_regions(self._workdir.name)
             shutil.rmtree(self._workdir, ignore_errors=True)
@@ -436,14 +420,10 @@ class TritonServer:
         self.stop()
 
 
-class _PortTaken(Exception):
-    """tritonserver could not bind one of its loopback ports."""
-
-
 class _Relay:
     """tritonserver's output to `log` (or stderr), line by line. Held back until the model is ready, so
-    that a failed load can be reported by its one line instead of Triton's report; on a machine without a
-    GPU, the lines Triton prints there on every start are dropped."""
+    that a failed load can be reported by its one line instead of Triton's report; the lines Triton prints on
+    every start, about its Unix sockets and (on a machine without a GPU) CUDA, are dropped."""
 
     def __init__(self, process: subprocess.Popen[bytes], log: IO[bytes] | None, verbose: bool):
         assert process.stdout is not None
@@ -455,7 +435,8 @@ class _Relay:
 
     def _copy(self) -> None:
         for line in self._source:
-            if not _GPU_PRESENT and not self._verbose and any(n.encode() in line for n in _CPU_NOISE):
+            noise = _SOCKET_NOISE + (() if _GPU_PRESENT else _CPU_NOISE)
+            if not self._verbose and any(n.encode() in line for n in noise):
                 continue
             with self._lock:
                 if self._held is not None:

@@ -1,7 +1,7 @@
-"""The gateways' calls to Triton: its gRPC port on loopback, with the launcher's secret in each call's
-metadata. The HTTP gateway's generate and generate_stream become a gRPC stream of one request each, so that
-a client that hangs up cancels its request at once (a gRPC cancellation reaches the model; a closed HTTP
-connection reaches Triton only when it next writes, and a generate writes nothing before its end).
+"""The gateways' calls to Triton: its gRPC socket in the launcher's work directory. The HTTP gateway's generate
+and generate_stream become a gRPC stream of one request each, so that a client that hangs up cancels its
+request at once (a gRPC cancellation reaches the model; a closed HTTP connection reaches Triton only when it
+next writes, and a generate writes nothing before its end).
 """
 
 from __future__ import annotations
@@ -27,9 +27,8 @@ _SPECS = {spec.name: spec for spec in INPUTS}
 
 class TritonCalls:
     def __init__(self, upstream: Upstream):
-        self.channel = grpc.insecure_channel(f"{upstream.host}:{upstream.grpc_port}", options=[
+        self.channel = grpc.insecure_channel(upstream.grpc_target, options=[
             ("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)])
-        self.metadata = ((f"triton-grpc-protocol-{upstream.header}", upstream.secret),)
 
     def close(self) -> None:
         self.channel.close()
@@ -45,7 +44,7 @@ class TritonCalls:
         call = self.channel.stream_stream(f"/{SERVICE}/ModelStreamInfer",
                                           request_serializer=service_pb2.ModelInferRequest.SerializeToString,
                                           response_deserializer=service_pb2.ModelStreamInferResponse.FromString)
-        return Generation(call, request, self.metadata)
+        return Generation(call, request)
 
 
 class Generation:
@@ -57,7 +56,7 @@ class Generation:
     half-closes it before the last response or cancels it after; so the stream stays open until the final
     response has come, and is then closed and read to its end (cancelled only before a final response)."""
 
-    def __init__(self, call: Any, request: Any, metadata: Any):
+    def __init__(self, call: Any, request: Any):
         self._answered = threading.Event()
         self._final = False
 
@@ -65,7 +64,7 @@ class Generation:
             yield request
             self._answered.wait()
 
-        self._call = call(requests(), metadata=metadata)
+        self._call = call(requests())
 
     def cancel(self) -> None:
         self._call.cancel()

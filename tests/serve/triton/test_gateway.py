@@ -9,10 +9,12 @@ import json
 import os
 import resource
 import socket
+import socketserver
 import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
+from pathlib import Path
 
 import pytest
 
@@ -56,13 +58,9 @@ class FakeCalls:
 
 
 class _Triton(BaseHTTPRequestHandler):
-    """Triton's HTTP port as the gateway uses it: metadata and metrics, behind the secret header."""
+    """Triton's HTTP and metrics sockets as the gateway uses them: metadata and metrics."""
 
     def do_GET(self) -> None:  # noqa: N802
-        if self.headers.get("x-refusion-gateway") != "secret" and self.path != "/metrics":
-            self.send_response(403)
-            self.end_headers()
-            return
         body = b"refusion_requests_in_flight{model=\"refusion\"} 0\n" if self.path == "/metrics" else \
             json.dumps({"name": MODEL, "path": self.path}).encode()
         self.send_response(200)
@@ -74,17 +72,27 @@ class _Triton(BaseHTTPRequestHandler):
         pass
 
 
+class _UnixHTTPServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+    daemon_threads = True
+
+
 @pytest.fixture(scope="module")
-def triton_http():
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _Triton)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield server.server_address[1]
-    server.shutdown()
+def triton_http(tmp_path_factory) -> Iterator[Path]:
+    """A directory with a stand-in for Triton's HTTP and metrics sockets, as an Upstream names them."""
+    directory = tmp_path_factory.mktemp("triton")
+    upstream = Upstream(directory)
+    servers = [_UnixHTTPServer(str(path), _Triton) for path in (upstream.http, upstream.metrics)]
+    for server in servers:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield directory
+    for server in servers:
+        server.shutdown()
+        server.server_close()
 
 
-def _start(triton_http: int, api_key: str | None = None, metrics: bool = False, max_body: int = 4096, **limits):
+def _start(triton_http: Path, api_key: str | None = None, metrics: bool = False, max_body: int = 4096, **limits):
     health = Health(started=True)
-    upstream = Upstream(http_port=triton_http, grpc_port=1, metrics_port=triton_http, secret="secret")
+    upstream = Upstream(triton_http)
     g = Gateway(upstream, MODEL, health, api_key, max_body, metrics=metrics, **limits)
     port = free_ports(1)[0]
     front = HttpGateway("127.0.0.1", port, g)
@@ -218,7 +226,7 @@ def test_only_generation_health_readiness_and_metadata_are_served(gateway):
     assert status == 404 and "no model 'other' here" in json.loads(answer)["error"]
     assert request(port, "DELETE", "/v2")[0] == 501
     status, answer, _ = request(port, "GET", f"/v2/models/{MODEL}")
-    assert status == 200 and json.loads(answer) == {"name": MODEL, "path": f"/v2/models/{MODEL}"}  # with the secret
+    assert status == 200 and json.loads(answer) == {"name": MODEL, "path": f"/v2/models/{MODEL}"}  # Triton's own
 
 
 def test_with_a_key_everything_but_health_needs_it(triton_http):

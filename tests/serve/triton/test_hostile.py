@@ -10,7 +10,9 @@ import json
 import mmap
 import os
 import resource
+import shutil
 import socket
+import subprocess
 import urllib.request
 
 import pytest
@@ -99,19 +101,13 @@ def test_shared_memory_logging_config_and_repository_are_not_served(server, tmp_
                                    ("POST", f"/v2/repository/models/{MODEL}/unload", b"{}"),
                                    ("GET", "/v2/models/stats", b""), ("GET", "/v2/trace/setting", b"")]:
             assert raw(server, method, path, body)[0] == 404, path
-            # Triton's own port, on loopback, refuses them too without the launcher's secret.
-            status, answer = raw(server, method, path, body, port=server.upstream.http_port)
-            assert status == 403 and b"restricted" in answer, (path, answer)
         grpc_refuses_shared_memory(server, segment)
         with mmap.mmap(fd, 4096) as memory:
             assert memory[:] == b"\0" * 4096  # nothing was written into it
-        # With the secret (the launcher's view): nothing registered, and no host path in the model config.
-        secret = {server.upstream.header: server.upstream.secret}
-        status, regions = raw(server, "GET", "/v2/systemsharedmemory/status", port=server.upstream.http_port,
-                              headers=secret)
+        # On Triton's own socket (the launcher's view): nothing registered, and no host path in the model config.
+        status, _, regions = server.upstream.get(server.upstream.http, "/v2/systemsharedmemory/status", 60)
         assert status == 200 and json.loads(regions) == []
-        status, config = raw(server, "GET", f"/v2/models/{MODEL}/config", port=server.upstream.http_port,
-                             headers=secret)
+        status, _, config = server.upstream.get(server.upstream.http, f"/v2/models/{MODEL}/config", 60)
         assert status == 200 and not json.loads(config)["parameters"]
         assert str(server.model_dir).encode() not in config and b"/tmp" not in config
     finally:
@@ -124,23 +120,61 @@ def grpc_refuses_shared_memory(server, segment: str) -> None:
     grpcclient = pytest.importorskip("tritonclient.grpc")
     from tritonclient.utils import InferenceServerException
 
-    for port, refusal in ((server.ports.grpc, "UNIMPLEMENTED"), (server.upstream.grpc_port, "restricted")):
-        client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
-        try:
-            with pytest.raises(InferenceServerException, match=refusal):
-                client.register_system_shared_memory("probe", segment, 4096)
-            with pytest.raises(InferenceServerException, match=refusal):
-                client.update_log_settings({"log_verbose_level": 9})
-        finally:
-            client.close()
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{server.ports.grpc}")
+    try:
+        with pytest.raises(InferenceServerException, match="UNIMPLEMENTED"):
+            client.register_system_shared_memory("probe", segment, 4096)
+        with pytest.raises(InferenceServerException, match="UNIMPLEMENTED"):
+            client.update_log_settings({"log_verbose_level": 9})
+    finally:
+        client.close()
 
 
-def test_the_gateways_bind_loopback_by_default_and_triton_only_loopback(server):
-    assert server.ports.address == "127.0.0.1" and server.upstream.host == "127.0.0.1"
+def test_the_gateways_bind_loopback_by_default_and_triton_no_tcp_port(server):
+    assert server.ports.address == "127.0.0.1"
     listening = _listening_addresses()
-    for port in (server.ports.http, server.ports.grpc, server.ports.metrics, server.upstream.http_port,
-                 server.upstream.grpc_port, server.upstream.metrics_port):
+    for port in (server.ports.http, server.ports.grpc, server.ports.metrics):
         assert listening.get(port) == {"127.0.0.1"}, (port, listening.get(port))
+    assert not _tcp_listeners_of(server.process.pid)
+
+
+def _tcp_listeners_of(pid: int) -> set[str]:
+    """The TCP sockets process `pid` listens on, as /proc/net/tcp's inodes."""
+    held = {os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")}
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in open(table).read().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and f"socket:[{fields[9]}]" in held:
+                inodes.add(fields[9])
+    return inodes
+
+
+def test_no_other_local_user_can_reach_triton(server):
+    """The probe's S30: the launcher's secret was on tritonserver's command line, which every local user can
+    read; user nobody then used Triton's restricted APIs and crashed it with a 60,000-deep body. Triton listens
+    on Unix sockets in a directory of mode 0700 now, and its command line holds no secret."""
+    command = open(f"/proc/{server.process.pid}/cmdline").read().split("\0")
+    assert not [arg for arg in command if "restricted" in arg or "x-refusion" in arg], command
+    directory = server.upstream.directory
+    assert directory.stat().st_mode & 0o777 == 0o700 and directory.stat().st_uid == os.getuid()
+    assert server.upstream.get(server.upstream.http, "/v2/health/ready", 60)[0] == 200  # we reach it
+    if os.getuid() != 0:
+        pytest.skip("only root can try as another user")
+    probe = ("import socket, sys\n"
+             "for path in sys.argv[1:]:\n"
+             "    try:\n"
+             "        socket.socket(socket.AF_UNIX).connect(path)\n"
+             "        print('reached', path)\n"
+             "    except PermissionError:\n"
+             "        pass\n")
+    sockets = [str(server.upstream.http), str(server.upstream.metrics), server.upstream.grpc_target[len("unix:"):]]
+    python = shutil.which("python3", path="/usr/bin:/bin")  # one that nobody may run (a venv's may be in /root)
+    if python is None:
+        pytest.skip("no system python3 for user nobody")
+    as_nobody = subprocess.run([python, "-I", "-S", "-c", probe, *sockets], user="nobody", capture_output=True,
+                               text=True, timeout=60, cwd="/")
+    assert as_nobody.returncode == 0 and as_nobody.stdout == "", as_nobody
 
 
 def _listening_addresses() -> dict[int, set[str]]:

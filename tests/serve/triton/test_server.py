@@ -19,6 +19,7 @@ import pytest
 
 from refusion.runtime.generator import Generator
 from refusion.serve.triton.client import stream_events
+from refusion.serve.triton.gateway import UnixHTTPConnection
 from refusion.serve.triton.launcher import free_ports
 from tests.serve.triton.gate import Gate
 from tests.serve.triton.server import LONG, MODEL, get, metric, post, start_cli, wait_idle, wait_until
@@ -78,20 +79,19 @@ def test_http_stop_words_log_probs_and_cached_prompt_tokens(server, alone):
     ("generate_stream", {"text_input": "count to five", "stream": True, **SHORT}),
 ])
 def test_the_gateway_answers_byte_for_byte_as_tritons_own_endpoint_would(server, path, body):
-    """Clients see no difference: the same request to Triton's own port (with the launcher's secret) gets the
-    same bytes. (The prompts are shorter than a prefix-cache block: neither answer reuses the other's KV.)"""
-    def answer(port: int, headers: dict) -> tuple[int, bytes]:
-        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    """Clients see no difference: the same request to Triton's own socket gets the same bytes. (The prompts are
+    shorter than a prefix-cache block: neither answer reuses the other's KV.)"""
+    def answer(conn: http.client.HTTPConnection) -> tuple[int, bytes]:
         try:
-            conn.request("POST", f"/v2/models/{MODEL}/{path}", json.dumps(body), headers)
+            conn.request("POST", f"/v2/models/{MODEL}/{path}", json.dumps(body))
             response = conn.getresponse()
             return response.status, response.read()
         finally:
             conn.close()
 
-    direct = answer(server.upstream.http_port, {server.upstream.header: server.upstream.secret})
+    direct = answer(UnixHTTPConnection(server.upstream.http, 120))
     assert direct[0] == 200, direct
-    assert answer(server.ports.http, {}) == direct
+    assert answer(http.client.HTTPConnection("127.0.0.1", server.ports.http, timeout=120)) == direct
 
 def test_http_generate_stream_sends_pieces_then_a_final_response(server, alone):
     events = sse(server, {"text_input": "count to five", "stream": True, **SHORT})
