@@ -17,6 +17,7 @@ import os
 import re
 import resource
 import socket
+from collections.abc import Collection
 from typing import Any
 
 import numpy as np
@@ -77,6 +78,28 @@ def exposure_warning(address: str, key: str | None) -> str | None:
         return None
     return (f"warning: serving on {address} without an API key: any host that reaches it may use the model; "
             f"give --api-key (or ${API_KEY_ENV}), or --address {DEFAULT_ADDRESS}.")
+
+
+def host_allowed(header: str | None, allowed: Collection[str]) -> bool:
+    """Whether a request's Host header names this server: an IP address, localhost (or a name under .localhost),
+    or one of `allowed` ("*": any). A web page reaches a server on loopback or a private network through DNS
+    rebinding only under a name of its own, which this refuses. A request without one is no browser's."""
+    if header is None or "*" in allowed:
+        return True
+    host = header.strip().lower()
+    if host.startswith("["):  # [IPv6]:port
+        host, closed, _ = host[1:].partition("]")
+        if not closed:
+            return False
+    elif host.count(":") == 1:  # name:port
+        host = host.split(":")[0]
+    host = host.rstrip(".")
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        pass
+    return host == "localhost" or host.endswith(".localhost") or host in {name.lower().rstrip(".") for name in allowed}
 
 
 def connections_allowed(wanted: int) -> int:

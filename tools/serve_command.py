@@ -3,7 +3,8 @@ process (--api openai, the default) or NVIDIA Triton Inference Server (--api tri
 client`: one request to a Triton server over HTTP.
 
     refusion-run serve out/refusion-onnx [--api openai|triton] [--model-name refusion] [--http-port 8000]
-                 [--grpc-port 8001 --metrics-port 8002 (triton)] [--address 127.0.0.1] [--api-key KEY]
+                 [--grpc-port 8001 --metrics-port 8002 (triton)] [--address 127.0.0.1] [--allowed-host NAME (openai)]
+                 [--api-key KEY]
                  [--max-requests N] [--max-batch N] [--max-queue N] [--prefix-cache-mb MB] [--backend ...]
     refusion-run client "prompt" [--url http://127.0.0.1:8000] [--api-key KEY] [--chat] [--stream] [--json]
                  [--client-timeout S] [decode options]
@@ -37,6 +38,7 @@ from refusion.tools.cli_common import given_settings, progress, quiet_option, re
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 APIS = ("openai", "triton")
 _TRITON_ONLY = ("grpc_port", "metrics_port")
+_OPENAI_ONLY = ("allowed_host",)
 
 
 @click.command("serve")
@@ -52,6 +54,10 @@ _TRITON_ONLY = ("grpc_port", "metrics_port")
               help="With --api triton (the OpenAI server has /metrics on --http-port).")
 @click.option("--address", default=DEFAULT_ADDRESS, show_default=True,
               help="Interface to listen on (0.0.0.0: every interface; give --api-key then).")
+@click.option("--allowed-host", multiple=True, metavar="NAME",
+              help="With --api openai: a name clients reach the server by, taken in the Host header beside IP "
+                   "addresses, localhost and --address (others are refused, against DNS rebinding); repeatable; "
+                   "'*' takes any (behind a proxy that checks it).")
 @click.option("--api-key", "key", default=None,
               help=f"Clients must send Authorization: Bearer KEY (default: ${API_KEY_ENV}, else no key).")
 @click.option("--backend", type=click.Choice(BACKENDS), default="auto", show_default=True)
@@ -70,7 +76,8 @@ _TRITON_ONLY = ("grpc_port", "metrics_port")
 @quiet_option
 @click.pass_context
 def serve(ctx: click.Context, model_dir: Path, api: str, model_name: str, http_port: int, grpc_port: int,
-          metrics_port: int, address: str, key: str | None, backend: str, threads: int | None,
+          metrics_port: int, address: str, allowed_host: tuple[str, ...], key: str | None, backend: str,
+          threads: int | None,
           max_requests: int | None, max_batch: int | None, max_queue: int, prefix_cache_mb: float, drain_timeout: int,
           verbose: bool) -> None:
     """Serve the export or engines in MODEL_DIR: an OpenAI-compatible API in this process (--api openai,
@@ -82,17 +89,18 @@ def serve(ctx: click.Context, model_dir: Path, api: str, model_name: str, http_p
     settings = ServeSettings(str(model_dir.resolve()), backend, threads, max_requests, max_batch, max_queue,
                              prefix_cache_mb)
     key = api_key(key)
+    given = [f"--{name.replace('_', '-')}" for name in (_TRITON_ONLY if api == "openai" else _OPENAI_ONLY)
+             if ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT]
+    if given:
+        raise RefusionError(f"{given[0]} is Triton's; the OpenAI server takes everything on --http-port (add --api "
+                            "triton for Triton's ports)." if api == "openai" else f"{given[0]} is the OpenAI server's; "
+                            "Triton's gateways do not check the Host header (drop it, or serve --api openai).")
     if api == "openai":
-        given = [name for name in _TRITON_ONLY
-                 if ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT]
-        if given:
-            raise RefusionError(f"--{given[0].replace('_', '-')} is Triton's; the OpenAI server takes everything on "
-                                "--http-port (add --api triton for Triton's ports).")
         check_export(model_dir, settings)  # the export and the runner options, before anything loads
         warning = exposure_warning(bind_address(address), key)
         if warning:
             click.echo(warning, err=True)
-        _serve_openai(model_dir, settings, model_name, http_port, address, key, drain_timeout, verbose)
+        _serve_openai(model_dir, settings, model_name, http_port, address, allowed_host, key, drain_timeout, verbose)
         return
     os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # the gRPC gateway's library logs no INFO lines of its own
     server = TritonServer(model_dir, Ports(http_port, grpc_port, metrics_port, address), settings, model_name,
@@ -133,7 +141,7 @@ def serve(ctx: click.Context, model_dir: Path, api: str, model_name: str, http_p
 
 
 def _serve_openai(model_dir: Path, settings: ServeSettings, model_name: str, http_port: int, address: str,
-                  key: str | None, drain_timeout: int, verbose: bool) -> None:
+                  allowed_hosts: tuple[str, ...], key: str | None, drain_timeout: int, verbose: bool) -> None:
     from refusion.serve.openai.server import OpenAIServer  # the serve extra's FastAPI and uvicorn
 
     s = settings
@@ -141,7 +149,8 @@ def _serve_openai(model_dir: Path, settings: ServeSettings, model_name: str, htt
     with Generator.from_dir(model_dir, backend=s.backend, threads=s.threads, max_requests=s.max_requests,
                             max_batch=s.max_batch, prefix_cache_mb=s.prefix_cache_mb) as gen:
         server = OpenAIServer(gen, model_name=model_name, address=address, port=http_port, api_key=key,
-                              max_queue=s.max_queue, drain_timeout_s=drain_timeout, verbose=verbose)
+                              max_queue=s.max_queue, drain_timeout_s=drain_timeout, allowed_hosts=allowed_hosts,
+                              verbose=verbose)
 
         def stop(signum: int, frame: FrameType | None) -> None:
             if server.frontend.drain_deadline is None:

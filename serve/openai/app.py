@@ -6,8 +6,10 @@
     GET  /metrics                                  (Prometheus text)
 
 Every answer that is not a completion is OpenAI's error JSON with its HTTP status: a bad body or field 400
-naming it, an unknown model or path 404, a body too large 413 or too slow 408, the server full 429 with
-Retry-After, draining 503; a bug is a 500 whose body names only its type (the traceback goes to the log).
+naming it, an unknown model or path 404, a body too large 413 or too slow 408, one that is not JSON 415, the
+server full 429 with Retry-After, draining 503; a bug is a 500 whose body names only its type (the traceback
+goes to the log). What a web page could send is refused: a Host header that names no host of this server (DNS
+rebinding) and a body that is not declared JSON (a form); no CORS header is ever sent.
 A request is read whole within the body limits before anything runs, and its client going away cancels it
 (streaming or not): its KV region is free within a forward.
 """
@@ -38,7 +40,7 @@ from refusion.serve.frontend import Final, Frontend, ServeRequest, Status
 from refusion.serve.openai.metrics import CONTENT_TYPE, Arrival, ServerMetrics
 from refusion.serve.openai.responses import ApiError, Reply, answer_logprobs, error_body, sse, token_logprobs
 from refusion.serve.openai.schema import CHAT, COMPLETIONS, ApiRequest, parse_json, read_request
-from refusion.serve.security import authorized
+from refusion.serve.security import authorized, host_allowed
 
 log = logging.getLogger("refusion.serve.openai")
 DISCARD_FACTOR = 8  # a body over the limit is read and dropped up to this many times it, so its client sees the 413
@@ -50,6 +52,7 @@ class AppConfig:
     max_body: int  # bytes of a request body
     body_timeout_s: float  # for the whole body to arrive after the headers
     api_key: str | None = None  # every path but /health needs `Authorization: Bearer KEY`
+    allowed_hosts: frozenset[str] = frozenset()  # Host names taken beside IP addresses and localhost ("*": any)
     retry_after_s: int = 1  # what a 429 tells its client
 
 
@@ -58,6 +61,7 @@ def create_app(frontend: Frontend[Arrival], metrics: ServerMetrics, config: AppC
     gen = frontend.gen
     if config.api_key is not None:
         app.add_middleware(_KeyCheck, key=config.api_key, refused=lambda: metrics.refused.labels("401").inc())
+    app.add_middleware(_HostCheck, allowed=config.allowed_hosts, refused=lambda: metrics.refused.labels("400").inc())
     tokenizer = gen.tokenizer
 
     def token_text(token_id: int) -> str:
@@ -125,6 +129,7 @@ def create_app(frontend: Frontend[Arrival], metrics: ServerMetrics, config: AppC
 
     async def complete(endpoint: str, http: Request) -> Response:
         arrival = Arrival(endpoint)
+        _check_json(http.headers.get("content-type"))
         body = await _read_body(http, config)
         # Parsed and checked off the event loop: linear in the body's size, which the limit bounds, but not free.
         api = await run_in_threadpool(lambda: read_request(endpoint, parse_json(body), config.model))
@@ -182,6 +187,33 @@ class _KeyCheck:
                    "api_key=KEY)." if not header else "the API key given is not this server's.")
         response = JSONResponse(error_body(401, message, code="invalid_api_key"), 401, {"WWW-Authenticate": "Bearer"})
         await response(scope, receive, send)
+
+
+class _HostCheck:
+    """ASGI middleware: a request whose Host header names no host of this server gets 400 before anything else
+    (serve/security.py host_allowed), so that a page that rebinds its own name to this address reads nothing."""
+
+    def __init__(self, app: ASGIApp, allowed: frozenset[str], refused: Callable[[], None]):
+        self.app, self.allowed, self.refused = app, allowed, refused
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        host = dict(scope["headers"]).get(b"host") if scope["type"] == "http" else None
+        if host is None or host_allowed(host.decode("latin-1"), self.allowed):
+            return await self.app(scope, receive, send)
+        self.refused()
+        message = (f"the Host header {host.decode('latin-1')[:100]!r} names no host of this server, which takes IP "
+                   "addresses, localhost and the names its --address and --allowed-host give (a web page reaches "
+                   "a local server under a name of its own; the server refuses it).")
+        await JSONResponse(error_body(400, message, code="invalid_host"), 400)(scope, receive, send)
+
+
+def _check_json(content_type: str | None) -> None:
+    """A body declared JSON, or a 415: a web page can send a form or text/plain to any address without asking,
+    but not application/json."""
+    if (content_type or "").split(";", 1)[0].strip().lower() != "application/json":
+        given = f"Content-Type {content_type!r}" if content_type else "no Content-Type"
+        raise ApiError(415, f"the request has {given}; send the body as JSON with Content-Type: application/json "
+                            "(curl: -H 'Content-Type: application/json').", code="unsupported_media_type")
 
 
 async def _read_body(http: Request, config: AppConfig) -> bytes:

@@ -19,7 +19,7 @@ import errno
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import uvicorn
 
@@ -44,10 +44,11 @@ class OpenAIServer:
                  api_key: str | None = None, max_queue: int = 64, drain_timeout_s: float = 30.0,
                  max_body: int | None = None, body_timeout_s: float = BODY_TIMEOUT_S,
                  header_timeout_s: float = HEADER_TIMEOUT_S, max_connections: int = MAX_CONNECTIONS,
-                 verbose: bool = False):
+                 allowed_hosts: Sequence[str] = (), verbose: bool = False):
         """`api_key`: clients must send it (serve/security.py's api_key() reads --api-key and the environment);
         `max_body` (bytes of a request body): default, the longest prompt that fits the model, JSON-escaped,
-        and the rest (serve/security.py's body_limit); the connections' deadlines and bound: connections.py;
+        and the rest (serve/security.py's body_limit); `allowed_hosts`: the Host header's names taken beside IP
+        addresses, localhost and `address` ("*": any); the connections' deadlines and bound: connections.py;
         `verbose`: uvicorn's info log and an access line per request on stderr."""
         if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 0:
             raise RefusionError(f"max_queue={max_queue!r} (--max-queue) must be an integer >= 0.")
@@ -61,7 +62,8 @@ class OpenAIServer:
         self.frontend: Frontend[Arrival] = Frontend(gen, max_queue, on_end=self.metrics.ended)
         self.metrics.watch(self.frontend)
         limit = max_body if max_body is not None else body_limit(gen.max_prompt_bytes)
-        app = create_app(self.frontend, self.metrics, AppConfig(model_name, limit, body_timeout_s, api_key))
+        app = create_app(self.frontend, self.metrics, AppConfig(model_name, limit, body_timeout_s, api_key,
+                                                                frozenset({address, *allowed_hosts})))
         self.socket = _bind(bind_address(address), port)
         self.address, self.port = address, self.socket.getsockname()[1]
         limits = ConnectionLimits(connections_allowed(max_connections), header_timeout_s, body_timeout_s)

@@ -18,6 +18,7 @@ from refusion.serve.security import (
     bind_address,
     body_limit,
     exposure_warning,
+    host_allowed,
     json_depth,
     read_json_object,
 )
@@ -60,6 +61,15 @@ def test_serving_other_hosts_without_a_key_is_warned_about():
     assert exposure_warning("0.0.0.0", KEY) is None
     warning = exposure_warning("0.0.0.0", None)
     assert warning is not None and warning.startswith("warning: serving on 0.0.0.0 without an API key")
+
+
+def test_a_host_header_is_taken_when_it_names_this_server():
+    for header in (None, "127.0.0.1", "127.0.0.1:8000", "[::1]:8000", "::1", "LocalHost:1", "a.localhost",
+                   "robot.lan", "Robot.LAN.:80"):
+        assert host_allowed(header, {"robot.lan"}), header
+    for header in ("evil.example", "evil.example:8000", "localhost.evil.example", "robot.lan.evil", "", "[::1"):
+        assert not host_allowed(header, {"robot.lan"}), header
+    assert host_allowed("evil.example", {"*"})
 
 
 def test_the_body_limit_fits_the_longest_prompt_escaped():

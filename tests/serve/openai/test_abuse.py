@@ -121,7 +121,8 @@ def test_huge_bodies_are_413s_and_the_server_stays_ready(serve):
     status, _, body = post(server, CHAT_PATH, {**HI, "messages": [{"role": "user", "content": "x" * 8192}]})
     assert "over 4096 bytes" in _error(status, body)
     with connect(server) as sock:  # declares 1 GB, sends none of it: answered without reading
-        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1000000000\r\n\r\n")
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 1000000000\r\n\r\n")
         status, _, raw = read_response(sock)
     assert "over 4096 bytes" in _error(status, json.loads(raw))
     _ready(server)
@@ -130,7 +131,8 @@ def test_huge_bodies_are_413s_and_the_server_stays_ready(serve):
 def test_a_client_that_stalls_mid_body_gets_a_408_while_others_are_served(serve):
     server = serve(body_timeout_s=0.5)  # the stalled body never comes: its outcome does not depend on speed
     with connect(server) as stalled:
-        stalled.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"model\"")
+        stalled.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                        b"Content-Length: 100\r\n\r\n{\"model\"")
         _ready(server)
         status, _, raw = read_response(stalled)
     assert "did not arrive within 0.5 s" in _error(status, json.loads(raw))

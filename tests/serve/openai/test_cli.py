@@ -61,7 +61,7 @@ def test_serve_answers_the_openai_client_and_drains_on_sigterm_with_exit_0(tiny_
         assert answer.choices[0].finish_reason in ("stop", "length")
         host, port = url.removeprefix("http://").split(":")
         idle = socket.create_connection((host, int(port)))  # a keep-alive connection, idle between requests
-        idle.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        idle.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
         assert idle.recv(4096).startswith(b"HTTP/1.1 200")
         server.send_signal(signal.SIGTERM)
         rest = server.communicate(timeout=HANG_GUARD_S)[0]
