@@ -335,7 +335,7 @@ def test_template_errors(tok_dir, tmp_path):
 
 @pytest.mark.parametrize("template, limit", [
     ("{{ 'a' * 100000000 }}", "made a repetition of 100000000"),
-    ("{{ [0] * 100000000 }}", "made a repetition of 100000000"),
+    ("{{ [0] * 100000000 }}", "made a repetition of 800000000"),  # 8 bytes an item
     ("{{ 9 ** 99999999 }}", "made a power's bits"),
     ("{{ 'a'|center(100000000) }}", "passed 100000000 to a call"),
     ("{{ '{:>100000000}'.format('a') }}", "formats to a width of 100000000"),
@@ -362,6 +362,59 @@ def test_a_hostile_template_is_stopped_at_a_limit(tok_dir, tmp_path, monkeypatch
     with pytest.raises(RefusionError, match="the chat template ") as err:
         Tokenizer.from_dir(d).apply_chat_template([{"role": "user", "content": "hi"}])
     assert limit in str(err.value)
+
+
+def _render(tok_dir, tmp_path, template: str) -> str:
+    d = _copy(tok_dir, tmp_path / "tok")
+    (d / "chat_template.jinja").write_text(template)
+    return Tokenizer.from_dir(d).apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+@pytest.mark.parametrize("template, limit", [
+    ("{{ (['a' * 60000000] * 100) | join }}", "made the join filter's result of 6000000000"),  # TPL4
+    ("{% set s = 'a' * 60000 %}{{ s | replace('a', s) }}", "made the replace filter's result of 3600000000"),  # TPL5
+    ("{{ s.replace('a', s) }}", "made the result of replace() of 3600000000"),
+    ("{{ ('\t' * 1000).expandtabs(60000000) }}", "made the result of expandtabs() of 60000001000"),  # TPL6
+    ("{{ lipsum(300000, html=False, min=100, max=101) }}", "made lorem ipsum of 484800000"),  # TPL7
+    ("{{ ('a b ' * 16000000) | wordwrap(3) }}", "made the wordwrap filter's result of"),  # TPL8
+    ("{{ ('a' * 60000000) | list | length }}", "made the list filter's result of 3840000000"),  # TPL9
+    ("{{ ([0] * 8000000) | batch(8000000, 0) | list }}", "made the batch filter's result of"),
+    ("{{ 'x'.join(['a' * 30000000] * 3) }}", "made the result of join() of"),
+    ("{{ '{0}{0}{0}'.format('a' * 30000000) }}", "made the result of format() of"),
+    ("{{ '%s%s%s' % (('a' * 30000000,) * 3) }}", "made a formatted string of"),
+    ("{{ ['a' * 30000000] * 3 }}", "made an output of"),  # str() of a list: each item again
+    ("{{ [['a' * 30000000] * 3] | tojson }}", "made the tojson filter's result of"),
+    ("{% macro m() %}{% for i in range(3) %}{{ 'a' * 30000000 }}{% endfor %}{% endmacro %}{{ m() }}",
+     "made a concatenation of"),
+    ("{{ [[1]] * 10 | sum(start=[]) }}", "summed values other than numbers"),
+    ("{{ (2 ** 32000) * (2 ** 32000) * (2 ** 32000) }}", "multiplied integers of 64001 and 32001 bits"),
+    ("{{ 'abc'.encode() }}", "called the string method encode"),
+    ("{{ (1).to_bytes(60000000, 'big') }}", "called int.to_bytes"),
+    ("{{ {}.fromkeys('a' * 60000000) }}", "called dict.fromkeys"),
+    ("{{ dict.fromkeys('a' * 60000000) }}", "made a sequence of"),
+    ("{{ 'a' | urlize }}", "No filter named 'urlize'"),  # markup filters are not there
+])
+def test_filters_methods_and_globals_are_bounded_before_they_run(tok_dir, tmp_path, template, limit):
+    """The probe's TPL4-TPL9 at the default limits: each is refused before it allocates what it asks for (the
+    probe saw 6 GB and 60 GB allocations, 3.5 GiB and 1.6 GiB peaks, a render still running at 120 s)."""
+    with pytest.raises(RefusionError, match="chat template ") as err:
+        _render(tok_dir, tmp_path, template.replace("{{ s.", "{% set s = 'a' * 60000 %}{{ s."))
+    assert limit in str(err.value)
+
+
+@pytest.mark.parametrize("template, inside", [
+    ("{{ lipsum(50, html=False, min=100, max=101) }}", "generate_lorem_ipsum"),  # a global's own loop
+    ("{{ range(100000) | map('string') | join }}", "bounded"),  # a filter consuming another's results
+])
+def test_the_time_limit_stops_a_step_inside_a_filter_or_a_global(tok_dir, tmp_path, monkeypatch, template, inside):
+    """The probe: the clock was read on template lines only, so one long filter or global call ran to its end.
+    With no time allowed, the render stops at the first reading of the clock, which falls inside the call."""
+    from refusion.runtime import tokenizer as module
+
+    monkeypatch.setattr(module, "TEMPLATE_MAX_SECONDS", 0.0)
+    with pytest.raises(RefusionError, match="ran for more than 0 s") as err:
+        _render(tok_dir, tmp_path, template)
+    assert inside in [entry.name for entry in err.traceback]
 
 
 def test_the_template_limits_leave_real_templates_and_the_callers_tracer_alone(tok_dir):
