@@ -8,6 +8,7 @@ interrupted export never leaves a directory that loads (export/publish.py says h
 from __future__ import annotations
 
 import ctypes
+import errno
 import gc
 import math
 import shutil
@@ -20,7 +21,7 @@ from refusion.export.checkpoint import Checkpoint
 from refusion.export.onnx_graph import build_graph, graph_opset
 from refusion.export.ort_graph import build_ort_graph
 from refusion.export.progress import Progress, line, silent, tick
-from refusion.export.publish import clean_leftovers, cleanup_on_signals, make_staging, publish
+from refusion.export.publish import clean_leftovers, cleanup_on_signals, exclusive, make_staging, publish
 from refusion.export.quantize import QuantizeOptions, QuantPlan, float_tensors, plan_quantization, write_weight
 from refusion.export.weights_file import WeightsWriter
 from refusion.runtime.core.contract import (
@@ -69,13 +70,7 @@ def export_onnx(
     export_dtype = from_flag(dtype).name
     if ops not in GRAPH_OPS:
         raise RefusionError(f"ops={ops!r} (--ops) must be one of {', '.join(GRAPH_OPS)}.")
-    if output.exists() and not force:
-        raise RefusionError(f"output {output} already exists; pass --force to replace it.")
-    if output.exists() and not _replaceable(output):
-        raise RefusionError(
-            f"output {output} exists and is not an earlier export (no {MANIFEST_NAME}) nor an empty directory; "
-            "--force replaces only those. Choose another --output."
-        )
+    _check_output(output, force)
     ckpt = Checkpoint.open(checkpoint, mask_token_id)
     eos_id = ckpt.eos_token_id()
     d = ckpt.dims
@@ -87,31 +82,56 @@ def export_onnx(
     with cleanup_on_signals():
         try:
             output.parent.mkdir(parents=True, exist_ok=True)
-            clean_leftovers(output, lambda text: line(progress, text))
-            staging = make_staging(output)
         except OSError as e:
             why = "a file is in the way" if isinstance(e, (FileExistsError, NotADirectoryError)) else e.strerror
             raise RefusionError(f"cannot write to {output.parent} ({why}); choose a writable --output.") from e
-        try:
-            _write_export(ckpt, staging, export_dtype, logits, candidates_for(d.vocab_size, candidates), eos_id,
-                          quant_plan, placement, ops, progress)
-            if validate:
-                from refusion.export.validate import validate_export
+        with exclusive(output):  # another export to it is refused while this one writes
+            _check_output(output, force)  # again: another export may have published it since the first look
+            try:
+                clean_leftovers(output, lambda text: line(progress, text))
+                staging = make_staging(output)
+            except OSError as e:
+                raise RefusionError(f"cannot write to {output.parent} ({e.strerror}); choose a writable --output.") \
+                    from e
+            try:
+                _write_export(ckpt, staging, export_dtype, logits, candidates_for(d.vocab_size, candidates), eos_id,
+                              quant_plan, placement, ops, progress)
+                if validate:
+                    from refusion.export.validate import validate_export
 
-                _release_freed_memory()
+                    _release_freed_memory()
 
-                line(progress, "validating graphs against the torch definition on onnxruntime CPU")
-                report = validate_export(staging, pending=True, progress=progress)
-                line(progress, report.text())
-                if not report.ok:
-                    raise RefusionError(f"export validation failed (report above); nothing was written to {output}.")
-            (staging / PENDING_NAME).rename(staging / MANIFEST_NAME)  # complete: the very last write
-            publish(staging, output)
-            line(progress, f"{MANIFEST_NAME} written: the export is complete")
-        except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
+                    line(progress, "validating graphs against the torch definition on onnxruntime CPU")
+                    report = validate_export(staging, pending=True, progress=progress)
+                    line(progress, report.text())
+                    if not report.ok:
+                        raise RefusionError(f"export validation failed (report above); nothing was written to "
+                                            f"{output}.")
+                (staging / PENDING_NAME).rename(staging / MANIFEST_NAME)  # complete: the very last write
+                publish(staging, output)
+                line(progress, f"{MANIFEST_NAME} written: the export is complete")
+            except BaseException as e:
+                shutil.rmtree(staging, ignore_errors=True)
+                if isinstance(e, OSError) and e.errno in _NO_ROOM:
+                    where = f" ({e.filename})" if e.filename else ""
+                    raise RefusionError(f"no room left to write the export in {output.parent}: {e.strerror}{where}; "
+                                        f"nothing was written to {output}. Free space there, or choose another "
+                                        "--output.") from None
+                raise
     return output
+
+
+_NO_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # a full disk, a quota, a file-size limit
+
+
+def _check_output(output: Path, force: bool) -> None:
+    if output.exists() and not force:
+        raise RefusionError(f"output {output} already exists; pass --force to replace it.")
+    if output.exists() and not _replaceable(output):
+        raise RefusionError(
+            f"output {output} exists and is not an earlier export (no {MANIFEST_NAME}) nor an empty directory; "
+            "--force replaces only those. Choose another --output."
+        )
 
 
 def _release_freed_memory() -> None:

@@ -12,11 +12,14 @@ takes the output's name:
   between the two renames (an error or a caught signal there puts it back).
 SIGTERM and SIGHUP clean up like Ctrl-C. A SIGKILL cannot be caught: the next export to the
 same output removes what a dead run left, and restores its output first if a crash took it.
+One export at a time writes an output: it holds a lock on `.NAME.lock` beside it (flock, which
+the kernel lets go when the process ends), and another is refused while it does.
 """
 
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import os
 import re
 import shutil
@@ -28,10 +31,43 @@ from contextlib import contextmanager
 from pathlib import Path
 from types import FrameType
 
+from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.core.export_manifest import MANIFEST_NAME
 
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
+
+
+@contextmanager
+def exclusive(output: Path) -> Iterator[None]:
+    """While this block runs, no other export may write `output` (its parent must exist): a second one is
+    refused at once, naming the process that writes it."""
+    lock = output.with_name(f".{output.name}.lock")
+    while True:
+        try:
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise RefusionError(f"cannot write to {output.parent} ({e.strerror}); choose a writable --output.") from e
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 32).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise RefusionError(f"another export (pid {holder}) is writing {output} now; wait for it to end, or "
+                                "choose another --output.") from None
+        try:
+            if os.path.samestat(os.fstat(fd), os.stat(lock)):
+                break
+        except FileNotFoundError:
+            pass
+        os.close(fd)  # the holder removed this file as it let go: lock the one there now
+    try:
+        os.ftruncate(fd, 0)
+        os.write(fd, str(os.getpid()).encode())
+        yield
+    finally:
+        os.unlink(lock)  # under the lock: whoever opened the old file sees it gone and opens afresh
+        os.close(fd)
 
 
 def make_staging(output: Path) -> Path:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -148,3 +149,33 @@ def test_check_and_inspect_name_an_export_one_level_down(exported, tmp_path):
     for command in ("check", "inspect"):
         assert_user_error(run(command, parent), f"{parent} is not a refusion export: refusion.json is missing. "
                                                 f"{parent / 'onnx'} is an export: pass it.")
+
+
+def test_an_export_into_an_output_another_export_is_writing_is_refused(store, tmp_path):
+    """The probe's E3: two exports into one new directory both exited 0, and the later silently replaced the
+    other, --force or not."""
+    from refusion.export.publish import exclusive
+
+    out = tmp_path / "out"
+    with exclusive(out):  # as another export holds it while it writes
+        assert_user_error(run("onnx", store.checkpoint("gqa2"), "-o", out, "--no-validate"),
+                          f"another export (pid {os.getpid()}) is writing {out} now")
+    assert not out.exists()
+    assert run("onnx", store.checkpoint("gqa2"), "-o", out, "--no-validate").exit_code == 0
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]  # the lock's file goes with the export
+
+
+@pytest.mark.slow  # an export in a subprocess whose files may not grow past 64 KiB
+def test_a_disk_that_fills_up_during_an_export_is_one_error_line(store, tmp_path):
+    """The probe's E2: a full disk gave an OSError traceback (cleanup was right). A file-size limit fails the
+    same writes (EFBIG, as ENOSPC and EDQUOT do) without a disk of that size."""
+    limited = ("import resource, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+               "resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 16, 1 << 16)); "
+               "from refusion.tools.export_cli import main; main()")
+    out = tmp_path / "out"
+    result = subprocess.run([sys.executable, "-c", limited, "onnx", str(store.checkpoint("gqa2")), "-o", str(out),
+                             "--no-validate"], capture_output=True, text=True, timeout=300)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    assert len(errors) == 1 and "no room left to write the export in" in errors[0], result.stderr
+    assert list(tmp_path.iterdir()) == []  # nothing left: no staging directory, no lock
