@@ -8,7 +8,8 @@
                  [--backend ...] [--threads N] [--low-memory] [--verify]
     refusion-run chat out/refusion-onnx [the same decode and load options] [--system TEXT] [--no-stats]
     refusion-run serve out/refusion-onnx [--http-port 8000 --grpc-port 8001 --metrics-port 8002] (docs/serving.md)
-    refusion-run client "prompt" [--url http://127.0.0.1:8000] [--chat] [--stream] [--json] [decode options]
+    refusion-run client "prompt" [--url http://127.0.0.1:8000] [--api openai|triton] [--chat] [--stream] [--json]
+                 [decode options]
 
 Decode settings left out take the values the export recorded for its model (refusion.json "defaults").
 """

@@ -1,13 +1,13 @@
 """`refusion-run serve`: an export or engines directory behind an OpenAI-compatible HTTP server in this
 process (--api openai, the default) or NVIDIA Triton Inference Server (--api triton); and `refusion-run
-client`: one request to a Triton server over HTTP.
+client`: one request to either over HTTP, in the API `serve` speaks by default (--api triton for Triton's).
 
     refusion-run serve out/refusion-onnx [--api openai|triton] [--model-name refusion] [--http-port 8000]
                  [--grpc-port 8001 --metrics-port 8002 (triton)] [--address 127.0.0.1] [--allowed-host NAME (openai)]
                  [--api-key KEY]
                  [--max-requests N] [--max-batch N] [--max-queue N] [--prefix-cache-mb MB] [--backend ...]
-    refusion-run client "prompt" [--url http://127.0.0.1:8000] [--api-key KEY] [--chat] [--stream] [--json]
-                 [--client-timeout S] [decode options]
+    refusion-run client "prompt" [--url http://127.0.0.1:8000] [--api openai|triton] [--api-key KEY] [--chat]
+                 [--stream] [--json] [--client-timeout S] [decode options]
 
 docs/serving.md has the requests (the openai client, curl, tritonclient), the fields and tensors, why the
 default is the OpenAI API, and what was measured.
@@ -29,8 +29,10 @@ import click
 from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.generator import Generator
 from refusion.runtime.runners import BACKENDS
+from refusion.serve.http_client import CLIENT_TIMEOUT_S
+from refusion.serve.openai import client as openai_client
 from refusion.serve.security import API_KEY_ENV, DEFAULT_ADDRESS, api_key, bind_address, exposure_warning
-from refusion.serve.triton.client import CLIENT_TIMEOUT_S, generate, request_body, stream_events
+from refusion.serve.triton import client as triton_client
 from refusion.serve.triton.launcher import Ports, TritonServer, check_export
 from refusion.serve.triton.settings import ServeSettings
 from refusion.tools.cli_common import given_settings, progress, quiet_option, read_prompt, setting_options
@@ -171,7 +173,11 @@ def _serve_openai(model_dir: Path, settings: ServeSettings, model_name: str, htt
 
 @click.command("client")
 @click.argument("prompt")
-@click.option("--url", default="http://127.0.0.1:8000", show_default=True, help="The server's HTTP address.")
+@click.option("--url", default="http://127.0.0.1:8000", show_default=True,
+              help="The server's HTTP address (both APIs' --http-port defaults to 8000).")
+@click.option("--api", type=click.Choice(APIS), default="openai", show_default=True,
+              help="The API the server speaks, as `serve --api` gave it: openai (/v1/completions, with --chat "
+                   "/v1/chat/completions) or triton (generate, generate_stream).")
 @click.option("--model-name", default="refusion", show_default=True)
 @click.option("--chat", is_flag=True, help="Wrap PROMPT as a user message in the model's chat template.")
 @click.option("--stream", is_flag=True, help="Print text as it settles (generate_stream).")
@@ -182,11 +188,12 @@ def _serve_openai(model_dir: Path, settings: ServeSettings, model_name: str, htt
               help="Seconds to wait for the server's answer (when streaming: for each event) before giving up.")
 @click.option("--api-key", "key", default=None, help=f"The server's API key (default: ${API_KEY_ENV}, else none).")
 @setting_options
-def client(prompt: str, url: str, model_name: str, chat: bool, stream: bool, as_json: bool, logprobs: bool,
+def client(prompt: str, url: str, api: str, model_name: str, chat: bool, stream: bool, as_json: bool, logprobs: bool,
            client_timeout: float, key: str | None, **options: Any) -> None:
     """Send PROMPT to a server started with `refusion-run serve` and print the answer. Decode settings
     left out take the values the served export recorded. PROMPT - reads the prompt from stdin (its trailing
-    newline dropped)."""
+    newline dropped). finish_reason is the server API's own (OpenAI's stop or length; Triton's eos, stop,
+    length, timeout or cancelled)."""
     prompt = read_prompt(prompt)
     if stream and as_json:
         raise RefusionError("--stream and --json do not combine; choose one.")
@@ -197,16 +204,17 @@ def client(prompt: str, url: str, model_name: str, chat: bool, stream: bool, as_
     if not client_timeout > 0:
         raise RefusionError(f"--client-timeout {client_timeout} must be a positive number of seconds.")
     key = api_key(key)
-    body = request_body(prompt, settings, chat=chat, stream=stream, timeout_s=timeout_s)
+    speaks = openai_client if api == "openai" else triton_client
+    body = speaks.request_body(prompt, settings, chat=chat, stream=stream, timeout_s=timeout_s)
     t0 = time.perf_counter()
     if stream:
-        for event in stream_events(url, model_name, body, client_timeout, key):
+        for event in speaks.stream_events(url, model_name, body, client_timeout, key):
             click.echo(event.get("text_output", ""), nl=False)
             sys.stdout.flush()
         click.echo()
         final = event
     else:
-        final = generate(url, model_name, body, client_timeout, key)
+        final = speaks.generate(url, model_name, body, client_timeout, key)
         if as_json:
             extra = {"logprobs": final["output_log_probs"]} if logprobs else {}
             click.echo(json.dumps({"text": final["text_output"], "token_ids": final["token_ids"],

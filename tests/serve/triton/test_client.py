@@ -1,5 +1,5 @@
-"""`refusion-run client` against servers that misbehave: answers that are not JSON, a port out of range, a
-server that never answers, and the API key it sends. No Triton: small stand-ins on loopback."""
+"""`refusion-run client --api triton` against servers that misbehave: answers that are not JSON, a port out of
+range, a server that never answers, and the API key it sends. No Triton: small stand-ins on loopback."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def _serve(answer: bytes, content_type: str = "application/json", seen: list | N
 
 
 def _client(*args: str):
-    return CliRunner().invoke(cli, ["client", "hi", *args])
+    return CliRunner().invoke(cli, ["client", "hi", "--api", "triton", *args])
 
 
 @pytest.mark.parametrize("answer, streaming", [

@@ -367,8 +367,8 @@ def test_the_client_command_prints_the_answer_streamed_or_whole(server, alone):
     from refusion.tools.run_cli import cli
 
     ids, text = alone("count to five", **SHORT)
-    args = ["client", "count to five", "--url", server.url, "--max-tokens", "32", "--slot-size", "4",
-            "--serial-num-blocks", "2"]
+    args = ["client", "count to five", "--url", server.url, "--api", "triton", "--max-tokens", "32", "--slot-size",
+            "4", "--serial-num-blocks", "2"]
     for extra in ([], ["--stream"]):
         result = CliRunner().invoke(cli, args + extra)
         assert result.exit_code == 0 and result.stdout == text + "\n", result.output
@@ -379,3 +379,5 @@ def test_the_client_command_prints_the_answer_streamed_or_whole(server, alone):
         "error: the server refused the request (400): slot_threshold=1.5 is outside [0, 1]")
     nobody = CliRunner().invoke(cli, ["client", "hi", "--url", f"http://127.0.0.1:{free_ports(1)[0]}"])
     assert nobody.exit_code == 1 and "no server answered at 127.0.0.1:" in nobody.output
+    other = CliRunner().invoke(cli, ["client", "hi", "--url", server.url])  # the OpenAI API, the default
+    assert other.exit_code == 1 and "serves the other API: add --api triton" in other.output, other.output
