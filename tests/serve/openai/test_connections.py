@@ -10,13 +10,13 @@ import json
 import resource
 import socket
 import threading
-import time
 
 import pytest
 
 from refusion.serve.openai import app as app_module
 from tests.gate import ForwardGate
 from tests.serve.openai.helpers import HANG_GUARD_S, connect, live, post, read_response, request_bytes, wait_until
+from tests.serve.sockets import closed_by_server, cut, trickled_until_cut
 
 CHAT_PATH = "/v1/chat/completions"
 HI = {"model": "refusion", "messages": [{"role": "user", "content": "sort: 3 1 2"}], "max_tokens": 8}
@@ -32,14 +32,6 @@ def _health(server) -> int:
         return read_response(sock)[0]
 
 
-def _closed_by_server(sock: socket.socket) -> bool:
-    sock.settimeout(HANG_GUARD_S)
-    try:
-        return sock.recv(1) == b""
-    except ConnectionResetError:
-        return True
-
-
 def _held_open(server, data: bytes = b"") -> socket.socket:
     """A connection that sends `data` and no more, once the server has taken it."""
     count = _open(server)
@@ -53,36 +45,15 @@ def test_a_connection_that_sends_no_request_is_closed_at_the_header_deadline(ser
     server = serve(header_timeout_s=0.3)
     for data in (b"", b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Le"):
         with _held_open(server, data) as sock:  # the rest never comes: the outcome does not depend on speed
-            assert _closed_by_server(sock)
+            assert closed_by_server(sock)
     assert _health(server) == 200
 
 
 def test_a_request_trickled_a_byte_at_a_time_is_cut_at_its_deadline(serve):
     """The probe's O7 with partial headers: the deadline is for the line and headers together."""
     server = serve(header_timeout_s=0.5)
-    trickle = iter(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Pad: " + b"a" * 60_000)
-    hang_guard = time.monotonic() + HANG_GUARD_S
     with connect(server) as sock:
-        while not _cut(sock, bytes([next(trickle)])):
-            assert time.monotonic() < hang_guard, "a request trickled in was never cut"
-            time.sleep(0.05)  # each byte well within the deadline: only a deadline for the whole cuts it
-
-
-def _cut(sock: socket.socket, data: bytes) -> bool:
-    """Whether the server has closed `sock` (else `data` is sent)."""
-    try:
-        sock.sendall(data)
-    except OSError:
-        return True
-    sock.settimeout(0)
-    try:
-        return sock.recv(1) == b""
-    except BlockingIOError:
-        return False
-    except OSError:
-        return True
-    finally:
-        sock.settimeout(HANG_GUARD_S)
+        assert trickled_until_cut(sock, b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Pad: " + b"a" * 60_000)
 
 
 def test_a_body_no_route_reads_is_cut_at_its_deadline(serve):
@@ -90,7 +61,7 @@ def test_a_body_no_route_reads_is_cut_at_its_deadline(serve):
     with connect(server) as sock:  # /health answers without reading the 100 bytes announced, which never come
         sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 100\r\n\r\n")
         assert read_response(sock)[0] == 200
-        assert _closed_by_server(sock)
+        assert closed_by_server(sock)
 
 
 def test_idle_connections_make_room_for_new_ones_longest_waiting_first(serve):
@@ -104,11 +75,11 @@ def test_idle_connections_make_room_for_new_ones_longest_waiting_first(serve):
     spares = []
     for gone in (silent, partial):
         assert _health(server) == 200  # one more than the limit: the longest waiting made room
-        assert _closed_by_server(gone)
+        assert closed_by_server(gone)
         wait_until(lambda: _open(server) == 2, "the connections closed are gone")
         spares.append(_held_open(server))  # back at the limit, the next oldest is the next to go
     assert post(server, CHAT_PATH, HI)[0] == 200
-    assert _closed_by_server(kept)
+    assert closed_by_server(kept)
     for sock in (silent, partial, kept, *spares):
         sock.close()
 
@@ -143,7 +114,7 @@ def test_1100_silent_and_half_sent_connections_leave_health_and_requests_served(
         wait_until(lambda: _open(server) >= 1024, "the server holds its limit of connections")
         assert _health(server) == 200
         assert post(server, CHAT_PATH, HI)[0] == 200
-        assert sum(not _cut(sock, b"") for sock in attack) > 1000  # the attack still holds its connections
+        assert sum(not cut(sock, b"") for sock in attack) > 1000  # the attack still holds its connections
     finally:
         for sock in attack:
             sock.close()

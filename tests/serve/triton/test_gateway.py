@@ -21,6 +21,7 @@ import pytest
 from refusion.serve.triton import gateway as gateway_module
 from refusion.serve.triton.gateway import Gateway, Health, HttpGateway, Upstream
 from refusion.serve.triton.launcher import free_ports
+from tests.serve.sockets import closed_by_server, trickled_until_cut
 
 KEY = "k" * 24
 MODEL = "refusion"
@@ -371,14 +372,6 @@ def _wait_until(condition, what: str) -> None:
         time.sleep(0.005)
 
 
-def _closed_by_server(sock: socket.socket) -> bool:
-    sock.settimeout(60)
-    try:
-        return sock.recv(1) == b""
-    except ConnectionResetError:
-        return True
-
-
 def test_idle_connections_make_room_for_new_ones_longest_waiting_first(triton_http):
     """The probe's S15: connections that never finish a request cannot shut out readiness and generate."""
     front, port, _ = _start(triton_http, max_connections=3)
@@ -401,11 +394,11 @@ def test_idle_connections_make_room_for_new_ones_longest_waiting_first(triton_ht
         spares = []
         for gone in (silent, partial):
             assert request(port, "GET", "/v2/health/ready")[0] == 200  # one more: the longest waiting made room
-            assert _closed_by_server(gone)
+            assert closed_by_server(gone)
             _wait_until(lambda: len(waiting) == 2, "the answered connection is closed")
             spares.append(open_waiting())  # back at the limit, the next oldest is the next to go
         assert generate(port, {"text_input": "hi"})[0] == 200
-        assert _closed_by_server(kept.sock)
+        assert closed_by_server(kept.sock)
         for sock in (silent, partial, *spares):
             sock.close()
     finally:
@@ -416,32 +409,10 @@ def test_a_request_trickled_a_byte_at_a_time_is_cut_at_its_deadline(triton_http)
     """The probe's S15: the deadline is for the request line and headers together, not for each read."""
     front, port, _ = _start(triton_http, header_timeout_s=0.5)
     try:
-        sock = socket.create_connection(("127.0.0.1", port))
-        trickle = iter(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n" + b"X-Pad: " + b"a" * 60_000)
-        hang_guard = time.monotonic() + 60
-        while not _cut(sock, bytes([next(trickle)])):
-            assert time.monotonic() < hang_guard, "a request trickled in was never cut"
-            time.sleep(0.05)  # each byte well within the deadline: only a deadline for the whole cuts it
-        sock.close()
+        with socket.create_connection(("127.0.0.1", port)) as sock:
+            assert trickled_until_cut(sock, b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"a" * 60_000)
     finally:
         front.close()
-
-
-def _cut(sock: socket.socket, data: bytes) -> bool:
-    """Whether the server has closed `sock` (else `data` is sent)."""
-    try:
-        sock.sendall(data)
-    except OSError:
-        return True
-    sock.settimeout(0)
-    try:
-        return sock.recv(1) == b""
-    except BlockingIOError:
-        return False
-    except OSError:
-        return True
-    finally:
-        sock.settimeout(None)
 
 
 def test_a_body_that_does_not_arrive_in_time_gets_408(triton_http):
