@@ -14,29 +14,18 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from refusion.runtime.core.errors import RefusionError
+from refusion.runtime.core.settings import SETTINGS
 from refusion.serve.http_client import CLIENT_TIMEOUT_S, Connection, events, parse, post, read, refusal
-from refusion.serve.openai.schema import CHAT, COMPLETIONS, FIELDS
 
 OTHER_API = "add --api triton"  # what a path Triton's gateway does not serve means
-
-
-def _field_names(endpoint: str) -> dict[str, str]:
-    """Generator.submit's keywords by the endpoint's field names (max_tokens, not max_completion_tokens)."""
-    names: dict[str, str] = {}
-    for field in FIELDS:
-        if field.keyword and endpoint in field.endpoints:
-            names.setdefault(field.keyword, field.name)
-    return names
-
-
-_FIELD_OF_SETTING = {endpoint: _field_names(endpoint) for endpoint in (CHAT, COMPLETIONS)}
+# Each setting's OpenAI field: OpenAI's own name first (max_tokens, not max_completion_tokens).
+_FIELD_OF_SETTING = {setting.name: setting.openai[0] for setting in SETTINGS if setting.openai}
 
 
 def request_body(prompt: str, settings: Mapping[str, Any], *, chat: bool = False, stream: bool = False,
                  timeout_s: float | None = None) -> dict[str, Any]:
     """A request's JSON (the model is added by the call): the prompt, or it as a user message, and the settings
     given (None: the server's defaults) under their field names, with the answer's token ids asked for."""
-    endpoint = CHAT if chat else COMPLETIONS
     body: dict[str, Any] = {"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt}
     body |= {"stream": stream, "return_token_ids": True}
     for name, value in settings.items():
@@ -44,7 +33,7 @@ def request_body(prompt: str, settings: Mapping[str, Any], *, chat: bool = False
             if value:
                 body["logprobs"] = True if chat else 0  # completions: 0 alternatives
         elif value is not None:
-            body[_FIELD_OF_SETTING[endpoint][name]] = value
+            body[_FIELD_OF_SETTING[name]] = value
     if timeout_s is not None:
         body["timeout_s"] = timeout_s
     return body
