@@ -352,7 +352,7 @@ def test_template_errors(tok_dir, tmp_path):
     ("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}", "maximum recursion depth"),
 ])
 def test_a_hostile_template_is_stopped_at_a_limit(tok_dir, tmp_path, monkeypatch, template, limit):
-    from refusion.runtime import tokenizer as module
+    from refusion.runtime import chat_template as module
 
     # Smaller limits than the defaults, so that each case stops at once: the same checks, hit sooner.
     monkeypatch.setattr(module, "TEMPLATE_MAX_LINES", 50_000)
@@ -409,7 +409,7 @@ def test_filters_methods_and_globals_are_bounded_before_they_run(tok_dir, tmp_pa
 def test_the_time_limit_stops_a_step_inside_a_filter_or_a_global(tok_dir, tmp_path, monkeypatch, template, inside):
     """The probe: the clock was read on template lines only, so one long filter or global call ran to its end.
     With no time allowed, the render stops at the first reading of the clock, which falls inside the call."""
-    from refusion.runtime import tokenizer as module
+    from refusion.runtime import chat_template as module
 
     monkeypatch.setattr(module, "TEMPLATE_MAX_SECONDS", 0.0)
     with pytest.raises(RefusionError, match="ran for more than 0 s") as err:
