@@ -33,9 +33,9 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from refusion.export.int4 import rtn
 from refusion.export.model import DecoderLayer, rotary_tables
 from refusion.export.progress import Progress, line
-from refusion.export.quantize import rtn
 from refusion.runtime.core.dims import ModelDims, expected_weights
 
 if TYPE_CHECKING:

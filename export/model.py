@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from refusion.export.checkpoint import Checkpoint
-from refusion.export.quantize import dequantize
+from refusion.export.int4 import dequantize
 from refusion.runtime.core.contract import candidates_for
 from refusion.runtime.core.dims import ModelDims, is_linear_weight
 from refusion.runtime.core.quantization import SCALE_SUFFIX, scale_name

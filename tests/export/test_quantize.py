@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from refusion.export import awq
+from refusion.export.int4 import dequantize, pack_int4, rtn, unpack_int4
 from refusion.export.model import DecoderLayer
-from refusion.export.quantize import default_block, dequantize, pack_int4, rtn, unpack_int4
+from refusion.export.quantize import default_block
 from refusion.runtime.core.dims import ModelDims
 from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.core.quantization import block_problem, largest_block

@@ -17,7 +17,8 @@ from click.testing import CliRunner
 from refusion.export.calibration import TASK_EXAMPLES
 from refusion.export.compare import cases
 from refusion.export.exporter import export_onnx
-from refusion.export.quantize import QuantizeOptions, unpack_int4
+from refusion.export.int4 import unpack_int4
+from refusion.export.quantize import QuantizeOptions
 from refusion.export.validate import validate_export
 from refusion.export.weights_file import map_weights
 from refusion.runtime.core.errors import RefusionError
