@@ -1,9 +1,12 @@
-"""int4 weight-only quantization: a pass over the weights on their way into weights.bin.
+"""int4 weight-only quantization: a pass over the weights on their way into weights.bin, one method a handler.
 
 The layers (export/model.py) and the graph builder (export/onnx_graph.py) do not change with
 precision: the pass decides what the weight file holds, and the builder's one linear hook reads
 a quantized weight back through DequantizeLinear (as gpt-fast's quantize.py rewrites weights and
-onnxruntime-genai's make_matmul dispatches on them). Two methods:
+onnxruntime-genai's make_matmul dispatches on them). Each method is a `QuantMethod` in `QUANT_METHODS`
+(gpt-fast's QuantHandler): its own checks and calibration before anything is written (`plan`), and the float
+tensors it hands to the rounding (`tensors`); every method then ends in the same round-to-nearest
+(export/int4.py), written by `write_weight`. Two methods:
 
 - int4-rtn: symmetric round-to-nearest per block of `block_size` input rows: scale = absmax / 7,
   q = round(w / scale) in [-7, 7]. The block's absmax lands exactly on +-7; -8 is never produced
@@ -17,10 +20,11 @@ docs/quantization.md has the format, the choices and the measurements.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 from refusion.export.int4 import pack_int4, rtn
 from refusion.export.progress import Progress, line
@@ -28,9 +32,7 @@ from refusion.runtime.core.dims import ModelDims, expected_weights, is_linear_we
 from refusion.runtime.core.dtypes import dtype
 from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.core.quantization import (
-    CALIBRATED,
     INT4_DTYPES,
-    METHODS,
     MIN_BLOCK,
     Quantization,
     block_problem,
@@ -70,9 +72,10 @@ class QuantPlan:
 
 def plan_quantization(options: QuantizeOptions, ckpt: Checkpoint, export_dtype: str,
                       progress: Progress) -> QuantPlan:
-    """Every check before anything is written: method, dtype, block size, calibration file and prompts."""
-    if options.method not in METHODS:
-        raise RefusionError(f"--quantize {options.method!r} is not supported; choose one of {', '.join(METHODS)}.")
+    """Every check before anything is written: method, dtype, block size, then the method's own (calibration)."""
+    method = QUANT_METHODS.get(options.method)
+    if method is None:
+        raise RefusionError(f"--quantize {options.method!r} is not supported; choose one of {', '.join(QUANT_METHODS)}.")
     if export_dtype not in INT4_DTYPES:
         raise RefusionError(
             f"--quantize {options.method} with --dtype {dtype(export_dtype).flag} is not supported: "
@@ -87,15 +90,7 @@ def plan_quantization(options: QuantizeOptions, ckpt: Checkpoint, export_dtype: 
     if block not in TESTED_BLOCKS:
         line(progress, f"note: --block-size {block}: TensorRT documents INT4 blocks of "
                        f"{' and '.join(map(str, TESTED_BLOCKS))} only; onnxruntime runs any power of two >= 16")
-    if options.method not in CALIBRATED:
-        if options.calibration is not None or options.calibration_samples is not None:
-            raise RefusionError(f"--calibration and --calibration-samples apply to "
-                                f"{', '.join(CALIBRATED)} only, not {options.method}; drop them.")
-        return QuantPlan(Quantization(options.method, block, head=options.head), [])
-    from refusion.export.calibration import calibration_set
-
-    prompts, sha = calibration_set(ckpt, options.calibration, options.calibration_samples, progress)
-    return QuantPlan(Quantization(options.method, block, len(prompts), sha, options.head), prompts)
+    return method.plan(options, ckpt, block, progress)
 
 
 def default_block(dims: ModelDims, progress: Progress) -> int:
@@ -114,12 +109,10 @@ def default_block(dims: ModelDims, progress: Progress) -> int:
 
 
 def float_tensors(ckpt: Checkpoint, plan: QuantPlan | None, progress: Progress) -> Iterator[tuple[str, torch.Tensor]]:
-    """The checkpoint's tensors (HF layout) in weight-file order, after AWQ's rescaling when it is asked for."""
-    if plan is None or plan.quantization.method not in CALIBRATED:
+    """The checkpoint's tensors (HF layout) in weight-file order, as the planned method hands them to the rounding."""
+    if plan is None:
         return ckpt.tensors(list(expected_weights(ckpt.dims)))
-    from refusion.export.awq import awq_tensors
-
-    return awq_tensors(ckpt, plan.prompts, plan.quantization.block_size, progress, plan.quantization.head)
+    return QUANT_METHODS[plan.quantization.method].tensors(ckpt, plan, progress)
 
 
 def write_weight(writer: WeightsWriter, name: str, tensor: torch.Tensor,
@@ -132,3 +125,55 @@ def write_weight(writer: WeightsWriter, name: str, tensor: torch.Tensor,
     q, scale = rtn(t, quantization.block_size, writer.torch_dtype)
     return [writer.add_packed(name, pack_int4(q.numpy()), "int4", tuple(t.shape)),
             writer.add(scale_name(name), scale)]
+
+
+class QuantMethod(ABC):
+    """One --quantize method (gpt-fast's QuantHandler). `calibrated`: it runs calibration prompts, so refusion.json
+    records them (the format's CALIBRATED lists the same methods: tests/export/test_quantize.py holds the two
+    together). The default `tensors` are the checkpoint's own; a method that rewrites the float weights first
+    (AWQ) hands out its rewritten ones."""
+
+    name: ClassVar[str]
+    calibrated: ClassVar[bool]
+
+    @abstractmethod
+    def plan(self, options: QuantizeOptions, ckpt: Checkpoint, block: int, progress: Progress) -> QuantPlan:
+        """The method's own checks and preparation (calibration prompts), before anything is written."""
+
+    def tensors(self, ckpt: Checkpoint, plan: QuantPlan, progress: Progress) -> Iterator[tuple[str, torch.Tensor]]:
+        """The float tensors (HF layout, weight-file order) the rounding writes."""
+        return ckpt.tensors(list(expected_weights(ckpt.dims)))
+
+
+class RoundToNearest(QuantMethod):
+    """int4-rtn: the checkpoint's weights, rounded as they are."""
+
+    name, calibrated = "int4-rtn", False
+
+    def plan(self, options: QuantizeOptions, ckpt: Checkpoint, block: int, progress: Progress) -> QuantPlan:
+        if options.calibration is not None or options.calibration_samples is not None:
+            calibrated = [m.name for m in QUANT_METHODS.values() if m.calibrated]
+            raise RefusionError(f"--calibration and --calibration-samples apply to "
+                                f"{', '.join(calibrated)} only, not {self.name}; drop them.")
+        return QuantPlan(Quantization(self.name, block, head=options.head), [])
+
+
+class ActivationAware(QuantMethod):
+    """int4-awq: the float weights rescaled and clipped on calibration activations (export/awq.py), then rounded."""
+
+    name, calibrated = "int4-awq", True
+
+    def plan(self, options: QuantizeOptions, ckpt: Checkpoint, block: int, progress: Progress) -> QuantPlan:
+        from refusion.export.calibration import calibration_set
+
+        prompts, sha = calibration_set(ckpt, options.calibration, options.calibration_samples, progress)
+        return QuantPlan(Quantization(self.name, block, len(prompts), sha, options.head), prompts)
+
+    def tensors(self, ckpt: Checkpoint, plan: QuantPlan, progress: Progress) -> Iterator[tuple[str, torch.Tensor]]:
+        from refusion.export.awq import awq_tensors  # torch at import: only when this method runs
+
+        q = plan.quantization
+        return awq_tensors(ckpt, plan.prompts, q.block_size, progress, q.head)
+
+
+QUANT_METHODS: dict[str, QuantMethod] = {m.name: m for m in (RoundToNearest(), ActivationAware())}

@@ -12,10 +12,18 @@ import torch
 from refusion.export import awq
 from refusion.export.int4 import dequantize, pack_int4, rtn, unpack_int4
 from refusion.export.model import DecoderLayer
-from refusion.export.quantize import default_block
+from refusion.export.quantize import (
+    QUANT_METHODS,
+    QuantizeOptions,
+    QuantMethod,
+    QuantPlan,
+    default_block,
+    float_tensors,
+    plan_quantization,
+)
 from refusion.runtime.core.dims import ModelDims
 from refusion.runtime.core.errors import RefusionError
-from refusion.runtime.core.quantization import block_problem, largest_block
+from refusion.runtime.core.quantization import CALIBRATED, METHODS, Quantization, block_problem, largest_block
 
 onnx = pytest.importorskip("onnx")
 
@@ -95,6 +103,37 @@ def test_the_default_block_is_128_else_64_and_says_which():
                                             r"fits: block size 64 does not divide hidden_size 96 .* is 32; pass "
                                             r"--block-size"):
         default_block(dims(hidden=96, heads=2, head_dim=48, inter=256), said.append)
+
+
+# -- methods ----------------------------------------------------------------------------------------
+def test_every_method_the_format_knows_has_a_handler_and_the_calibrated_ones_agree():
+    """refusion.json's methods (runtime/core/quantization.py) and the export's handlers are one list: a method added
+    to the format without a handler, or marked calibrated in one place only, fails here."""
+    assert tuple(QUANT_METHODS) == METHODS
+    assert tuple(name for name, method in QUANT_METHODS.items() if method.calibrated) == CALIBRATED
+
+
+def test_a_calibrated_method_runs_its_own_tensors_not_awqs(monkeypatch):
+    """The dispatch goes by the method's handler: a second calibrated method gets its own plan and tensors
+    (before the handlers, every method listed as calibrated ran AWQ)."""
+    from refusion.export.checkpoint import Checkpoint
+    from refusion.export.progress import silent
+    from refusion.models import EMBEDDED_MODEL
+
+    class Fake(QuantMethod):
+        name, calibrated = "int4-fake", True
+
+        def plan(self, options, ckpt, block, progress):
+            return QuantPlan(Quantization(self.name, block, 1, "0" * 64), [[1, 2, 3]])
+
+        def tensors(self, ckpt, plan, progress):
+            return iter([("mine", torch.zeros(1))])
+
+    monkeypatch.setitem(QUANT_METHODS, Fake.name, Fake())
+    ckpt = Checkpoint.open(EMBEDDED_MODEL)
+    plan = plan_quantization(QuantizeOptions("int4-fake", 64), ckpt, "float32", silent)
+    assert plan.quantization.method == "int4-fake" and plan.prompts == [[1, 2, 3]]
+    assert [name for name, _ in float_tensors(ckpt, plan, silent)] == ["mine"]
 
 
 # -- AWQ --------------------------------------------------------------------------------------------
