@@ -48,7 +48,7 @@ from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.core.export_manifest import MANIFEST_NAME, ExportManifest
 from refusion.runtime.core.files import sha256_file
 from refusion.runtime.core.profiles import DecodeLimits, ProfileSpec, engine_profiles
-from refusion.runtime.runners.tensorrt import current_target, require_tensorrt
+from refusion.runtime.runners.trt_loader import current_target, require_tensorrt
 
 if TYPE_CHECKING:
     import tensorrt

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from refusion.runtime.runners.tensorrt import MIN_TENSORRT
+from refusion.runtime.runners.trt_loader import MIN_TENSORRT
 
 REPO = Path(__file__).resolve().parents[2]
 # Each Polygraphy API engines/build.py uses -> the release that added it, per Polygraphy's CHANGELOG.md

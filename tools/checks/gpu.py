@@ -450,7 +450,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return 0 if cuda_memory.run() else 1
     from refusion.runtime.core.errors import RefusionError
-    from refusion.runtime.runners.tensorrt import require_tensorrt
+    from refusion.runtime.runners.trt_loader import require_tensorrt
 
     try:
         require_tensorrt()

@@ -19,7 +19,7 @@ def versions(export: Path) -> bool:
 
     from refusion.runtime.runners.cuda import device_info, driver_cuda, runtime_cuda
     from refusion.runtime.runners.ort_session import build_info
-    from refusion.runtime.runners.tensorrt import tensorrt_cuda
+    from refusion.runtime.runners.trt_loader import tensorrt_cuda
 
     gpu, capability = device_info()
     driver, runtime = driver_cuda(), runtime_cuda()

@@ -292,7 +292,7 @@ def test_engines_are_streamed_from_their_files(peaky_export, fakes, tmp_path, mo
 
 
 def test_tensorrt_older_than_10_1_is_refused(fakes, monkeypatch):
-    from refusion.runtime.runners.tensorrt import require_tensorrt
+    from refusion.runtime.runners.trt_loader import require_tensorrt
 
     trt, _ = fakes
     require_tensorrt()
@@ -420,7 +420,7 @@ def test_a_cuda_mismatch_is_named_in_one_line(peaky_export, fakes, tmp_path, mon
     refused at start, one line naming both versions and the fix (CUDA 12 runtimes run on a CUDA 13 driver)."""
     from importlib import metadata
 
-    from refusion.runtime.runners import tensorrt as trt_runner
+    from refusion.runtime.runners import trt_loader
 
     _, cudart = fakes
     cudart.runtime_version = 13000
@@ -439,10 +439,10 @@ def test_a_cuda_mismatch_is_named_in_one_line(peaky_export, fakes, tmp_path, mon
 
     cudart.driver_version = 12060
     engines = fake_engines(peaky_export, tmp_path / "engines")
-    assert trt_runner.tensorrt_cuda() is None  # no TensorRT wheel here (JetPack's packages are none either)
+    assert trt_loader.tensorrt_cuda() is None  # no TensorRT wheel here (JetPack's packages are none either)
     wheel = type("Dist", (), {"metadata": {"Name": "tensorrt_cu13_libs"}})
     monkeypatch.setattr(metadata, "distributions", lambda: [wheel()])
-    assert trt_runner.tensorrt_cuda() == 13
+    assert trt_loader.tensorrt_cuda() == 13
     with pytest.raises(RefusionError, match=r"TensorRT 10.13.0.35 \(tensorrt-cu13\) is built for CUDA 13.0.*"
                                             r"pip install 'refusion-trt\[trt-cu12\]'"):
         TensorRTRunner.from_dir(engines).activate()

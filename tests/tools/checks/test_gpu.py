@@ -137,7 +137,7 @@ def test_the_whole_check_runs_on_the_fakes(fakes, tmp_path, monkeypatch, capsys)
     import functools
 
     from refusion.engines import build
-    from refusion.runtime.runners.tensorrt import current_target
+    from refusion.runtime.runners.trt_loader import current_target
     from tests.fakes import fake_engine_bytes
 
     def build_engines(plan, force, report):

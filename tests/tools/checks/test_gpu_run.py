@@ -13,7 +13,7 @@ def _need_gpu() -> None:
     pytest.importorskip("polygraphy")
     from refusion.runtime.core.errors import RefusionError
     from refusion.runtime.runners.cuda import device_info
-    from refusion.runtime.runners.tensorrt import require_tensorrt
+    from refusion.runtime.runners.trt_loader import require_tensorrt
 
     try:
         require_tensorrt()
