@@ -1,7 +1,7 @@
-"""The package layering holds, so there are no cycles between packages: the core imports only itself; the
-decode strategies never see a runner; the runtime never imports export/, engines/, serve/ or tools/;
-engines/ never imports tools/; serve/ only the runtime (its frontend seam not even a frontend); the
-PyTorch reference oracle nothing of ours; and nothing installed imports the tests."""
+"""The package layering holds, so there are no cycles between packages: the core imports only itself; the decode
+strategies never see a runner; the runtime never imports export/, engines/, serve/ or tools/; engines/ never
+imports tools/, and its build TensorRT's loader but not the runner; serve/ only the runtime (its frontend seam
+not even a frontend); the PyTorch reference oracle nothing of ours; and nothing installed imports the tests."""
 
 from __future__ import annotations
 
@@ -22,6 +22,8 @@ ALLOWED = {
     "runtime": (RUNTIME,),
     "export": (RUNTIME, EXPORT),
     "engines": (RUNTIME, EXPORT, ENGINES),
+    # the build loads TensorRT but runs no engine: its loader, never the runner
+    "engines/build.py": ("refusion.runtime.core", "refusion.runtime.runners.trt_loader", EXPORT, ENGINES),
     "serve": (RUNTIME, SERVE),
     "serve/frontend.py": (RUNTIME,),
     "tools": (RUNTIME, EXPORT, ENGINES, SERVE, TOOLS, "refusion.models"),
