@@ -39,8 +39,8 @@ from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.core.export_manifest import MANIFEST_NAME, ExportManifest
 from refusion.runtime.core.files import sha256_file
 from refusion.runtime.core.profiles import DecodeLimits, select_profile
-from refusion.runtime.runners.base import RowFeed
 from refusion.runtime.runners.ort_session import CUDA_PROVIDER, Provider, configured_provider, import_onnxruntime
+from refusion.runtime.runners.rows import RowFeed
 from refusion.runtime.runners.tensorrt import TensorRTRunner
 
 TOLERANCE = {"float32": Tolerance(1e-3, 1e-3, 0.02), "float16": Tolerance(2e-2, 2e-2, 0.02)}  # by engine precision

@@ -22,7 +22,8 @@ from refusion.runtime.core.signals import main_thread_signals
 from refusion.runtime.decode.steps import Forward, KVMove, PrefixKV
 from refusion.runtime.prefix_cache import PrefixCache
 from refusion.runtime.request import FinishReason, Request
-from refusion.runtime.runners.base import RowFeed, Runner
+from refusion.runtime.runners.base import Runner
+from refusion.runtime.runners.rows import RowFeed
 
 
 @dataclass

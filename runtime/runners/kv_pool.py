@@ -23,7 +23,7 @@ from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.runners.cuda import DeviceBuffer, Stream
 
 if TYPE_CHECKING:
-    from refusion.runtime.runners.base import RowFeed
+    from refusion.runtime.runners.rows import RowFeed
 
 ALIGNMENT = 256  # bytes: TensorRT's requirement for tensor addresses (every cache of a region starts at one)
 

@@ -25,9 +25,10 @@ from refusion.runtime.core.contract import (
 from refusion.runtime.core.dtypes import dtype
 from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.core.export_manifest import ExportManifest
-from refusion.runtime.runners.base import Runner, pack_rows
+from refusion.runtime.runners.base import Runner
 from refusion.runtime.runners.kv_pool import DeviceKVPool, ScratchBuffers
 from refusion.runtime.runners.ort_session import CUDA_INSTALL, CUDA_PROVIDER, build_info, configured_provider, import_onnxruntime, open_session
+from refusion.runtime.runners.rows import pack_rows
 
 # onnxruntime's CPU provider has no bfloat16 MatMul.
 ORT_DTYPES = ("float32", "float16")

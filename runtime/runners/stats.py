@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from refusion.runtime.runners.base import RowFeed
+from refusion.runtime.runners.rows import RowFeed
 
 
 @dataclass

@@ -34,9 +34,10 @@ from refusion.runtime.core.profiles import check_request, select_profile
 from refusion.runtime.decode import strategy
 from refusion.runtime.decode.masks import causal_after
 from refusion.runtime.params import DecodeParams
-from refusion.runtime.runners.base import PackedRows, RowFeed, Runner, pack_rows
+from refusion.runtime.runners.base import Runner
 from refusion.runtime.runners.cuda import DeviceBuffer, HostBuffer, Stream
 from refusion.runtime.runners.kv_pool import ALIGNMENT, DeviceKVPool, ScratchBuffers, aligned
+from refusion.runtime.runners.rows import PackedRows, RowFeed, pack_rows
 from refusion.runtime.runners.trt_loader import current_target, deserialize_engine
 
 if TYPE_CHECKING:

@@ -202,7 +202,7 @@ def test_batched_rows_equal_single_rows_on_the_runner(export):
     own outputs and present KV. Not bit for bit: onnxruntime's kernels sum a padded batch in another
     order (3e-7 seen), which could flip an exact near-tie; the token tests above show it does not."""
     from refusion.runtime.decode import masks
-    from refusion.runtime.runners.base import RowFeed
+    from refusion.runtime.runners.rows import RowFeed
 
     manifest = ExportManifest.load(export)
     rng = np.random.default_rng(0)

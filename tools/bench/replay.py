@@ -17,7 +17,8 @@ from typing import Any, TypeVar
 import numpy as np
 
 from refusion.runtime.core.contract import GraphName
-from refusion.runtime.runners.base import RowFeed, Runner
+from refusion.runtime.runners.base import Runner
+from refusion.runtime.runners.rows import RowFeed
 from refusion.runtime.runners.stats import ForwardShape, MoveShape, Recorded, RowShape
 
 T = TypeVar("T")

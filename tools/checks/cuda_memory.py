@@ -27,7 +27,6 @@ import numpy as np
 
 from refusion.runtime.core.embeddings import Embeddings, EmbeddingTable
 from refusion.runtime.core.errors import RefusionError
-from refusion.runtime.runners.base import RowFeed
 from refusion.runtime.runners.cuda import (
     DeviceBuffer,
     HostBuffer,
@@ -39,6 +38,7 @@ from refusion.runtime.runners.cuda import (
     runtime_cuda,
 )
 from refusion.runtime.runners.kv_pool import ALIGNMENT, DeviceKVPool, aligned
+from refusion.runtime.runners.rows import RowFeed
 from refusion.tools.checks.verdict import line
 
 LAYERS, KV_HEADS, HEAD_DIM = 3, 2, 64  # 256 bytes a token and cache in fp16: aligned, as real models' are

@@ -416,7 +416,7 @@ def packed_latency(runner: Any, limits: Any, past: int, repeats: int) -> None:
     """Median wall time of one slot's verify for each of max_batch requests packed into one forward
     (pasts gathered, presents scattered): against the single verify line above, what a row costs."""
     from refusion.runtime.decode.masks import causal_after
-    from refusion.runtime.runners.base import RowFeed
+    from refusion.runtime.runners.rows import RowFeed
 
     n, k = runner.max_batch, limits.slot_size
     if n < 2:

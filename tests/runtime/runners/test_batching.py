@@ -21,7 +21,8 @@ from refusion.runtime.core.export_manifest import ExportManifest
 from refusion.runtime.core.profiles import DecodeLimits, engine_profiles, select_profile
 from refusion.runtime.decode import masks
 from refusion.runtime.generator import Generator
-from refusion.runtime.runners.base import RowFeed, Runner
+from refusion.runtime.runners.base import Runner
+from refusion.runtime.runners.rows import RowFeed
 from refusion.runtime.runners.tensorrt import TensorRTRunner
 from tests.fakes import CpuBoundCudaRunner
 from tests.gate import ForwardGate
@@ -144,7 +145,7 @@ def test_engines_json_v3_round_trip_and_refusals(peaky_export, tmp_path):
 def test_packed_rows_keep_to_their_own_and_no_mask_row_is_empty():
     """Rows of 3 and 1 tokens over pasts 2 and 4: each real token's row of the mask is its own, and a
     padding token attends to itself alone (an all-masked row is NaN once the mask bias is half precision)."""
-    from refusion.runtime.runners.base import pack_rows
+    from refusion.runtime.runners.rows import pack_rows
 
     rows = [RowFeed(np.array([[5, 6, 7]]), np.array([[2, 3, 4]]), masks.causal_after(2, 3), 2, 2, 0).with_heads(),
             RowFeed(np.array([[9]]), np.array([[4]]), masks.causal_after(4, 1), 4, 4, 1).with_heads()]

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from refusion.runtime.core.errors import RefusionError
-from refusion.runtime.runners.base import RowFeed
 from refusion.runtime.runners.cuda import Stream
 from refusion.runtime.runners.kv_pool import DeviceKVPool, ScratchBuffers
+from refusion.runtime.runners.rows import RowFeed
 
 LAYERS, HEADS, DIM = 2, 2, 4  # 32 bytes a token in fp32
 

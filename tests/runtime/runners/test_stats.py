@@ -9,8 +9,8 @@ import pytest
 from refusion.runtime.core.export_manifest import ExportManifest
 from refusion.runtime.decode import masks
 from refusion.runtime.generator import Generator
-from refusion.runtime.runners.base import RowFeed
 from refusion.runtime.runners.onnxruntime import OrtRunner
+from refusion.runtime.runners.rows import RowFeed
 from refusion.runtime.runners.stats import ForwardShape, MoveShape, RowShape, RunnerStats
 from refusion.runtime.runners.tensorrt import TensorRTRunner
 from tests.fakes import CpuBoundCudaRunner
