@@ -185,8 +185,7 @@ class Scheduler:
                     return None
 
     def _run(self, graph: str, batch: list[tuple[Request, Forward]]) -> None:
-        rows = [RowFeed(f.input_ids, f.position_ids, f.attention_mask, f.past, f.write_at, r.kv_region, f.heads)
-                for r, f in batch]
+        rows = [RowFeed.of(f, r.kv_region) for r, f in batch]
         t0 = time.perf_counter()
         try:
             outputs = self.runner.run_batch(graph, rows)  # type: ignore[arg-type]

@@ -164,15 +164,10 @@ class Runner(ABC):
         rows = [row.with_heads() for row in rows]
         for row in rows:
             self._check_row(graph, row)
-        t0 = time.perf_counter()
-        if len(rows) == 1:
-            r = rows[0]
-            out = [self._run(graph, r.input_ids, r.position_ids, r.attention_mask, r.past, r.write_at, r.region,
-                             r.heads_at)]
-        elif len(rows) <= self.max_batch:
-            out = self._run_batch(graph, rows)
-        else:
+        if len(rows) > self.max_batch:
             raise RefusionError(f"{len(rows)} rows exceed this runner's max_batch {self.max_batch}.")
+        t0 = time.perf_counter()
+        out = self._run(graph, rows)
         self.stats.graph(graph).add(rows, time.perf_counter() - t0)
         if self.stats.record is not None:
             self.stats.record.append(ForwardShape(graph, tuple(
@@ -286,11 +281,7 @@ class Runner(ABC):
     def _copy_kv(self, src_region: int, src: int, dst_region: int, dst: int, length: int) -> None: ...
 
     @abstractmethod
-    def _run(
-        self, graph: GraphName, input_ids: np.ndarray, position_ids: np.ndarray,
-        attention_mask: np.ndarray, past_length: int, write_at: int | None, region: int, heads: np.ndarray,
-    ) -> dict[str, np.ndarray]: ...
-
-    def _run_batch(self, graph: GraphName, rows: list[RowFeed]) -> list[dict[str, np.ndarray]]:
-        """Several rows in one call; only backends with max_batch > 1 implement it."""
-        raise NotImplementedError
+    def _run(self, graph: GraphName, rows: list[RowFeed]) -> list[dict[str, np.ndarray]]:
+        """The forwards of `rows` (checked, at most max_batch, each with its heads), outputs per row as `run` gives
+        them: one row alone over its region in place (the fast path: most forwards are one request's), several
+        packed into one call where the backend can."""

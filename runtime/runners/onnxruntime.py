@@ -28,7 +28,7 @@ from refusion.runtime.core.export_manifest import ExportManifest
 from refusion.runtime.runners.base import Runner
 from refusion.runtime.runners.kv_pool import DeviceKVPool, ScratchBuffers
 from refusion.runtime.runners.ort_session import CUDA_INSTALL, CUDA_PROVIDER, build_info, configured_provider, import_onnxruntime, open_session
-from refusion.runtime.runners.rows import pack_rows
+from refusion.runtime.runners.rows import RowFeed, pack_rows
 
 # onnxruntime's CPU provider has no bfloat16 MatMul.
 ORT_DTYPES = ("float32", "float16")
@@ -105,21 +105,29 @@ class OrtRunner(Runner):
         for source, target in zip(sources, self.keys[dst_region] + self.values[dst_region]):
             target[:, dst : dst + length] = source[:, src : src + length]
 
-    def _run(self, graph, input_ids, position_ids, attention_mask, past_length, write_at, region, heads):
-        """The past fed as views of the region's first past_length tokens (no copy); the new tokens' KV copied
+    def _run(self, graph: GraphName, rows: list[RowFeed]) -> list[dict[str, np.ndarray]]:
+        if len(rows) == 1:
+            return [self._run_row(graph, rows[0])]
+        return self._run_packed(graph, rows)
+
+    def _run_row(self, graph: GraphName, row: RowFeed) -> dict[str, np.ndarray]:
+        """The past fed as views of the region's first `past` tokens (no copy); the new tokens' KV copied
         into the region at write_at. On the CPU a plain run is cheaper than IO binding: binding ~20 tensors a
         call cost more than copying one forward's new KV (0.76 against 0.81 ms for a 1-token forward of the
         embedded model)."""
-        feed = self._feed(input_ids, position_ids, attention_mask, heads)
+        region, past, write_at = row.region, row.past, row.write_at
+        feed = self._feed(row.input_ids, row.position_ids, row.attention_mask, row.heads_at)
         for i in range(self.manifest.num_layers):
-            feed[past_key_name(i)] = self.keys[region][i][:, :past_length]
-            feed[past_value_name(i)] = self.values[region][i][:, :past_length]
+            feed[past_key_name(i)] = self.keys[region][i][:, :past]
+            feed[past_value_name(i)] = self.values[region][i][:, :past]
         outputs = self._session_run(graph, feed, write_at is not None)
         if write_at is not None:
-            self._keep_present(graph, outputs, 0, input_ids.shape[1], region, write_at)
+            self._keep_present(graph, outputs, 0, row.input_ids.shape[1], region, write_at)
         return {name: outputs[name] for name in self._outputs[graph]}
 
-    def _run_batch(self, graph, rows):
+    def _run_packed(self, graph: GraphName, rows: list[RowFeed]) -> list[dict[str, np.ndarray]]:
+        """Rows of several requests in one call: each row's past copied from its region into one [rows, past, H,
+        D] tensor per cache, padded; its new KV copied back into its region."""
         m, batch, packed = self.manifest, len(rows), pack_rows(rows)
         past = packed.past
         feed = self._feed(packed.input_ids, packed.position_ids, packed.attention_mask, packed.heads)
@@ -211,20 +219,20 @@ class OrtCudaRunner(OrtRunner):
         """The device addresses of the region's caches (the pool keeps kv_names' order), 256-byte aligned."""
         return self._kv.addresses(region)
 
-    def _run(self, graph, input_ids, position_ids, attention_mask, past_length, write_at, region, heads):
-        """Past bound as the region's first past_length tokens, present bound at write_at: both in place."""
-        m, t, seq = self.manifest, self._kv.token_bytes, input_ids.shape[1]
-        binding, wanted = self._binding(graph, input_ids, position_ids, attention_mask, heads)
+    def _run_row(self, graph: GraphName, row: RowFeed) -> dict[str, np.ndarray]:
+        """Past bound as the region's first `past` tokens, present bound at write_at: both in place."""
+        m, t, seq, write_at = self.manifest, self._kv.token_bytes, row.input_ids.shape[1], row.write_at
+        binding, wanted = self._binding(graph, row.input_ids, row.position_ids, row.attention_mask, row.heads_at)
         kv = [m.kv_heads, m.head_dim]
-        caches = self._caches(region)
+        caches = self._caches(row.region)
         for name, ptr in zip(self._kv.past_names, caches):
-            binding.bind_input(name, self.device, 0, self.dtype, [1, past_length, *kv], ptr)
+            binding.bind_input(name, self.device, 0, self.dtype, [1, row.past, *kv], ptr)
         if write_at is not None:
             for name, ptr in zip(self._kv.present_names, caches):
                 binding.bind_output(name, self.device, 0, self.dtype, [1, seq, *kv], ptr + write_at * t)
         return self._run_bound(graph, binding, wanted)
 
-    def _run_batch(self, graph, rows):
+    def _run_packed(self, graph: GraphName, rows: list[RowFeed]) -> list[dict[str, np.ndarray]]:
         m, t, batch, packed = self.manifest, self._kv.token_bytes, len(rows), pack_rows(rows)
         seq, past, kv = packed.seq, packed.past, [m.kv_heads, m.head_dim]
         binding, wanted = self._binding(graph, packed.input_ids, packed.position_ids, packed.attention_mask,

@@ -4,8 +4,12 @@ into one batch's feed (`pack_rows`), each padded to the longest so no row sees a
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from refusion.runtime.decode.steps import Forward
 
 
 @dataclass(frozen=True)
@@ -59,6 +63,12 @@ class RowFeed:
     write_at: int | None
     region: int
     heads: np.ndarray | None = None
+
+    @staticmethod
+    def of(forward: Forward, region: int) -> RowFeed:
+        """A strategy's forward over the KV region its request holds (the scheduler's rows)."""
+        return RowFeed(forward.input_ids, forward.position_ids, forward.attention_mask, forward.past, forward.write_at,
+                       region, forward.heads)
 
     @property
     def heads_at(self) -> np.ndarray:

@@ -232,28 +232,57 @@ class TensorRTRunner(Runner):
         return self._pool
 
     # -- forwards ----------------------------------------------------------------------------
-    def _run(self, graph: GraphName, input_ids: np.ndarray, position_ids: np.ndarray, attention_mask: np.ndarray,
-             past_length: int, write_at: int | None, region: int, heads: np.ndarray) -> dict[str, np.ndarray]:
+    def _run(self, graph: GraphName, rows: list[RowFeed]) -> list[dict[str, np.ndarray]]:
+        """One row alone in place; several grouped by the profile each needs alone, packed up to that profile's
+        batch range: the packed (seq, past) are one row's each, so the group's profile holds them. A row no
+        profile holds that runs in chunks (`chunk_length`) runs alone."""
+        if len(rows) == 1:
+            return [self._run_row(graph, rows[0])]
+        groups: dict[int, list[int]] = {}
+        alone: list[int] = []
+        profiles = list(self.engines.engine.profiles)
+        for i, row in enumerate(rows):  # every row checked before any device work
+            seq = row.input_ids.shape[1]
+            if (select_profile(profiles, graph, seq, row.past, 1, row.head_count) is None
+                    and self.chunk_length(graph, row.input_ids, row.attention_mask, row.past, row.write_at)):
+                alone.append(i)
+            else:
+                groups.setdefault(self._profile(graph, seq, row.past, row.head_count), []).append(i)
+        out: dict[int, dict[str, np.ndarray]] = {}
+        for i in alone:
+            out[i] = self._run_row(graph, rows[i])
+        for index, members in groups.items():
+            width = self.engines.engine.profiles[index].batch[2]
+            for start in range(0, len(members), width):
+                chunk = members[start : start + width]
+                if len(chunk) == 1:
+                    out[chunk[0]] = self._run_row(graph, rows[chunk[0]])
+                else:
+                    out.update(zip(chunk, self._run_packed(graph, index, [rows[i] for i in chunk])))
+        return [out[i] for i in range(len(rows))]
+
+    def _run_row(self, graph: GraphName, row: RowFeed) -> dict[str, np.ndarray]:
         """One request's forward: past bound in place in its region, present written straight into it."""
-        seq, count = input_ids.shape[1], heads.shape[1]
-        if select_profile(list(self.engines.engine.profiles), graph, seq, past_length, 1, count) is None:
-            chunk = self.chunk_length(graph, input_ids, attention_mask, past_length, write_at)
+        ids, past, write_at, heads = row.input_ids, row.past, row.write_at, row.heads_at
+        seq, count = ids.shape[1], heads.shape[1]
+        if select_profile(list(self.engines.engine.profiles), graph, seq, past, 1, count) is None:
+            chunk = self.chunk_length(graph, ids, row.attention_mask, past, write_at)
             if chunk:
-                return self._run_chunked(chunk, input_ids, position_ids, past_length, region, heads)
-        index = self._profile(graph, seq, past_length, count)  # before any device work
+                return self._run_chunked(chunk, ids, row.position_ids, past, row.region, heads)
+        index = self._profile(graph, seq, past, count)  # before any device work
         context = self._contexts[index]
-        self._bind_feed(context, input_ids, position_ids, attention_mask, heads)
-        m, caches = self.manifest, self._kv.addresses(region)
-        kv_shape = (1, past_length, m.kv_heads, m.head_dim)
-        for name, cache in zip(self._kv.past_names, caches):  # the region's first past_length tokens, in place
+        self._bind_feed(context, ids, row.position_ids, row.attention_mask, heads)
+        m, caches = self.manifest, self._kv.addresses(row.region)
+        kv_shape = (1, past, m.kv_heads, m.head_dim)
+        for name, cache in zip(self._kv.past_names, caches):  # the region's first `past` tokens, in place
             self._bind_input(context, name, cache, kv_shape)
         outputs = self._bind_heads(context, index, 1, seq, count)
         staging = self._bind_presents(context, seq, write_at, caches)
         with self._in_backend(graph):  # the stream's work is waited for when the heads come back
-            self._execute(context, graph, 1, seq, past_length)
+            self._execute(context, graph, 1, seq, past)
             if staging is not None and write_at is not None:  # every cache's new tokens: one copy
                 buf, stride = staging
-                self._count_copies(graph, self._kv.place(region, write_at, buf, seq, 0, stride))
+                self._count_copies(graph, self._kv.place(row.region, write_at, buf, seq, 0, stride))
             return self._fetch(graph, outputs)
 
     def chunk_length(self, graph: GraphName, ids: np.ndarray, mask: np.ndarray, past: int, write_at: int | None) -> int:
@@ -282,8 +311,9 @@ class TensorRTRunner(Runner):
             n = min(chunk, ids.shape[1] - start)
             mine = np.flatnonzero((at >= start) & (at < start + n))
             local = (at[mine] - start if mine.size else np.array([n - 1]))[None].astype(np.int64)
-            part = self._run("infiller", ids[:, start:start + n], pos[:, start:start + n],
-                             causal_after(past + start, n), past + start, past + start, region, local)
+            part = self._run_row("infiller", RowFeed(ids[:, start:start + n], pos[:, start:start + n],
+                                                     causal_after(past + start, n), past + start, past + start, region,
+                                                     local))
             for name, array in part.items():
                 if name == "input_probs":
                     continue
@@ -292,37 +322,6 @@ class TensorRTRunner(Runner):
                 out[name][:, mine] = array[:, : mine.size]
         self.stats.graph("infiller").split(len(starts))
         return out
-
-    def _run_batch(self, graph: GraphName, rows: list[RowFeed]) -> list[dict[str, np.ndarray]]:
-        """Rows grouped by the profile each needs alone, packed up to that profile's batch range: the
-        packed (seq, past) are one row's each, so the group's profile holds them. A row no profile holds that
-        runs in chunks (`chunk_length`) runs alone."""
-        groups: dict[int, list[int]] = {}
-        alone: list[int] = []
-        profiles = list(self.engines.engine.profiles)
-        for i, row in enumerate(rows):  # every row checked before any device work
-            seq = row.input_ids.shape[1]
-            if (select_profile(profiles, graph, seq, row.past, 1, row.head_count) is None
-                    and self.chunk_length(graph, row.input_ids, row.attention_mask, row.past, row.write_at)):
-                alone.append(i)
-            else:
-                groups.setdefault(self._profile(graph, seq, row.past, row.head_count), []).append(i)
-        out: dict[int, dict[str, np.ndarray]] = {}
-        for i in alone:
-            r = rows[i]
-            out[i] = self._run(graph, r.input_ids, r.position_ids, r.attention_mask, r.past, r.write_at, r.region,
-                               r.heads_at)
-        for index, members in groups.items():
-            width = self.engines.engine.profiles[index].batch[2]
-            for start in range(0, len(members), width):
-                chunk = members[start : start + width]
-                if len(chunk) == 1:
-                    r = rows[chunk[0]]
-                    out[chunk[0]] = self._run(graph, r.input_ids, r.position_ids, r.attention_mask, r.past,
-                                              r.write_at, r.region, r.heads_at)
-                else:
-                    out.update(zip(chunk, self._run_packed(graph, index, [rows[i] for i in chunk])))
-        return [out[i] for i in range(len(rows))]
 
     def _run_packed(self, graph: GraphName, index: int, rows: list[RowFeed]) -> list[dict[str, np.ndarray]]:
         """Rows of several requests in one execution on profile `index`: pasts gathered, presents scattered."""

@@ -109,9 +109,9 @@ def test_kv_memory_is_prefix_plus_slots_never_a_copy_per_slot(gen):
     pasts: list[tuple[int, int]] = []
     original = runner._run
 
-    def spy(graph, ids, pos, mask, past_length, write_at, region, heads):
-        pasts.append((past_length, ids.shape[1]))
-        return original(graph, ids, pos, mask, past_length, write_at, region, heads)
+    def spy(graph, rows):
+        pasts.extend((r.past, r.input_ids.shape[1]) for r in rows)
+        return original(graph, rows)
 
     runner._run = spy
     tracemalloc.start()

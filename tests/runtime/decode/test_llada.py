@@ -31,11 +31,12 @@ def calls(runner):
     seen = []
     inner = runner._run
 
-    def run(graph, ids, pos, mask, past, write_at, region, heads):
-        out = inner(graph, ids, pos, mask, past, write_at, region, heads)
-        seen.append((graph, ids.shape[1], past, write_at, pos[0].tolist(), ids[0].tolist(), out["argmax_probs"][0],
-                     heads[0].tolist()))
-        return out
+    def run(graph, rows):
+        outs = inner(graph, rows)
+        for r, out in zip(rows, outs):
+            seen.append((graph, r.input_ids.shape[1], r.past, r.write_at, r.position_ids[0].tolist(),
+                         r.input_ids[0].tolist(), out["argmax_probs"][0], r.heads_at[0].tolist()))
+        return outs
 
     runner._run = run
     yield seen

@@ -355,7 +355,7 @@ def test_requests_served_together_get_their_tokens_alone_on_ort_cuda(tiny_export
     with CpuBoundCudaRunner(manifest, threads=1) as alone_runner:
         alone = decode_alone_on(alone_runner, manifest, jobs)
     runner = CpuBoundCudaRunner(manifest, threads=1, max_requests=4, max_batch=4)
-    packed = count_packed(runner, "_run_batch")
+    packed = count_packed(runner, "_run_packed")
     with runner:
         results = serve_together(runner, manifest, jobs, victim=jobs[1][0])
     assert [r.token_ids for r in results] == alone

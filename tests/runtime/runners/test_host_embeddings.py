@@ -57,7 +57,7 @@ def test_tokens_as_the_graph_export_on_onnxruntime_cpu(tiny_host, jobs, graph_to
     assert decode_alone(tiny_host, jobs) == graph_tokens
     manifest = ExportManifest.load(tiny_host)
     runner = OrtRunner(manifest, threads=1, max_requests=4, max_batch=4)
-    packed = count_packed(runner, "_run_batch")
+    packed = count_packed(runner, "_run_packed")
     with runner:
         assert [r.token_ids for r in serve_together(runner, manifest, jobs)] == graph_tokens
     assert packed and max(packed) >= 2  # packed rows gather their padded ids' rows too

@@ -38,7 +38,7 @@ def test_tokens_as_the_standard_export_on_onnxruntime_cpu(tiny_fused, jobs, stan
     assert decode_alone(tiny_fused, jobs) == standard_tokens
     manifest = ExportManifest.load(tiny_fused)
     runner = OrtRunner(manifest, threads=1, max_requests=4, max_batch=4)
-    packed = count_packed(runner, "_run_batch")
+    packed = count_packed(runner, "_run_packed")
     with runner:
         assert [r.token_ids for r in serve_together(runner, manifest, jobs)] == standard_tokens
     assert packed and max(packed) >= 2  # packed rows: padding rows go through the fused attention's bias too
