@@ -1,8 +1,9 @@
 """The Runner interface: one backend running the planner and infiller graphs of one export.
 
-A Runner owns the device: the sessions or engines, and a pool of KV regions, one per request
-in flight, each a preallocated `[1, capacity, kv_heads, head_dim]` tensor per layer for keys
-and values. A decode strategy only ever says *where* in its request's region a forward reads
+A Runner owns the device: the sessions or engines, and a pool of KV regions (runners/kv_pool.py: in host
+memory or on the device, one interface), one per request in flight, each a preallocated
+`[1, capacity, kv_heads, head_dim]` tensor per layer for keys and values; the Runner checks every KV call
+and hands it to the pool, so a backend writes none of them. A decode strategy only ever says *where* in its request's region a forward reads
 its past and writes its present; it never sees device memory, nor which backend it runs on.
 `run_batch` packs forwards of several requests (each over its own region) into one call, on
 backends that can (`max_batch` > 1); the others run them one by one. Regions beyond the requests' can be
@@ -27,6 +28,7 @@ from refusion.runtime.core.embeddings import EmbeddingTable, token_feed
 from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.core.export_manifest import ExportManifest
 from refusion.runtime.core.signals import main_thread_signals
+from refusion.runtime.runners.kv_pool import KVPool
 from refusion.runtime.runners.rows import RowFeed
 from refusion.runtime.runners.stats import ForwardShape, MoveShape, RowShape, RunnerStats
 
@@ -45,6 +47,7 @@ class Runner(ABC):
     def __init__(self, manifest: ExportManifest):
         self.manifest = manifest
         self.kv_capacities = [0] * self.max_requests
+        self.kv: KVPool | None = None  # the KV regions, in the pool the backend makes at activation
         self.stats = RunnerStats()  # what the benches read
         self.is_active = False
         self.embeddings = EmbeddingTable.of(manifest.path, manifest.embeddings)  # a host table, mapped on first use
@@ -84,7 +87,7 @@ class Runner(ABC):
         self._require_active()
         self._check_region(region)
         if capacity > self.kv_capacities[region]:
-            self._allocate_kv(capacity, region)
+            self._kv.allocate(region, capacity)
             self.kv_capacities[region] = capacity
 
     @property
@@ -102,7 +105,7 @@ class Runner(ABC):
         """One more KV region, beyond the requests' `max_requests` (the prefix cache keeps its KV in such
         regions); it holds nothing until `allocate_kv`. Returns its index. Regions added go at deactivate."""
         self._require_active()
-        self._add_region()
+        self._kv.add_region()
         self.kv_capacities.append(0)
         return len(self.kv_capacities) - 1
 
@@ -117,7 +120,7 @@ class Runner(ABC):
         self._check_range("copy source", src, length, src_region)
         self._check_range("copy destination", dst, length, dst_region)
         t0 = time.perf_counter()
-        self._copy_kv(src_region, src, dst_region, dst, length)
+        self._kv.copy(src_region, src, dst_region, dst, length)
         self.stats.copies += 1
         self.stats.copied_tokens += length
         self.stats.copy_seconds += time.perf_counter() - t0
@@ -129,12 +132,35 @@ class Runner(ABC):
         self._check_range("move source", src, length, region)
         self._check_range("move destination", dst, length, region)
         t0 = time.perf_counter()
-        self._move_kv(src, dst, length, region)
+        self._kv.move(region, src, dst, length)
         self.stats.moves += 1
         self.stats.moved_tokens += length
         self.stats.move_seconds += time.perf_counter() - t0
         if self.stats.record is not None:
             self.stats.record.append(MoveShape(src, dst, length))
+
+    def kv_to_host(self, start: int, length: int, region: int = 0) -> dict[str, np.ndarray]:
+        """KV of tokens [start, start + length) per layer of `region`, on the host, by present name (for checks,
+        not the loop). bfloat16 comes back as its raw uint16 bits."""
+        self._require_active()
+        self._check_region(region)
+        self._check_range("KV read", start, length, region)
+        return self._kv.to_host(region, start, length)
+
+    def kv_from_host(self, start: int, past: dict[str, np.ndarray], region: int = 0) -> None:
+        """Write a feed's past KV (`past_key_values.{i}.key|value`, [1, length, kv_heads, head_dim])
+        into `region` at token `start`, all checked before any is written (for checks, not the loop)."""
+        self._require_active()
+        self._check_region(region)
+        for length in self._kv.past_lengths(past):
+            self._check_range("KV upload", start, length, region)
+        self._kv.from_host(region, start, past)
+
+    @property
+    def _kv(self) -> KVPool:
+        if self.kv is None:
+            raise RefusionError(f"{self.name} runner is not active; call activate() first.")
+        return self.kv
 
     # -- forwards ----------------------------------------------------------------------
     def run(
@@ -263,22 +289,12 @@ class Runner(ABC):
 
     # -- what a backend implements -----------------------------------------------------
     @abstractmethod
-    def _activate(self) -> None: ...
+    def _activate(self) -> None:
+        """Load the backend, and make its KV pool (`self.kv`): every region empty."""
 
     @abstractmethod
-    def _deactivate(self) -> None: ...
-
-    @abstractmethod
-    def _allocate_kv(self, capacity: int, region: int) -> None: ...
-
-    @abstractmethod
-    def _move_kv(self, src: int, dst: int, length: int, region: int) -> None: ...
-
-    @abstractmethod
-    def _add_region(self) -> None: ...
-
-    @abstractmethod
-    def _copy_kv(self, src_region: int, src: int, dst_region: int, dst: int, length: int) -> None: ...
+    def _deactivate(self) -> None:
+        """Free the KV pool (`self.kv` None again) and everything else the backend holds."""
 
     @abstractmethod
     def _run(self, graph: GraphName, rows: list[RowFeed]) -> list[dict[str, np.ndarray]]:

@@ -1,18 +1,24 @@
-"""Device memory the GPU runners share: every request's KV on the device, and named scratch buffers.
+"""The KV regions every Runner keeps, behind one interface (`KVPool`), in host memory or on the device; and the
+GPU runners' named scratch buffers.
 
-A `DeviceKVPool` holds one KV region per request in flight, each one device buffer laid out layer-major:
-its caches (K of every layer, then V of every layer: the graphs' past order) one after another, each
-`capacity` tokens of [kv_heads, head_dim] at a pitch rounded up to 256 bytes (TensorRT's alignment). So a
-cache's committed prefix is contiguous, bound in place as a [1, past, H, D] tensor, and a token range of
-every cache is one strided copy (cudaMemcpy2DAsync: a row per cache, the region's pitch apart): a backend
-that takes a batch as one [rows, past, H, D] tensor per cache gets it by `gather` (one copy per row, from its
-region into the batch buffer) and gives the present back by `scatter` (one copy per row, into its region at
-its write_at); `place` writes one staged present. Each returns the copies and bytes it queued, which the
-runners count per forward (RunnerStats).
+A pool holds one KV region per request in flight (and any added: the prefix cache's), each region its caches (K of
+every layer, then V of every layer: the graphs' past order), `capacity` tokens of [kv_heads, head_dim] each. The
+Runner's KV methods (allocate_kv, move_kv, add_region, copy_kv, kv_to_host, kv_from_host) check their arguments
+and call the pool, whichever it is; a backend only makes its pool at activation and frees it at deactivation.
+
+`HostKVPool` (onnxruntime's CPU provider) keeps a numpy array per cache, so a forward feeds a region's committed
+prefix as views. `DeviceKVPool` keeps a region in one device buffer laid out layer-major, each cache at a pitch
+rounded up to 256 bytes (TensorRT's alignment). So a cache's committed prefix is contiguous, bound in place as a
+[1, past, H, D] tensor, and a token range of every cache is one strided copy (cudaMemcpy2DAsync: a row per cache,
+the region's pitch apart): a backend that takes a batch as one [rows, past, H, D] tensor per cache gets it by
+`gather` (one copy per row, from its region into the batch buffer) and gives the present back by `scatter` (one
+copy per row, into its region at its write_at); `place` writes one staged present. Each returns the copies and
+bytes it queued, which the runners count per forward (RunnerStats).
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from functools import cached_property
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -40,33 +46,121 @@ class Copied(NamedTuple):
     bytes: int
 
 
-class DeviceKVPool:
-    """`regions` KV regions on the device. With a `stream`, buffers are made on it (copies ordered on it);
-    without, every copy returns when done (a framework that runs on its own stream)."""
+class KVPool(ABC):
+    """`regions` KV regions of `num_layers` layers' K and V, [kv_heads, head_dim] a token, in `dtype`; each
+    empty until `allocate`, and `add_region` adds more until `free`."""
 
-    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, dtype: np.dtype, regions: int,
-                 stream: Stream | None = None):
+    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, dtype: np.dtype, regions: int):
         self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
-        self.dtype, self.stream = np.dtype(dtype), stream
+        self.dtype = np.dtype(dtype)
         self.token_bytes = kv_heads * head_dim * self.dtype.itemsize  # one token's K (or V) in one layer
-        self.regions = regions  # the requests'; `add_region` adds more until `free`
-        self._buffers: list[DeviceBuffer | None] = [None] * regions  # a region's caches, layer-major
-        self._pitches: list[int] = [0] * regions  # bytes from one cache of a region to the next
+        self.regions = regions  # the requests'
 
     @cached_property  # names fixed by the export: not rebuilt per forward
     def past_names(self) -> list[str]:
-        """The graph inputs of `addresses()`, in its order."""
+        """The graph inputs of a region's caches, in their order."""
         return kv_names(self.num_layers, past=True)
 
     @cached_property
     def present_names(self) -> list[str]:
-        """The graph outputs of `addresses()`, in its order."""
+        """The graph outputs of a region's caches, in their order."""
         return kv_names(self.num_layers, past=False)
 
     @property
     def caches(self) -> int:
         """Caches per region: a K and a V per layer."""
         return 2 * self.num_layers
+
+    @abstractmethod
+    def allocate(self, region: int, capacity: int) -> None:
+        """Fresh caches of `capacity` tokens for `region` (what it held is gone)."""
+
+    @abstractmethod
+    def add_region(self) -> None:
+        """One more region (empty until `allocate`), at the next index."""
+
+    @abstractmethod
+    def copy(self, src_region: int, src: int, dst_region: int, dst: int, length: int) -> Copied:
+        """KV of tokens [src, src + length) of one region to [dst, dst + length) of another, in every cache."""
+
+    @abstractmethod
+    def move(self, region: int, src: int, dst: int, length: int) -> None:
+        """KV of tokens [src, src + length) to [dst, dst + length) in every cache; the ranges may overlap."""
+
+    @abstractmethod
+    def to_host(self, region: int, start: int, length: int) -> dict[str, np.ndarray]:
+        """KV of tokens [start, start + length) per cache, on the host, by present name (bfloat16 as its raw
+        uint16 bits)."""
+
+    @abstractmethod
+    def from_host(self, region: int, start: int, past: dict[str, np.ndarray]) -> None:
+        """Write a feed's past (checked by `past_lengths`) into `region` at token `start`."""
+
+    @abstractmethod
+    def free(self) -> None:
+        """Every region's memory; the regions added since go too."""
+
+    def past_lengths(self, past: dict[str, np.ndarray]) -> list[int]:
+        """The tokens each layer's past in `past` holds, once every one is checked to be of this pool's
+        dtype and [1, length, kv_heads, head_dim] (what `from_host` takes)."""
+        for name in self.past_names:
+            array = past[name]
+            if array.dtype != self.dtype or array.shape[0] != 1 or array.shape[2:] != (self.kv_heads, self.head_dim):
+                raise RefusionError(f"{name} must be {self.dtype} [1, length, {self.kv_heads}, {self.head_dim}]; "
+                                    f"got {array.dtype} {list(array.shape)}.")
+        return [past[name].shape[1] for name in self.past_names]
+
+
+class HostKVPool(KVPool):
+    """The regions in host memory: a [1, capacity, kv_heads, head_dim] array per cache, so a forward feeds a
+    region's first tokens as views of it and copies its new tokens' KV in (onnxruntime's CPU provider)."""
+
+    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, dtype: np.dtype, regions: int):
+        super().__init__(num_layers, kv_heads, head_dim, dtype, regions)
+        self._arrays: list[list[np.ndarray]] = [[] for _ in range(regions)]
+
+    def arrays(self, region: int) -> list[np.ndarray]:
+        """The region's caches (past_names order)."""
+        return self._arrays[region]
+
+    def allocate(self, region: int, capacity: int) -> None:
+        shape = (1, capacity, self.kv_heads, self.head_dim)
+        self._arrays[region] = [np.zeros(shape, self.dtype) for _ in range(self.caches)]
+
+    def add_region(self) -> None:
+        self._arrays.append([])
+
+    def copy(self, src_region: int, src: int, dst_region: int, dst: int, length: int) -> Copied:
+        for source, target in zip(self._arrays[src_region], self._arrays[dst_region]):
+            target[:, dst : dst + length] = source[:, src : src + length]
+        return Copied(self.caches, self.caches * length * self.token_bytes) if length else Copied(0, 0)
+
+    def move(self, region: int, src: int, dst: int, length: int) -> None:
+        for cache in self._arrays[region]:
+            cache[:, dst : dst + length] = cache[:, src : src + length]  # numpy copies through a buffer on overlap
+
+    def to_host(self, region: int, start: int, length: int) -> dict[str, np.ndarray]:
+        return {name: cache[:, start : start + length].copy()
+                for name, cache in zip(self.present_names, self._arrays[region])}
+
+    def from_host(self, region: int, start: int, past: dict[str, np.ndarray]) -> None:
+        for name, cache in zip(self.past_names, self._arrays[region]):
+            cache[:, start : start + past[name].shape[1]] = past[name]
+
+    def free(self) -> None:
+        self._arrays = [[] for _ in range(self.regions)]
+
+
+class DeviceKVPool(KVPool):
+    """The regions on the device. With a `stream`, buffers are made on it (copies ordered on it); without, every
+    copy returns when done (a framework that runs on its own stream)."""
+
+    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, dtype: np.dtype, regions: int,
+                 stream: Stream | None = None):
+        super().__init__(num_layers, kv_heads, head_dim, dtype, regions)
+        self.stream = stream
+        self._buffers: list[DeviceBuffer | None] = [None] * regions  # a region's caches, layer-major
+        self._pitches: list[int] = [0] * regions  # bytes from one cache of a region to the next
 
     def addresses(self, region: int) -> list[int]:
         """Where each of the region's caches starts (past_names order), 256-byte aligned."""
@@ -151,16 +245,6 @@ class DeviceKVPool:
         rows = self._region(region).copy_rows_to_host(length * t, self.caches, start * t, self._pitches[region])
         shape = (1, length, self.kv_heads, self.head_dim)
         return {name: rows[j].view(self.dtype).reshape(shape) for j, name in enumerate(self.present_names)}
-
-    def past_lengths(self, past: dict[str, np.ndarray]) -> list[int]:
-        """The tokens each layer's past in `past` holds, once every one is checked to be of this pool's
-        dtype and [1, length, kv_heads, head_dim] (what `from_host` takes)."""
-        for name in self.past_names:
-            array = past[name]
-            if array.dtype != self.dtype or array.shape[0] != 1 or array.shape[2:] != (self.kv_heads, self.head_dim):
-                raise RefusionError(f"{name} must be {self.dtype} [1, length, {self.kv_heads}, {self.head_dim}]; "
-                                    f"got {array.dtype} {list(array.shape)}.")
-        return [past[name].shape[1] for name in self.past_names]
 
     def from_host(self, region: int, start: int, past: dict[str, np.ndarray]) -> None:
         """Write a feed's past (checked by `past_lengths`) into `region` at token `start`."""

@@ -14,19 +14,12 @@ from typing import Any
 
 import numpy as np
 
-from refusion.runtime.core.contract import (
-    GRAPH_NAMES,
-    GraphName,
-    past_key_name,
-    past_value_name,
-    present_key_name,
-    present_value_name,
-)
+from refusion.runtime.core.contract import GRAPH_NAMES, GraphName
 from refusion.runtime.core.dtypes import dtype
 from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.core.export_manifest import ExportManifest
 from refusion.runtime.runners.base import Runner
-from refusion.runtime.runners.kv_pool import DeviceKVPool, ScratchBuffers
+from refusion.runtime.runners.kv_pool import DeviceKVPool, HostKVPool, KVPool, ScratchBuffers
 from refusion.runtime.runners.ort_session import CUDA_INSTALL, CUDA_PROVIDER, build_info, configured_provider, import_onnxruntime, open_session
 from refusion.runtime.runners.rows import RowFeed, pack_rows
 
@@ -60,8 +53,6 @@ class OrtRunner(Runner):
         self.dtype = dtype(manifest.dtype).numpy.type
         self.sessions: dict[GraphName, Any] = {}
         self._outputs: dict[GraphName, list[str]] = {}
-        self.keys: list[list[np.ndarray]] = [[] for _ in range(max_requests)]  # [region][layer]
-        self.values: list[list[np.ndarray]] = [[] for _ in range(max_requests)]
 
     def _activate(self) -> None:
         ort = import_onnxruntime()
@@ -79,31 +70,17 @@ class OrtRunner(Runner):
             self.sessions[graph] = session
             self._outputs[graph] = [t.name for t in self.manifest.graphs[graph].outputs
                                     if not t.name.startswith("present.")]
-        self._presents = [name(i) for i in range(self.manifest.num_layers) for name in (present_key_name, present_value_name)]
+        self.kv = self._kv_pool()
+        self._presents = self.kv.present_names
+
+    def _kv_pool(self) -> KVPool:
+        """The regions in host memory: a forward feeds a region's first tokens as views."""
+        m = self.manifest
+        return HostKVPool(m.num_layers, m.kv_heads, m.head_dim, self.dtype, self.max_requests)
 
     def _deactivate(self) -> None:
         self.sessions.clear()
-        self.keys = [[] for _ in range(self.max_requests)]
-        self.values = [[] for _ in range(self.max_requests)]
-
-    def _allocate_kv(self, capacity: int, region: int) -> None:
-        m = self.manifest
-        shape = (1, capacity, m.kv_heads, m.head_dim)
-        self.keys[region] = [np.zeros(shape, self.dtype) for _ in range(m.num_layers)]
-        self.values[region] = [np.zeros(shape, self.dtype) for _ in range(m.num_layers)]
-
-    def _move_kv(self, src: int, dst: int, length: int, region: int) -> None:
-        for buf in self.keys[region] + self.values[region]:
-            buf[:, dst : dst + length] = buf[:, src : src + length]  # numpy handles overlap
-
-    def _add_region(self) -> None:
-        self.keys.append([])
-        self.values.append([])
-
-    def _copy_kv(self, src_region: int, src: int, dst_region: int, dst: int, length: int) -> None:
-        sources = self.keys[src_region] + self.values[src_region]
-        for source, target in zip(sources, self.keys[dst_region] + self.values[dst_region]):
-            target[:, dst : dst + length] = source[:, src : src + length]
+        self.kv = None
 
     def _run(self, graph: GraphName, rows: list[RowFeed]) -> list[dict[str, np.ndarray]]:
         if len(rows) == 1:
@@ -115,29 +92,27 @@ class OrtRunner(Runner):
         into the region at write_at. On the CPU a plain run is cheaper than IO binding: binding ~20 tensors a
         call cost more than copying one forward's new KV (0.76 against 0.81 ms for a 1-token forward of the
         embedded model)."""
-        region, past, write_at = row.region, row.past, row.write_at
+        past, write_at, kv = row.past, row.write_at, self._host_kv
         feed = self._feed(row.input_ids, row.position_ids, row.attention_mask, row.heads_at)
-        for i in range(self.manifest.num_layers):
-            feed[past_key_name(i)] = self.keys[region][i][:, :past]
-            feed[past_value_name(i)] = self.values[region][i][:, :past]
+        for name, cache in zip(kv.past_names, kv.arrays(row.region)):
+            feed[name] = cache[:, :past]
         outputs = self._session_run(graph, feed, write_at is not None)
         if write_at is not None:
-            self._keep_present(graph, outputs, 0, row.input_ids.shape[1], region, write_at)
+            self._keep_present(graph, outputs, 0, row.input_ids.shape[1], row.region, write_at)
         return {name: outputs[name] for name in self._outputs[graph]}
 
     def _run_packed(self, graph: GraphName, rows: list[RowFeed]) -> list[dict[str, np.ndarray]]:
         """Rows of several requests in one call: each row's past copied from its region into one [rows, past, H,
         D] tensor per cache, padded; its new KV copied back into its region."""
-        m, batch, packed = self.manifest, len(rows), pack_rows(rows)
+        m, batch, packed, kv = self.manifest, len(rows), pack_rows(rows), self._host_kv
         past = packed.past
         feed = self._feed(packed.input_ids, packed.position_ids, packed.attention_mask, packed.heads)
         shape = (batch, past, m.kv_heads, m.head_dim)
-        for i in range(m.num_layers):
-            key, value = np.zeros(shape, self.dtype), np.zeros(shape, self.dtype)
+        for j, name in enumerate(kv.past_names):
+            cache = np.zeros(shape, self.dtype)
             for b, r in enumerate(rows):
-                key[b, : r.past] = self.keys[r.region][i][0, : r.past]
-                value[b, : r.past] = self.values[r.region][i][0, : r.past]
-            feed[past_key_name(i)], feed[past_value_name(i)] = key, value
+                cache[b, : r.past] = kv.arrays(r.region)[j][0, : r.past]
+            feed[name] = cache
         gathered = [r.past for r in rows if r.past]
         self._count_copies(graph, (2 * m.num_layers * len(gathered), self.kv_bytes_per_token * sum(gathered)))
         outputs = self._session_run(graph, feed, graph == "infiller")
@@ -159,9 +134,15 @@ class OrtRunner(Runner):
                       write_at: int) -> None:
         """Row `row`'s first `seq` new tokens' KV into `region` at write_at: a copy per layer's K and V."""
         self._count_copies(graph, (2 * self.manifest.num_layers, self.kv_bytes_per_token * seq))
-        for i in range(self.manifest.num_layers):
-            self.keys[region][i][0, write_at : write_at + seq] = outputs[present_key_name(i)][row, :seq]
-            self.values[region][i][0, write_at : write_at + seq] = outputs[present_value_name(i)][row, :seq]
+        kv = self._host_kv
+        for name, cache in zip(kv.present_names, kv.arrays(region)):
+            cache[0, write_at : write_at + seq] = outputs[name][row, :seq]
+
+    @property
+    def _host_kv(self) -> HostKVPool:
+        kv = self._kv
+        assert isinstance(kv, HostKVPool)  # the CPU runner's own pool (OrtCudaRunner reads none of this)
+        return kv
 
 
 class OrtCudaRunner(OrtRunner):
@@ -181,9 +162,6 @@ class OrtCudaRunner(OrtRunner):
     def __init__(self, manifest: ExportManifest, threads: int | None = None, low_memory: bool = False,
                  verify: bool = False, max_requests: int = 1, max_batch: int = 1):
         super().__init__(manifest, threads, low_memory, verify, max_requests, max_batch)
-        m = manifest
-        # stream-less: each copy returns when done, so none can race onnxruntime's own stream
-        self._kv = DeviceKVPool(m.num_layers, m.kv_heads, m.head_dim, self.dtype, max_requests)
         self._scratch = ScratchBuffers()  # "past", "present" of packed calls
         self._stream: Any = None  # cuda.Stream of the gathers and scatters, while active
 
@@ -195,36 +173,33 @@ class OrtCudaRunner(OrtRunner):
         if self.max_batch > 1:  # only packed calls gather and scatter
             self._stream = Stream()
 
+    def _kv_pool(self) -> KVPool:
+        """The regions on the device, stream-less: each copy returns when done, so none can race onnxruntime's
+        own stream."""
+        m = self.manifest
+        return DeviceKVPool(m.num_layers, m.kv_heads, m.head_dim, self.dtype, self.max_requests)
+
     def _deactivate(self) -> None:
-        self._kv.free()
+        if self.kv is not None:
+            self.kv.free()
         self._scratch.free()
         if self._stream is not None:
             self._stream.close()
             self._stream = None
         super()._deactivate()
 
-    def _allocate_kv(self, capacity: int, region: int) -> None:
-        self._kv.allocate(region, capacity)
-
-    def _move_kv(self, src: int, dst: int, length: int, region: int) -> None:
-        self._kv.move(region, src, dst, length)
-
-    def _add_region(self) -> None:
-        self._kv.add_region()
-
-    def _copy_kv(self, src_region: int, src: int, dst_region: int, dst: int, length: int) -> None:
-        self._kv.copy(src_region, src, dst_region, dst, length)
-
-    def _caches(self, region: int) -> list[int]:
-        """The device addresses of the region's caches (the pool keeps kv_names' order), 256-byte aligned."""
-        return self._kv.addresses(region)
+    @property
+    def _kv(self) -> DeviceKVPool:
+        kv = super()._kv
+        assert isinstance(kv, DeviceKVPool)
+        return kv
 
     def _run_row(self, graph: GraphName, row: RowFeed) -> dict[str, np.ndarray]:
         """Past bound as the region's first `past` tokens, present bound at write_at: both in place."""
         m, t, seq, write_at = self.manifest, self._kv.token_bytes, row.input_ids.shape[1], row.write_at
         binding, wanted = self._binding(graph, row.input_ids, row.position_ids, row.attention_mask, row.heads_at)
         kv = [m.kv_heads, m.head_dim]
-        caches = self._caches(row.region)
+        caches = self._kv.addresses(row.region)
         for name, ptr in zip(self._kv.past_names, caches):
             binding.bind_input(name, self.device, 0, self.dtype, [1, row.past, *kv], ptr)
         if write_at is not None:

@@ -65,7 +65,6 @@ class TensorRTRunner(Runner):
         self._activations: DeviceBuffer | None = None
         self._empty: DeviceBuffer | None = None  # where empty tensors (a prefill's past) are bound
         self._shapes_checked: set[tuple[int, int, int, int]] = set()  # (profile, batch, seq, heads): none on past
-        self._pool: DeviceKVPool | None = None  # every request's KV, while active
         self._scratch: ScratchBuffers | None = None  # ids, positions, mask, heads, present staging, batch past
         self._host: HostBuffer | None = None  # the heads, on the host (pinned)
         self._embeds: HostBuffer | None = None  # a host table's rows for a forward, uploaded from there (pinned)
@@ -100,8 +99,8 @@ class TensorRTRunner(Runner):
 
         self._stream = Stream()
         m = self.manifest
-        self._pool = DeviceKVPool(m.num_layers, m.kv_heads, m.head_dim, dtype(m.dtype).numpy, self.max_requests,
-                                  self._stream)
+        self.kv = DeviceKVPool(m.num_layers, m.kv_heads, m.head_dim, dtype(m.dtype).numpy, self.max_requests,
+                               self._stream)
         self._scratch = ScratchBuffers(self._stream)
         runtime = self._runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
         engine = deserialize_engine(runtime, self.engines.engine_path)
@@ -167,10 +166,10 @@ class TensorRTRunner(Runner):
     def _deactivate(self) -> None:
         if self._stream is not None:
             self._stream.synchronize()
-        for held in (self._pool, self._scratch, self._host, self._embeds):
+        for held in (self.kv, self._scratch, self._host, self._embeds):
             if held is not None:
                 held.free()
-        self._pool, self._scratch, self._host, self._embeds = None, None, None, None
+        self.kv, self._scratch, self._host, self._embeds = None, None, None, None
         self._contexts = []  # contexts before the engine, the engine before the runtime
         self._engine = None
         self._shapes_checked.clear()
@@ -196,40 +195,12 @@ class TensorRTRunner(Runner):
         return info
 
     # -- KV cache ----------------------------------------------------------------------------
-    def _allocate_kv(self, capacity: int, region: int) -> None:
-        self._kv.allocate(region, capacity)
-
-    def _move_kv(self, src: int, dst: int, length: int, region: int) -> None:
-        self._kv.move(region, src, dst, length)
-
-    def _add_region(self) -> None:
-        self._kv.add_region()
-
-    def _copy_kv(self, src_region: int, src: int, dst_region: int, dst: int, length: int) -> None:
-        self._kv.copy(src_region, src, dst_region, dst, length)
-
-    def kv_to_host(self, start: int, length: int, region: int = 0) -> dict[str, np.ndarray]:
-        """KV of tokens [start, start + length) per layer of `region`, on the host (for checks, not the
-        loop). bfloat16 comes back as its raw uint16 bits."""
-        self._require_active()
-        self._check_region(region)
-        self._check_range("KV read", start, length, region)
-        return self._kv.to_host(region, start, length)
-
-    def kv_from_host(self, start: int, past: dict[str, np.ndarray], region: int = 0) -> None:
-        """Write a feed's past KV (`past_key_values.{i}.key|value`, [1, length, kv_heads, head_dim])
-        into `region` at token `start`, all checked before any is written (for checks, not the loop)."""
-        self._require_active()
-        self._check_region(region)
-        for length in self._kv.past_lengths(past):
-            self._check_range("KV upload", start, length, region)
-        self._kv.from_host(region, start, past)
-
     @property
     def _kv(self) -> DeviceKVPool:
-        if self._pool is None:
-            raise RefusionError(f"{self.name} runner is not active; call activate() first.")
-        return self._pool
+        """The pool, typed as the device one this runner makes (it binds, gathers and scatters by address)."""
+        kv = super()._kv
+        assert isinstance(kv, DeviceKVPool)
+        return kv
 
     # -- forwards ----------------------------------------------------------------------------
     def _run(self, graph: GraphName, rows: list[RowFeed]) -> list[dict[str, np.ndarray]]:

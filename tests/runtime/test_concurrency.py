@@ -215,12 +215,11 @@ def test_batched_rows_equal_single_rows_on_the_runner(export):
                            masks.causal_after(0, past), 0, 0, region)
             feeds.append(RowFeed(rng.integers(0, 100, (1, seq)), np.arange(past, past + seq)[None],
                                  masks.causal_after(past, seq), past, past, region))
-        keys_before = [[k.copy() for k in runner.keys[s]] for s in range(3)]
+        before = [runner.kv_to_host(0, 32, s) for s in range(3)]
         single = [runner.run_batch("infiller", [f])[0] for f in feeds]
-        keys_single = [[k.copy() for k in runner.keys[s]] for s in range(3)]
+        kv_single = [runner.kv_to_host(0, 32, s) for s in range(3)]
         for s in range(3):
-            for layer, k in enumerate(keys_before[s]):
-                runner.keys[s][layer][...] = k
+            runner.kv_from_host(0, {name.replace("present", "past_key_values"): kv for name, kv in before[s].items()}, s)
         packed = runner.run_batch("infiller", feeds)
         for a, b in zip(single, packed):
             assert a.keys() == b.keys()
@@ -229,8 +228,8 @@ def test_batched_rows_equal_single_rows_on_the_runner(export):
                 # ~30, so its float32 error scales with them, not with its own value (1.6e-5 seen at -0.33).
                 np.testing.assert_allclose(a[name], b[name], rtol=1e-6, atol=5e-5)
         for s in range(3):
-            for k_single, k_packed in zip(keys_single[s], runner.keys[s]):
-                np.testing.assert_allclose(k_single, k_packed, rtol=0, atol=1e-5)
+            for name, kv in runner.kv_to_host(0, 32, s).items():
+                np.testing.assert_allclose(kv_single[s][name], kv, rtol=0, atol=1e-5)
 
 
 def test_stream_ends_with_the_results_text_across_a_gap(export):

@@ -1,7 +1,7 @@
 """The device KV pool both GPU runners hold, on the fake cuda-python (tests/fakes.py): regions (one buffer each,
 its caches layer-major at an aligned pitch), moves, the gather / scatter of packed rows (one copy a row, counted),
 host round trips, scratch buffers; with a stream (TensorRT) and without (onnxruntime CUDA, whose copies each
-return when done)."""
+return when done). The CPU runner's host pool does what the device pool does, through the same interface."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 
 from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.runners.cuda import Stream
-from refusion.runtime.runners.kv_pool import DeviceKVPool, ScratchBuffers
+from refusion.runtime.runners.kv_pool import DeviceKVPool, HostKVPool, KVPool, ScratchBuffers
 from refusion.runtime.runners.rows import RowFeed
 
 LAYERS, HEADS, DIM = 2, 2, 4  # 32 bytes a token in fp32
@@ -89,6 +89,42 @@ def test_a_copy_between_regions_is_one_call_whatever_their_pitches(stream, fakes
     if stream is not None:
         stream.synchronize()
     assert pool.allocated(0) == 0 and len(pool._buffers) == 2  # the added region is gone
+
+
+def _kv_story(pool: KVPool) -> list[dict[str, np.ndarray]]:
+    """The same calls on any pool, and what it reads back after each (of the tokens written: a device region is
+    not zeroed): an upload, moves overlapping both ways, a copy into an added region of another capacity."""
+    pool.allocate(0, 12)
+    pool.allocate(1, 12)
+    pool.from_host(0, 1, _past(8, seed=4))
+    pool.from_host(1, 0, _past(12, seed=5))
+    seen = [pool.to_host(0, 1, 8)]
+    pool.move(0, 1, 3, 8)  # forwards, overlapping
+    seen.append(pool.to_host(0, 1, 10))
+    pool.move(0, 3, 2, 8)  # backwards, overlapping
+    seen.append(pool.to_host(0, 1, 10))
+    pool.add_region()
+    pool.allocate(2, 30)
+    assert pool.copy(1, 2, 2, 20, 7).bytes == 2 * LAYERS * 7 * pool.token_bytes
+    seen.append(pool.to_host(2, 20, 7))
+    seen.append(pool.to_host(1, 0, 12))  # the source is left as it was
+    return seen
+
+
+def test_the_host_pool_reads_back_what_the_device_pool_does(fakes):
+    """One interface, two memories: the CPU runner's pool and the GPU runners' give the same KV after the same
+    calls (the device one's result checked on its own by the tests above)."""
+    host = HostKVPool(LAYERS, HEADS, DIM, np.dtype(np.float32), 2)
+    device = _pool(None)
+    for got, want in zip(_kv_story(host), _kv_story(device), strict=True):
+        assert got.keys() == want.keys() == set(device.present_names)
+        for name in want:
+            np.testing.assert_array_equal(got[name], want[name])
+    host.free()
+    device.free()
+    assert host.regions == 2 and [host.arrays(r) for r in range(2)] == [[], []]
+    with pytest.raises(IndexError):
+        host.arrays(2)  # the added region goes at free, as on the device
 
 
 def test_a_past_of_another_shape_or_dtype_is_refused(fakes):

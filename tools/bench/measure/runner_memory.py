@@ -61,8 +61,8 @@ def child(export: str, candidate: str) -> dict:
                 session = ort.InferenceSession(str(self.manifest.graph_path(graph)), opts)
                 self.sessions[graph] = session
                 self._outputs[graph] = [o.name for o in session.get_outputs() if not o.name.startswith("present.")]
-            n = self.manifest.num_layers
-            self._presents = [f(i) for i in range(n) for f in (runners.present_key_name, runners.present_value_name)]
+            self.kv = self._kv_pool()
+            self._presents = self.kv.present_names
 
     manifest = ExportManifest.load(Path(export))
     before = memory()
