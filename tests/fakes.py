@@ -14,6 +14,9 @@ raises RuntimeError instead of returning False, stream readers are called as the
 their Python overrides (IStreamReaderV2: read(num_bytes, stream), asked again until all bytes
 came; IStreamReader: read(size), of which at most `size` bytes are copied). cudaMalloc'd memory
 starts as 0xFF bytes (NaN as floats), not zeros: the real one is not cleared either.
+
+`FakeRunner` is a model, not a device: a deterministic numpy Runner over an export's dims (`fake_manifest`), for
+the scheduler's tests without torch or onnxruntime.
 """
 
 from __future__ import annotations
@@ -23,14 +26,24 @@ import enum
 import json
 from dataclasses import dataclass
 from importlib.machinery import ModuleSpec
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 
 from refusion.engines.build import BuildPlan
+from refusion.runtime.core.contract import DEFAULT_CANDIDATES, GraphName, candidates_for, graph_specs
+from refusion.runtime.core.defaults import DecodeDefaults
+from refusion.runtime.core.dims import ModelDims
 from refusion.runtime.core.engines_manifest import ENGINE_GRAPH
+from refusion.runtime.core.export_manifest import ExportManifest
+from refusion.runtime.decode.masks import causal_after
+from refusion.runtime.runners.base import Runner
+from refusion.runtime.runners.kv_pool import HostKVPool
 from refusion.runtime.runners.onnxruntime import OrtCudaRunner
+from refusion.runtime.runners.rows import RowFeed
+from refusion.runtime.tokenizer import TOKENIZER_FILES
 
 
 class FakeCudart:
@@ -511,3 +524,87 @@ class CpuBoundCudaRunner(OrtCudaRunner):
 
     provider = "CPUExecutionProvider"
     device = "cpu"
+
+
+# -- a model in numpy, for the scheduler -----------------------------------------------------------------------
+def fake_manifest(checkpoint: Path) -> ExportManifest:
+    """refusion.json as an fp32 export of `checkpoint` would record its dims, ids, tokenizer and contract, without
+    exporting (nothing of torch, onnx or onnxruntime): no graph or weight file stands behind it, so only a
+    FakeRunner runs it. The decode defaults are the paper's, fitted to the positions."""
+    config = json.loads((checkpoint / "config.json").read_text())
+    dims = ModelDims.from_hf_config(config, str(checkpoint / "config.json"))
+    candidates = candidates_for(dims.vocab_size, DEFAULT_CANDIDATES)
+    specs = graph_specs(dims.num_layers, dims.kv_heads, dims.head_dim, dims.vocab_size, "float32", False, candidates)
+    return ExportManifest(
+        path=checkpoint, dims=dims, dtype="float32", mask_token_id=config["mask_token_id"],
+        eos_token_id=config["eos_token_id"], defaults=DecodeDefaults().clamped(dims.max_position_embeddings),
+        graphs=specs, opset=17, has_logits=False, candidates=candidates, weights={},
+        tokenizer_files=tuple(f for f in TOKENIZER_FILES if (checkpoint / f).is_file()), files={})
+
+
+class FakeRunner(Runner):
+    """A deterministic model in numpy behind the real Runner (its checks, stats and KV methods, a HostKVPool).
+
+    A token's KV is one number, its id and position (id x 1024 + position), written where the forward's write_at
+    says; what a forward outputs at a head is a function of exactly the tokens that head attends to, its own fed
+    tokens and its past read back from its request's region. So a request decodes the same tokens alone or batched
+    beside others, and a scheduler that fed a wrong past, another request's region, a KV move gone wrong or a stale
+    prefix would change them. The prediction: a hash of the attended (id, position) pairs picks the argmax (never
+    the mask; EOS about once in `eos_every`) and its probability in [0.3, 1); the other candidates follow with
+    falling probabilities, and `input_probs` reads the next fed token's probability from the same list."""
+
+    name = "fake"
+
+    def __init__(self, manifest: ExportManifest, max_requests: int = 4, max_batch: int = 4, eos_every: int = 40):
+        self.max_requests, self.max_batch = max_requests, max_batch
+        super().__init__(manifest)
+        self.eos_every = eos_every
+        self._vocab = [t for t in range(manifest.vocab_size) if t not in (manifest.mask_token_id, manifest.eos_token_id)]
+
+    def prefill(self, region: int, ids: list[int]) -> None:
+        """A causal forward of `ids` at positions 0, 1, ... into `region`: its KV then holds them."""
+        self.allocate_kv(len(ids) + 1, region)
+        self.run("infiller", np.array([ids]), np.arange(len(ids))[None], causal_after(0, len(ids)), 0, 0, region)
+
+    def tokens(self, region: int, length: int) -> list[int]:
+        """The ids the first `length` tokens of `region` hold KV of."""
+        return [int(v) // 1024 for v in self.kv_to_host(0, length, region)["present.0.key"].reshape(-1)]
+
+    def _activate(self) -> None:
+        self.kv = HostKVPool(1, 1, 1, np.dtype(np.float32), self.max_requests)
+
+    def _deactivate(self) -> None:
+        self.kv = None
+
+    def _run(self, graph: GraphName, rows: list[RowFeed]) -> list[dict[str, np.ndarray]]:
+        with self._in_backend(graph):
+            return [self._forward(graph, row) for row in rows]
+
+    def _forward(self, graph: GraphName, row: RowFeed) -> dict[str, np.ndarray]:
+        assert isinstance(self.kv, HostKVPool)
+        cache = self.kv.arrays(row.region)[0]
+        ids, pos = row.input_ids[0], row.position_ids[0]
+        past = cache[0, : row.past, 0, 0].astype(np.int64)
+        keys = np.concatenate([past, ids * 1024 + pos])  # every attendable token as (id, position), one number
+        mixed = (keys + 1) * 2654435761 % 2**32  # a multiplicative hash: which ids sit at which positions counts
+        heads = row.heads_at[0]
+        states = np.where(row.attention_mask[0, heads], mixed[None, :], 0).sum(-1) % 1_000_003
+        k = self.manifest.candidates
+        top = np.array([[self._candidate(int(state), j) for j in range(k)] for state in states], np.int64)
+        first = 0.3 + 0.7 * (states // 7 % 1000) / 1000
+        probs = np.concatenate([first[:, None], (1 - first)[:, None] / 4.0 ** np.arange(1, k)[None]], axis=1)
+        out = {"argmax_ids": top[None, :, 0], "argmax_probs": first[None].astype(np.float32), "top_ids": top[None],
+               "top_logprobs": np.log(probs)[None].astype(np.float32)}
+        if graph == "infiller":
+            following = ids[np.minimum(heads + 1, len(ids) - 1)]  # the last fed token reads its own
+            hit = top == following[:, None]
+            out["input_probs"] = np.where(hit.any(1), (probs * hit).sum(1), 1e-4)[None].astype(np.float32)
+            cache[0, row.write_at : row.write_at + len(ids), 0, 0] = ids * 1024 + pos
+        return out
+
+    def _candidate(self, state: int, j: int) -> int:
+        """The j-th most likely token at a head in this state, distinct for every j < K (37 is prime to the
+        vocabulary left); EOS only ever first."""
+        if j == 0 and state % self.eos_every == 0:
+            return self.manifest.eos_token_id
+        return self._vocab[(state + 37 * j) % len(self._vocab)]

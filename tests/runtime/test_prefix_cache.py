@@ -1,17 +1,16 @@
-"""The prefix cache: its bookkeeping on a runner whose KV is the token ids themselves (what is shared, what is
-evicted, what is copied), and exactness on the embedded model: greedy tokens with the cache equal tokens
+"""The prefix cache: its bookkeeping on tests/fakes.py's FakeRunner, whose KV reads back as the tokens it was
+computed for (what is shared, what is evicted, what is copied), and exactness on the embedded model: greedy tokens with the cache equal tokens
 without it, for ReFusion and AR, over prompts that share a system prompt, share part of one, or share nothing,
 from many threads while a small cache evicts; and on the GPU runners' code over the CPU fakes."""
 
 from __future__ import annotations
 
 import threading
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-from refusion.runtime.core.embeddings import Embeddings
+from refusion.models import EMBEDDED_MODEL
 from refusion.runtime.core.export_manifest import ExportManifest
 from refusion.runtime.decode.steps import Tokens
 from refusion.runtime.generator import Generator
@@ -19,54 +18,25 @@ from refusion.runtime.params import DecodeParams
 from refusion.runtime.prefix_cache import PrefixCache
 from refusion.runtime.request import Request
 from refusion.runtime.runners.base import Runner
-from refusion.runtime.runners.kv_pool import HostKVPool
 from refusion.runtime.scheduler import Scheduler
+from tests.fakes import FakeRunner, fake_manifest
 from tests.helpers import decode_alone
 
 
-class TokenRunner(Runner):
-    """KV regions of one value per token, written as the token id itself: a copied prefix reads back as its ids."""
-
-    name = "tokens"
-
-    def __init__(self, regions: int = 2):
-        self.max_requests = regions
-        super().__init__(SimpleNamespace(path=None, num_layers=1, kv_heads=1, head_dim=1, dtype="float32",  # 8 B a token
-                                         embeddings=Embeddings()))
-
-    def prefill(self, region: int, ids: list[int]) -> None:
-        self.allocate_kv(len(ids) + 1, region)
-        past = np.array(ids, np.float32).reshape(1, -1, 1, 1)
-        self.kv_from_host(0, {name: past for name in self._kv.past_names}, region)
-
-    def tokens(self, region: int, length: int) -> list[int]:
-        """What the region's first `length` tokens hold (its keys of the one layer)."""
-        return [int(x) for x in self.kv_to_host(0, length, region)["present.0.key"].reshape(-1)]
-
-    def _activate(self) -> None:
-        self.kv = HostKVPool(1, 1, 1, np.dtype(np.float32), self.max_requests)
-
-    def _deactivate(self) -> None:
-        self.kv = None
-
-    def _run(self, graph, rows):
-        raise AssertionError("the prefix cache's bookkeeping runs no forward")
-
-
-def _cache(blocks: int, block_tokens: int = 4) -> tuple[TokenRunner, PrefixCache]:
-    runner = TokenRunner()
+def _cache(blocks: int, block_tokens: int = 4) -> tuple[FakeRunner, PrefixCache]:
+    runner = FakeRunner(fake_manifest(EMBEDDED_MODEL), max_requests=2, max_batch=1)
     runner.activate()
     return runner, PrefixCache(runner, blocks * block_tokens * runner.kv_bytes_per_token, block_tokens)
 
 
-def _load(runner: TokenRunner, cache: PrefixCache, ids: list[int]) -> list[int]:
+def _load(runner: FakeRunner, cache: PrefixCache, ids: list[int]) -> list[int]:
     """The prefix of `ids` the cache gives, read back from the region it was copied into."""
     runner.allocate_kv(len(ids), 1)
     n = cache.load(ids, 1)
     return runner.tokens(1, n)
 
 
-def _store(runner: TokenRunner, cache: PrefixCache, ids: list[int]) -> None:
+def _store(runner: FakeRunner, cache: PrefixCache, ids: list[int]) -> None:
     runner.prefill(0, ids)
     cache.store(tuple(ids), 0)
     cache.check()
@@ -101,7 +71,7 @@ def test_the_least_recently_used_prefix_goes_first_and_never_a_block_others_exte
     _store(runner, cache, c + [0])  # needs 3 blocks, 1 free: b's 2 blocks go, deepest first
     assert _load(runner, cache, b + [9]) == []
     assert _load(runner, cache, a + [9]) == a and _load(runner, cache, c + [9]) == c
-    assert cache.stats.evicted_blocks == 2 and cache.reserved_bytes == 6 * 4 * 8
+    assert cache.stats.evicted_blocks == 2 and cache.reserved_bytes == 6 * 4 * runner.kv_bytes_per_token
     parents = {block.id for block in cache._blocks.values()} | {0}
     assert all(key[0] in parents for key in cache._blocks)  # every cached block is reachable
 
