@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from numbers import Integral
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -30,7 +31,26 @@ from refusion.runtime.tokenizer import Tokenizer
 if TYPE_CHECKING:
     from refusion.runtime.decode.llada import DiffusionParams
 
-__all__ = ["GenerationResult", "GenerationStats", "Generator"]
+__all__ = ["GenerationResult", "GenerationStats", "Generator", "GeneratorStatus"]
+
+
+@dataclass(frozen=True)
+class PrefixCacheStatus:
+    blocks: int  # blocks holding a prompt prefix's KV now
+    bytes: int  # KV the cache's regions hold on the runner (at most its budget)
+    hit_tokens: int  # prompt tokens copied from the cache instead of prefilled, since the Generator started
+
+
+@dataclass(frozen=True)
+class GeneratorStatus:
+    """A Generator's state in one value, what frontends read (admission limits, health, metrics) instead of its
+    scheduler's, runner's and cache's parts (nano-vllm's LLMEngine exposes counts the same way)."""
+
+    alive: bool  # the scheduler thread runs (or has not been needed yet): submitted requests will be answered
+    max_requests: int  # requests that run at once, a KV region each; more wait
+    in_flight: int  # submitted and not ended: running or waiting
+    regions_in_use: int  # KV regions running requests hold (0 once every request has ended)
+    prefix_cache: PrefixCacheStatus | None  # None: the prefix cache is off
 
 
 class Generator:
@@ -75,6 +95,15 @@ class Generator:
     def engine(self) -> Scheduler:
         """The scheduler's former name, kept for callers that read it."""
         return self.scheduler
+
+    def status(self) -> GeneratorStatus:
+        """Whether requests are answered, how many run and wait, the KV regions in use, the prefix cache's figures."""
+        cache = self.prefix_cache
+        return GeneratorStatus(
+            alive=self.scheduler.alive, max_requests=self.runner.max_requests, in_flight=self.scheduler.in_flight,
+            regions_in_use=self.scheduler.regions_in_use,
+            prefix_cache=None if cache is None else PrefixCacheStatus(cache.blocks, cache.reserved_bytes,
+                                                                       cache.stats.hit_tokens))
 
     def __enter__(self) -> Generator:
         return self

@@ -86,7 +86,8 @@ class Frontend(Generic[Handle]):
         """`on_end(request, handle, final)` is called once per submitted request when it has ended and given
         its place back, whether or not its client was still there (a frontend's metrics)."""
         self.gen, self.max_queue, self.on_end = gen, max_queue, on_end
-        self.limit = gen.runner.max_requests + max_queue
+        self.max_requests = gen.status().max_requests  # fixed when the runner is made
+        self.limit = self.max_requests + max_queue
         self.drain_deadline: float | None = None  # time.time() at which what still runs is cancelled
         self._live: dict[Request, Handle] = {}
         self._admitted = 0  # admitted, not yet submitted
@@ -116,7 +117,7 @@ class Frontend(Generic[Handle]):
                          status=Status.UNAVAILABLE)
         held = len(self._live) + self._admitted
         if held + count > self.limit:
-            return Final(error=f"the server holds {held} requests, its limit ({self.gen.runner.max_requests} running "
+            return Final(error=f"the server holds {held} requests, its limit ({self.max_requests} running "
                                f"+ {self.max_queue} queued, --max-queue); retry later or add instances.",
                          status=Status.RESOURCE_EXHAUSTED)
         return None
@@ -213,7 +214,7 @@ class Frontend(Generic[Handle]):
     def metrics(self) -> Metrics:
         with self._lock:
             held = len(self._live) + self._admitted
-        return Metrics(held, self.gen.scheduler.regions_in_use)
+        return Metrics(held, self.gen.status().regions_in_use)
 
     def close(self, timeout_s: float) -> None:
         """Refuse new requests, cancel every live one and wait (at most `timeout_s`) for their final responses."""

@@ -95,15 +95,14 @@ def create_app(frontend: Frontend[Arrival], metrics: ServerMetrics, config: AppC
 
     @app.get("/health")
     async def health() -> Response:
-        m = frontend.metrics()
-        status = ("failed" if not gen.scheduler.alive else "draining" if frontend.drain_deadline is not None
-                  else "ready")
-        cache = gen.prefix_cache
+        m, now = frontend.metrics(), gen.status()
+        status = ("failed" if not now.alive else "draining" if frontend.drain_deadline is not None else "ready")
+        cache = now.prefix_cache
         body = {"status": status, "model": config.model,
                 "requests_in_flight": m.requests_in_flight, "kv_regions_in_use": m.kv_regions_in_use,
-                "kv_regions": gen.runner.max_requests, "max_queue": frontend.max_queue,
-                "prefix_cache": {"blocks": cache.blocks, "bytes": cache.reserved_bytes,
-                                 "hit_tokens": cache.stats.hit_tokens} if cache is not None else None}
+                "kv_regions": now.max_requests, "max_queue": frontend.max_queue,
+                "prefix_cache": {"blocks": cache.blocks, "bytes": cache.bytes,
+                                 "hit_tokens": cache.hit_tokens} if cache is not None else None}
         return JSONResponse(body, 200 if status == "ready" else 503)
 
     @app.get("/metrics")

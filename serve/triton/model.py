@@ -129,7 +129,7 @@ class TritonPythonModel:
         launcher_gone = self.launcher is not None and bool(readable([self.launcher], 0))
         if launcher_gone and os.getppid() == self.parent:
             os.kill(self.parent, signal.SIGKILL)
-        if launcher_gone or os.getppid() != self.parent or not self.frontend.gen.scheduler.alive:
+        if launcher_gone or os.getppid() != self.parent or not self.frontend.gen.status().alive:
             os._exit(1)
 
     def _read_drain_deadline(self) -> None:

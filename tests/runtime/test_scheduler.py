@@ -19,6 +19,7 @@ from refusion.models import EMBEDDED_MODEL
 from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.core.export_manifest import ExportManifest
 from refusion.runtime.generator import Generator
+from refusion.runtime.prefix_cache import DEFAULT_MB
 from refusion.runtime.runners import runner_options
 from refusion.runtime.scheduler import Scheduler
 from refusion.runtime.tokenizer import Tokenizer
@@ -39,10 +40,10 @@ def tokenizer() -> Tokenizer:
 
 
 def fake_generator(manifest: ExportManifest, tokenizer: Tokenizer | None, max_requests: int = 4,
-                   max_batch: int = 4) -> Generator:
+                   max_batch: int = 4, prefix_cache_mb: float = DEFAULT_MB) -> Generator:
     runner = FakeRunner(manifest, max_requests, max_batch)
     runner.activate()
-    return Generator(manifest, runner, tokenizer)
+    return Generator(manifest, runner, tokenizer, prefix_cache_mb)
 
 
 @pytest.fixture
@@ -223,6 +224,30 @@ def test_a_scheduler_failure_fails_the_running_requests_instead_of_hanging(gen, 
         request.result(timeout=10)
     monkeypatch.undo()
     assert gen.generate(prompt_ids=[5, 6, 7], gen_length=8, mode="ar").finish_reason in ("eos", "length")
+
+
+def test_status_is_what_frontends_read_of_a_generator(manifest, tokenizer, jobs):
+    """Generator.status(): alive, the requests it runs at once, those in flight (running or waiting), the KV
+    regions held, the prefix cache's figures; frontends read this one value."""
+    with fake_generator(manifest, tokenizer, max_requests=2, max_batch=2) as gen:
+        idle = gen.status()
+        assert (idle.alive, idle.max_requests, idle.in_flight, idle.regions_in_use) == (True, 2, 0, 0)
+        assert idle.prefix_cache is not None and (idle.prefix_cache.blocks, idle.prefix_cache.hit_tokens) == (0, 0)
+        with ForwardGate(gen.runner) as gate:
+            requests = [gen.submit(prompt_ids=ids, **settings) for ids, settings in jobs[:3]]
+            gate.wait_held()  # two admitted into the two regions, the third waiting
+            busy = gen.status()
+            assert (busy.in_flight, busy.regions_in_use) == (3, 2)
+        for r in requests:
+            r.result(timeout=60)
+        gen.generate(prompt_ids=jobs[0][0], **jobs[0][1])  # its prompt again: its prefix from the cache
+        done = gen.status()
+        assert (done.in_flight, done.regions_in_use) == (0, 0)
+        assert done.prefix_cache is not None and done.prefix_cache.blocks > 0 and done.prefix_cache.hit_tokens > 0
+        assert done.prefix_cache.bytes == gen.prefix_cache.reserved_bytes
+    assert not gen.status().alive
+    with fake_generator(manifest, tokenizer, prefix_cache_mb=0) as off:
+        assert off.status().prefix_cache is None
 
 
 # -- stops --------------------------------------------------------------------------------------------------------
