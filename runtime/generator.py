@@ -91,11 +91,6 @@ class Generator:
         self.scheduler.close()
         self.runner.deactivate()
 
-    @property
-    def engine(self) -> Scheduler:
-        """The scheduler's former name, kept for callers that read it."""
-        return self.scheduler
-
     def status(self) -> GeneratorStatus:
         """Whether requests are answered, how many run and wait, the KV regions in use, the prefix cache's figures."""
         cache = self.prefix_cache

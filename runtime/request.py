@@ -47,7 +47,7 @@ class GenerationStats:
     tokens_per_forward: float  # tokens / forwards
     tpf: float  # upstream's per-iteration TPF
     wall_seconds: float  # from the request's start on the scheduler to its end
-    engine_seconds: float  # inside the runner (graphs and KV moves; a batched forward counts whole)
+    runner_seconds: float  # inside the runner (graphs and KV moves; a batched forward counts whole)
     loop_seconds: float  # everything else: policy, masks, bookkeeping, other requests' turns
     tokens_per_second: float
     branches: dict[str, int] = field(default_factory=dict)
@@ -332,7 +332,7 @@ class Request:
             mode=self.params.mode, backend=self.backend, prompt_tokens=start, tokens=tokens,
             forwards=dict(self.trace.forwards), forward_count=forwards,
             tokens_per_forward=tokens / forwards if forwards else 0.0, tpf=self.trace.tpf,
-            wall_seconds=wall, engine_seconds=self.runner_seconds, loop_seconds=wall - self.runner_seconds,
+            wall_seconds=wall, runner_seconds=self.runner_seconds, loop_seconds=wall - self.runner_seconds,
             tokens_per_second=tokens / wall if wall else 0.0, branches=dict(self.trace.branches),
             cached_prompt_tokens=self.cached_tokens,
         )

@@ -114,7 +114,7 @@ def generate(model_dir: Path, prompt: str | None, chat: bool, no_thinking: bool,
 def _summary(result: GenerationResult) -> str:
     s = result.stats
     return (f"{s.mode}: {s.tokens} tokens in {s.forward_count} forwards ({s.tokens_per_forward:.2f} tokens/forward, "
-            f"TPF {s.tpf:.2f}), {s.tokens_per_second:.1f} tokens/s; engine {s.engine_seconds:.3f} s, "
+            f"TPF {s.tpf:.2f}), {s.tokens_per_second:.1f} tokens/s; runner {s.runner_seconds:.3f} s, "
             f"loop {s.loop_seconds:.3f} s ({100 * s.loop_share:.0f}%)")
 
 

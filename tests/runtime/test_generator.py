@@ -72,8 +72,8 @@ def test_generate_reports_truthful_stats(gen):
     assert len(res.token_ids) == 32 and len(res.steps) == 32
     assert s.forward_count == sum(s.forwards.values()) > 0
     assert s.tokens_per_forward == pytest.approx(s.tokens / s.forward_count)
-    assert s.wall_seconds == pytest.approx(s.engine_seconds + s.loop_seconds)
-    assert 0 < s.engine_seconds < s.wall_seconds
+    assert s.wall_seconds == pytest.approx(s.runner_seconds + s.loop_seconds)
+    assert 0 < s.runner_seconds < s.wall_seconds
     ar = gen.generate(prompt_ids=[5, 17, 42], gen_length=32, mode="ar")
     assert ar.stats.forwards == {"prefill": 1, "decode": len(ar.token_ids) - 1}
 

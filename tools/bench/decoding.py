@@ -198,7 +198,7 @@ def build_methods(gen: Generator, settings: list[DecodeParams], diffusion: list[
             fed = runner.stats.total.fed
             result = gen.submit_ids(ids, params).result()
             s = result.stats
-            return Sample(result.committed_ids, s.tokens, dict(s.forwards), s.wall_seconds, s.engine_seconds, s.tpf,
+            return Sample(result.committed_ids, s.tokens, dict(s.forwards), s.wall_seconds, s.runner_seconds, s.tpf,
                           runner.stats.total.fed - fed)
         return run
 

@@ -63,7 +63,7 @@ def test_diffusion_fills_every_position_and_counts_every_forward(runner, calls, 
     assert all(c[7] == list(range(len(PROMPT), len(PROMPT) + GEN)) for c in calls)  # the prompt's heads never run
     assert res.stats.tpf == pytest.approx(GEN / steps)
     assert res.stats.tokens == GEN  # no EOS (-1): every position counts
-    assert 0 < res.stats.engine_seconds <= res.stats.wall_seconds
+    assert 0 < res.stats.runner_seconds <= res.stats.wall_seconds
 
 
 def test_diffusion_commits_the_most_confident_masks_in_block_order(runner, calls):
