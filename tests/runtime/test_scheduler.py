@@ -235,7 +235,9 @@ def test_status_is_what_frontends_read_of_a_generator(manifest, tokenizer, jobs)
         assert idle.prefix_cache is not None and (idle.prefix_cache.blocks, idle.prefix_cache.hit_tokens) == (0, 0)
         with ForwardGate(gen.runner) as gate:
             requests = [gen.submit(prompt_ids=ids, **settings) for ids, settings in jobs[:3]]
-            gate.wait_held()  # two admitted into the two regions, the third waiting
+            gate.wait_held()  # the first forward, held: the second request may not be admitted yet
+            gate.allow(1)
+            gate.wait_held()  # a round later: two admitted into the two regions, the third waiting
             busy = gen.status()
             assert (busy.in_flight, busy.regions_in_use) == (3, 2)
         for r in requests:
