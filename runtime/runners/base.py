@@ -1,14 +1,14 @@
 """The Runner interface: one backend running the planner and infiller graphs of one export.
 
-A Runner owns the device: the sessions or engines, and a pool of KV regions (runners/kv_pool.py: in host
-memory or on the device, one interface), one per request in flight, each a preallocated
-`[1, capacity, kv_heads, head_dim]` tensor per layer for keys and values; the Runner checks every KV call
-and hands it to the pool, so a backend writes none of them. A decode strategy only ever says *where* in its request's region a forward reads
-its past and writes its present; it never sees device memory, nor which backend it runs on.
-`run_batch` packs forwards of several requests (each over its own region) into one call, on
-backends that can (`max_batch` > 1); the others run them one by one. Regions beyond the requests' can be
-added (`add_region`: the prefix cache's) and KV copied between regions (`copy_kv`). Every runner counts its
-own forwards, the KV copies they make, KV moves and copies between regions in `stats` (runners/stats.py).
+A Runner owns the device: the sessions or engines, and a pool of KV regions (runners/kv_pool.py: in host memory
+or on the device, one interface), one per request in flight, each a preallocated `[1, capacity, kv_heads,
+head_dim]` tensor per layer for keys and values; the Runner checks every KV call and hands it to the pool, so a
+backend writes none of them. A decode strategy only ever says *where* in its request's region a forward reads its
+past and writes its present; it never sees device memory, nor which backend it runs on. `run_batch` packs
+forwards of several requests (each over its own region) into one call, on backends that can (`max_batch` > 1);
+the others run them one by one. Regions beyond the requests' can be added (`add_region`: the prefix cache's) and
+KV copied between regions (`copy_kv`). Every runner counts its own forwards, the KV copies they make, KV moves
+and copies between regions in `stats` (runners/stats.py).
 """
 
 from __future__ import annotations
