@@ -1,0 +1,63 @@
+"""A forward cut into chunks of at most N tokens, and the chunks' outputs put back together: chunked prefill.
+
+A forward whose tokens write their KV right after its past and attend only to that past and the tokens fed
+before them (a prefill, a ReFusion prefill with its first plan's masks) computes exactly what its chunks
+compute in turn, each over the KV the chunks before it wrote: causal attention does not look ahead. So the
+scheduler runs a long one as chunks (one a round, other requests' forwards between them) and its step
+machine never knows. Pure functions over the Forward and its outputs; runtime/scheduler.py drives them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from refusion.runtime.decode.steps import Forward, Outputs
+
+# input_probs at a chunk's last token reads that token's own id, not the next chunk's first: not the unchunked
+# forward's, so a chunked forward returns none (no strategy reads a prefill's).
+UNCHUNKED_ONLY = ("input_probs",)
+
+
+def chunkable(forward: Forward) -> bool:
+    """Its tokens write their KV right after the past, and none attends to a token fed after it."""
+    seq, past = forward.input_ids.shape[1], forward.past
+    if forward.write_at != past:
+        return False
+    ahead = np.triu(np.ones((seq, seq), dtype=bool), 1)
+    return not (forward.attention_mask[0, :, past:] & ahead).any()
+
+
+def bounds(seq: int, bound: int) -> list[tuple[int, int]]:
+    """[start, end) of each chunk: as few as fit `bound`, as even as can be, the longer ones last (the last holds
+    what a strategy's first forward adds at its end: ReFusion's plan masks, AR's head)."""
+    count = -(-seq // bound)
+    base, longer = divmod(seq, count)
+    sizes = [base] * (count - longer) + [base + 1] * longer
+    edges = np.cumsum([0, *sizes])
+    return [(int(s), int(e)) for s, e in zip(edges[:-1], edges[1:])]
+
+
+def split(forward: Forward, bound: int) -> list[Forward]:
+    """`forward` (chunkable) as chunks of at most `bound` tokens, in order. A chunk keeps the heads that fall in it;
+    one that holds none reads a head at its last token, which `merge` drops."""
+    heads = forward.heads[0]
+    assert (np.diff(heads) > 0).all(), "head positions in order"
+    chunks = []
+    for start, end in bounds(forward.input_ids.shape[1], bound):
+        own = heads[(heads >= start) & (heads < end)] - start
+        chunks.append(Forward(forward.kind, forward.graph, forward.input_ids[:, start:end],
+                              forward.position_ids[:, start:end],
+                              forward.attention_mask[:, start:end, : forward.past + end], forward.past + start,
+                              forward.past + start,
+                              (own if own.size else np.array([end - start - 1]))[None].astype(np.int64)))
+    return chunks
+
+
+def merge(forward: Forward, chunks: list[Forward], outputs: list[Outputs]) -> Outputs:
+    """The chunks' outputs as `forward`'s: each head's row from the chunk it fell in, in order (a chunk's stand-in
+    head dropped); input_probs left out (UNCHUNKED_ONLY)."""
+    heads = forward.heads[0]
+    held = [int(((heads >= c.past - forward.past) & (heads < c.past - forward.past + c.input_ids.shape[1])).sum())
+            for c in chunks]
+    names = [name for name in outputs[-1] if name not in UNCHUNKED_ONLY]
+    return {name: np.concatenate([out[name][:, :n] for out, n in zip(outputs, held) if n], axis=1) for name in names}

@@ -1,0 +1,63 @@
+"""Chunked prefill's pure half (runtime/decode/chunks.py): which forwards may be cut, where, and the chunks'
+outputs put back together; the exactness on a real graph is tests/runtime/test_chunked_prefill.py's."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from refusion.runtime.decode import masks
+from refusion.runtime.decode.chunks import bounds, chunkable, merge, split
+from refusion.runtime.decode.steps import Forward
+
+
+def _prefill(past: int, seq: int, heads: list[int]) -> Forward:
+    ids = np.arange(100, 100 + seq)[None]
+    return Forward("prefill_plan", "infiller", ids, np.arange(past, past + seq)[None], masks.causal_after(past, seq),
+                   past, past, np.array([heads]))
+
+
+@pytest.mark.parametrize("seq, bound, sizes", [
+    (10, 10, [10]), (10, 4, [3, 3, 4]), (33, 16, [11, 11, 11]), (34, 16, [11, 11, 12]), (1, 8, [1]),
+])
+def test_chunks_are_few_even_and_the_longer_last(seq, bound, sizes):
+    assert [e - s for s, e in bounds(seq, bound)] == sizes
+    assert bounds(seq, bound)[0][0] == 0 and bounds(seq, bound)[-1][1] == seq
+
+
+def test_a_prefill_is_chunkable_and_an_infill_or_a_staged_write_is_not():
+    assert chunkable(_prefill(5, 12, [11]))
+    rows = masks.rows_over_prefix(5, 2, 4, 0, 2, 4)  # two rows that must not see each other: still none looks ahead
+    infill = Forward("infill_verify", "infiller", np.zeros((1, 8), np.int64), np.zeros((1, 8), np.int64), rows, 5, 5,
+                     np.arange(7)[None])
+    assert chunkable(infill)
+    ahead = _prefill(5, 6, [5])
+    ahead.attention_mask[0, 0, 5 + 3] = True  # token 0 sees token 3
+    assert not chunkable(ahead)
+    staged = Forward("infill_verify", "infiller", *(_prefill(5, 6, [5]).input_ids,) * 2, masks.causal_after(5, 6), 5, 40,
+                     np.array([[5]]))
+    assert not chunkable(staged)
+
+
+def test_each_chunk_feeds_its_tokens_over_the_kv_before_them():
+    forward = _prefill(past=7, seq=20, heads=[12, 13, 19])
+    chunks = split(forward, 8)
+    assert [c.input_ids.shape[1] for c in chunks] == [6, 7, 7]
+    assert [(c.past, c.write_at) for c in chunks] == [(7, 7), (13, 13), (20, 20)]
+    assert chunks[0].heads[0].tolist() == [5]  # none of its own: a stand-in at its last token
+    assert chunks[1].heads[0].tolist() == [12 - 6] and chunks[2].heads[0].tolist() == [13 - 13, 19 - 13]
+    for chunk in chunks:  # its rows of the mask, over the past and everything fed before it
+        start = chunk.past - forward.past
+        n = chunk.input_ids.shape[1]
+        np.testing.assert_array_equal(chunk.attention_mask[0], forward.attention_mask[0, start:start + n, :chunk.past + n])
+        np.testing.assert_array_equal(chunk.position_ids[0], np.arange(chunk.past, chunk.past + n))
+
+
+def test_merge_takes_each_heads_row_from_its_chunk_and_drops_stand_ins_and_input_probs():
+    forward = _prefill(past=0, seq=9, heads=[2, 7, 8])
+    chunks = split(forward, 4)  # [0, 3), [3, 6), [6, 9): heads 2 | stand-in 2 | 1, 2
+    outputs = [{"argmax_ids": c.heads + 100 * i, "top_ids": np.repeat(c.heads[..., None], 3, axis=2),
+                "input_probs": np.ones(c.heads.shape)} for i, c in enumerate(chunks)]
+    merged = merge(forward, chunks, outputs)
+    assert merged["argmax_ids"].tolist() == [[2, 201, 202]] and merged["top_ids"].shape == (1, 3, 3)
+    assert "input_probs" not in merged
