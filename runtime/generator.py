@@ -32,6 +32,9 @@ if TYPE_CHECKING:
     from refusion.runtime.decode.llada import DiffusionParams
 
 __all__ = ["GenerationResult", "GenerationStats", "Generator", "GeneratorStatus"]
+# The most tokens one forward feeds by default: a longer prompt's prefill runs in chunks (docs/runtime.md says why
+# this many: the measured cost on the CPU, the activations an engine must hold on a Jetson).
+DEFAULT_PREFILL_CHUNK = 256
 
 
 @dataclass(frozen=True)
@@ -58,33 +61,41 @@ class Generator:
     thread (runtime/scheduler.py), concurrently up to the runner's KV regions, their forwards batched."""
 
     def __init__(self, manifest: ExportManifest, runner: Runner, tokenizer: Tokenizer | None,
-                 prefix_cache_mb: float = DEFAULT_MB):
+                 prefix_cache_mb: float = DEFAULT_MB, prefill_chunk: int | None = None):
         check_prefix_cache_mb(prefix_cache_mb)
         self.manifest = manifest
         self.runner = runner
         self.tokenizer = tokenizer
         self.prefix_cache = PrefixCache(runner, int(prefix_cache_mb * 2**20)) if prefix_cache_mb else None
-        self.scheduler = Scheduler(runner, self.prefix_cache)
+        self.prefill_chunk = resolve_prefill_chunk(prefill_chunk, runner.max_forward_tokens)
+        self.scheduler = Scheduler(runner, self.prefix_cache, self.prefill_chunk)
         # Text over this many UTF-8 bytes cannot fit the model's positions: refused before it is tokenized.
         self.max_prompt_bytes = tokenizer.max_text_bytes(manifest.max_positions) if tokenizer else 0
 
     @staticmethod
     def from_dir(path: str | Path, backend: str = "auto", threads: int | None = None, verify: bool = False,
                  low_memory: bool = False, max_requests: int | None = None, max_batch: int | None = None,
-                 prefix_cache_mb: float = DEFAULT_MB) -> Generator:
+                 prefix_cache_mb: float = DEFAULT_MB, prefill_chunk: int | None = None) -> Generator:
         """Load an export or engines directory; `verify` also checks every file's sha256 (a full read);
         `low_memory` (onnxruntime only): no memory arena, activations are freed after each forward (the
         weights are resident once either way). `max_requests` run at once (more wait), their forwards packed
         `max_batch` to a call (default 16 and 16 on onnxruntime CPU, the engine's --max-batch on TensorRT,
         1 and 1 on onnxruntime CUDA). `prefix_cache_mb`: the budget of the prefix cache, the KV of prompt
-        prefixes that later requests reuse (0: off)."""
+        prefixes that later requests reuse (0: off). `prefill_chunk`: the most tokens one forward feeds; a longer
+        prompt is prefilled in chunks of it, other requests' forwards between them (default: DEFAULT_PREFILL_CHUNK,
+        or the bound TensorRT engines were built with, --prefill-chunk, which they take at most; 0: off)."""
         check_prefix_cache_mb(prefix_cache_mb)
+        resolve_prefill_chunk(prefill_chunk, None)  # a bad value is refused before anything loads
         manifest = ExportManifest.read(Path(path))
         manifest.check_files(verify, manifest.tokenizer_files)
         runner = make_runner(manifest, backend, threads, verify, low_memory, max_requests, max_batch)
         tokenizer = Tokenizer.from_dir(manifest.path) if manifest.tokenizer_files else None
         runner.activate()
-        return Generator(manifest, runner, tokenizer, prefix_cache_mb)
+        try:
+            return Generator(manifest, runner, tokenizer, prefix_cache_mb, prefill_chunk)
+        except BaseException:
+            runner.deactivate()
+            raise
 
     def close(self) -> None:
         """Cancel what is in flight, stop the scheduler thread, release the backend."""
@@ -263,6 +274,15 @@ class Generator:
                 f"gen_length; {max(0, self.manifest.max_positions - prompt_tokens)} positions remain after this "
                 "prompt)."
             )
+        needs = strategy(params.mode).profile_needs
+        if self.prefill_chunk is not None and needs is not None:
+            gen_length, _, blocks = needs(params)
+            if gen_length // blocks > self.prefill_chunk:
+                raise RefusionError(
+                    f"a block of {gen_length // blocks} tokens exceeds prefill_chunk={self.prefill_chunk}, the most "
+                    "tokens a forward feeds here: a plan or a verify forward feeds a whole block and cannot be cut; "
+                    "lower the block (more serial_num_blocks, or a smaller gen_length) or load with a larger "
+                    "prefill_chunk (--prefill-chunk).")
         self.runner.check_request(prompt_tokens, params)
 
     def submit_ids(self, ids: list[int], params: DecodeParams | DiffusionParams,
@@ -320,6 +340,22 @@ class Generator:
                 yield piece
         finally:
             request.cancel()
+
+
+def resolve_prefill_chunk(asked: int | None, engines: int | None) -> int | None:
+    """The bound a Generator runs with (None: none): `asked`, 0 for none, None for the default (the engines' bound
+    where they were built with one, else DEFAULT_PREFILL_CHUNK), within what the runner's engines take (their
+    --prefill-chunk, which no bound, or a larger one, can go past)."""
+    if asked is not None and (isinstance(asked, bool) or not isinstance(asked, Integral) or asked < 0):
+        raise RefusionError(f"prefill_chunk={asked!r} (--prefill-chunk) must be a number of tokens, or 0 for none.")
+    if asked is None:
+        return engines if engines is not None else DEFAULT_PREFILL_CHUNK
+    bound = int(asked) or None
+    if engines is not None and (bound is None or bound > engines):
+        raise RefusionError(f"prefill_chunk={asked} asks for {'no bound' if bound is None else 'more'}, but these "
+                            f"engines feed at most {engines} tokens a forward (built with --prefill-chunk {engines}); "
+                            f"ask for at most {engines}, or rebuild them.")
+    return bound
 
 
 class _TooManyBytes(RefusionError):

@@ -4,8 +4,11 @@ Any thread may `submit` a Request; the scheduler thread alone touches the runner
 shared by any number of threads. Each round it admits waiting requests into free KV regions (copying in the
 longest cached prefix of each prompt from the prefix cache, when there is one), advances every
 active request to its next forward (doing its KV moves and recording its commits on the way), then runs the
-pending forwards graph by graph, up to the runner's `max_batch` to a call. A cancelled or expired request
-ends before its next forward and frees its region at once; a request that fails fails alone.
+pending forwards graph by graph, up to the runner's `max_batch` to a call. With a `prefill_chunk` bound, a
+longer forward (a prefill) runs as chunks of at most that many tokens, one a round (runtime/decode/chunks.py),
+and no call feeds more tokens than the bound: other requests' forwards run between two chunks, and a request
+waits behind no forward longer than the bound. A cancelled or expired request ends before its next forward
+(or chunk) and frees its region at once; a request that fails fails alone.
 (nano-vllm's engine/: scheduler, sequence, block manager, model runner, in one small loop.)
 """
 
@@ -19,11 +22,25 @@ from dataclasses import dataclass
 
 from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.core.signals import main_thread_signals
-from refusion.runtime.decode.steps import Forward, KVMove, PrefixKV
+from refusion.runtime.decode.chunks import chunkable, merge, split
+from refusion.runtime.decode.steps import Forward, KVMove, Outputs, PrefixKV
 from refusion.runtime.prefix_cache import PrefixCache
 from refusion.runtime.request import FinishReason, Request
 from refusion.runtime.runners.base import Runner
 from refusion.runtime.runners.rows import RowFeed
+
+
+@dataclass
+class _Chunks:
+    """A forward run as chunks: its chunks, and the outputs of those that have run."""
+
+    forward: Forward
+    chunks: list[Forward]
+    outputs: list[Outputs]
+
+    @property
+    def next(self) -> Forward:
+        return self.chunks[len(self.outputs)]
 
 
 @dataclass
@@ -33,9 +50,11 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, runner: Runner, prefix_cache: PrefixCache | None = None):
-        """`prefix_cache`: where requests' prompt prefixes are looked up at admission and kept (None: off)."""
-        self.runner, self.prefix_cache = runner, prefix_cache
+    def __init__(self, runner: Runner, prefix_cache: PrefixCache | None = None, prefill_chunk: int | None = None):
+        """`prefix_cache`: where requests' prompt prefixes are looked up at admission and kept (None: off);
+        `prefill_chunk`: the most tokens a call feeds (a longer forward runs as chunks; None: no bound)."""
+        self.runner, self.prefix_cache, self.prefill_chunk = runner, prefix_cache, prefill_chunk
+        self._chunks: dict[Request, _Chunks] = {}  # requests whose forward runs as chunks (this thread's alone)
         self.stats = SchedulerStats()
         # Rounds run under it while set (cProfile sees only the thread that enables it: this one).
         self.profiler: cProfile.Profile | None = None
@@ -153,14 +172,25 @@ class Scheduler:
                 key = (forward.graph, forward.input_ids.shape[1].bit_length())
                 ready.setdefault(key, []).append((request, forward))
         for (graph, _), group in sorted(ready.items()):
-            for start in range(0, len(group), self.runner.max_batch):
-                self._run(graph, group[start : start + self.runner.max_batch])
+            width = self._width([forward for _, forward in group])
+            for start in range(0, len(group), width):
+                self._run(graph, group[start : start + width])
+
+    def _width(self, forwards: list[Forward]) -> int:
+        """Rows a call packs: up to the runner's max_batch, and within prefill_chunk tokens in all."""
+        if self.prefill_chunk is None:
+            return self.runner.max_batch
+        longest = max(forward.input_ids.shape[1] for forward in forwards)
+        return max(1, min(self.runner.max_batch, self.prefill_chunk // longest))
 
     def _advance(self, request: Request) -> Forward | None:
         """Run the request's steps up to its next forward (None when it has ended)."""
         if request.cancelled or (request.deadline is not None and time.monotonic() > request.deadline):
             self._finish(request, "cancelled" if request.cancelled else "timeout")
             return None
+        chunks = self._chunks.get(request)
+        if chunks is not None:  # its step machine waits for the whole forward's outputs
+            return chunks.next
         while True:
             step = request.send(request.inbox)
             request.inbox = None
@@ -168,7 +198,7 @@ class Scheduler:
                 self._finish(request, None)
                 return None
             if isinstance(step, Forward):
-                return step
+                return self._bounded(request, step)
             if isinstance(step, KVMove):
                 t0 = time.perf_counter()
                 self.runner.move_kv(step.src, step.dst, step.length, request.kv_region)
@@ -184,6 +214,17 @@ class Scheduler:
                     self._finish(request, "stop")
                     return None
 
+    def _bounded(self, request: Request, forward: Forward) -> Forward:
+        """`forward`, or its first chunk when it feeds more than prefill_chunk tokens."""
+        bound, seq = self.prefill_chunk, forward.input_ids.shape[1]
+        if bound is None or seq <= bound:
+            return forward
+        if not chunkable(forward):
+            raise RefusionError(f"a {forward.kind} forward of {seq} tokens exceeds prefill_chunk={bound} and cannot "
+                                "be cut (only a prefill can); raise prefill_chunk to the request's block length.")
+        chunks = self._chunks[request] = _Chunks(forward, split(forward, bound), [])
+        return chunks.next
+
     def _run(self, graph: str, batch: list[tuple[Request, Forward]]) -> None:
         rows = [RowFeed.of(f, r.kv_region) for r, f in batch]
         t0 = time.perf_counter()
@@ -196,9 +237,17 @@ class Scheduler:
         seconds = time.perf_counter() - t0
         for (request, _), out in zip(batch, outputs):
             request.runner_seconds += seconds
-            request.inbox = out
+            chunks = self._chunks.get(request)
+            if chunks is None:
+                request.inbox = out
+                continue
+            chunks.outputs.append(out)
+            if len(chunks.outputs) == len(chunks.chunks):  # the whole forward has run: its outputs, as one
+                del self._chunks[request]
+                request.inbox = merge(chunks.forward, chunks.chunks, chunks.outputs)
 
     def _finish(self, request: Request, reason: FinishReason | None, error: BaseException | None = None) -> None:
+        self._chunks.pop(request, None)
         with self._lock:
             if request in self._active:
                 self._active.remove(request)

@@ -35,6 +35,10 @@ from refusion.tools.cli_common import progress
 @click.option("--max-batch", type=int, default=1, show_default=True,
               help="Requests whose decode forwards run as one batch; the runner then holds this many at once "
                    "(prefills stay one at a time).")
+@click.option("--prefill-chunk", type=int, default=None,
+              help="The most tokens one forward feeds: prompts are prefilled in chunks of it, so the prefill profile "
+                   "spans 1..N tokens over a past instead of the whole prompt (less activation memory, kernels tuned "
+                   "for the shapes run); at least a block. [default: none, the whole prompt in one forward]")
 @click.option("--timing-cache", type=click.Path(path_type=Path), default=None,
               help="Tactic timing cache to load and update (rebuilds of the same model get much faster).")
 @click.option("--strongly-typed/--weakly-typed", default=True, show_default=True,
@@ -45,8 +49,8 @@ from refusion.tools.cli_common import progress
 @click.option("--force", is_flag=True, help="Replace OUTPUT if it exists.")
 def build_command(export_dir: Path, output: Path, precision: str | None, max_prompt: int | None,
                   gen_length: int | None, slot_size: int | None, serial_blocks: int | None, max_slots: int | None,
-                  max_batch: int, timing_cache: Path | None, strongly_typed: bool, workspace: float | None,
-                  force: bool) -> None:
+                  max_batch: int, prefill_chunk: int | None, timing_cache: Path | None, strongly_typed: bool,
+                  workspace: float | None, force: bool) -> None:
     """Build the TensorRT engine for EXPORT_DIR (a `refusion-export onnx` directory): one engine, holding the
     weights once, runs both planner and infiller forwards. Limits left out are the export's recorded decode
     settings (refusion.json `defaults`) and the longest prompt that fits beside them."""
@@ -54,7 +58,8 @@ def build_command(export_dir: Path, output: Path, precision: str | None, max_pro
 
     export = ExportManifest.read(export_dir)
     limits = export_limits(export.defaults, export.max_positions, max_prompt=max_prompt, gen_length=gen_length,
-                           slot_size=slot_size, serial_blocks=serial_blocks, max_slots=max_slots, max_batch=max_batch)
+                           slot_size=slot_size, serial_blocks=serial_blocks, max_slots=max_slots, max_batch=max_batch,
+                           prefill_chunk=prefill_chunk)
     plan = plan_build(export_dir, output, limits, precision=precision, strongly_typed=strongly_typed,
                       workspace_gib=workspace, timing_cache=timing_cache)
     progress(f"an engine for prompts <= {limits.max_prompt}, gen_length <= {limits.gen_length}, blocks <= "

@@ -14,6 +14,7 @@ from tqdm import tqdm
 from refusion.export.progress import ProgressEvent
 from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.core.settings import SETTINGS, Setting
+from refusion.runtime.generator import DEFAULT_PREFILL_CHUNK
 from refusion.runtime.prefix_cache import DEFAULT_MB
 from refusion.runtime.runners import BACKENDS
 
@@ -134,6 +135,9 @@ _LOAD_OPTIONS = (
     click.option("--verify", is_flag=True,
                  help="Check every file's sha256 before loading, the TensorRT engine's too (a full read of the export "
                       "or engines directory); without it, their sizes."),
+    click.option("--prefill-chunk", type=int, default=None,
+                 help=f"The most tokens one forward feeds: a longer prompt is prefilled in chunks [default: "
+                      f"{DEFAULT_PREFILL_CHUNK}, or the TensorRT engines' own]; 0: no bound."),
     click.option("--prefix-cache-mb", type=float, default=DEFAULT_MB, show_default=True,
                  help="Budget of the prefix cache: the KV of prompt prefixes (a system prompt, a conversation's "
                       "earlier turns) that later requests copy instead of prefilling; 0 turns it off."),
@@ -148,8 +152,8 @@ def setting_options(f: Any) -> Any:
 
 
 def load_options(f: Any) -> Any:
-    """--backend --threads --low-memory --verify --prefix-cache-mb (Generator.from_dir's options; `load_settings`
-    reads them)."""
+    """--backend --threads --low-memory --verify --prefill-chunk --prefix-cache-mb (Generator.from_dir's options;
+    `load_settings` reads them)."""
     for option in reversed(_LOAD_OPTIONS):
         f = option(f)
     return f
@@ -165,7 +169,8 @@ def given_settings(options: dict[str, Any]) -> dict[str, Any]:
 
 def load_settings(options: dict[str, Any]) -> dict[str, Any]:
     """The load options, taken out of a command's `options`, as Generator.from_dir's keywords."""
-    return {name: options.pop(name) for name in ("backend", "threads", "low_memory", "verify", "prefix_cache_mb")}
+    return {name: options.pop(name) for name in ("backend", "threads", "low_memory", "verify", "prefill_chunk",
+                                                 "prefix_cache_mb")}
 
 
 STDIN_PROMPT = "-"

@@ -27,7 +27,7 @@ from typing import Any
 import click
 
 from refusion.runtime.core.errors import RefusionError
-from refusion.runtime.generator import Generator
+from refusion.runtime.generator import DEFAULT_PREFILL_CHUNK, Generator
 from refusion.runtime.runners import BACKENDS
 from refusion.serve.http_client import CLIENT_TIMEOUT_S
 from refusion.serve.openai import client as openai_client
@@ -72,6 +72,9 @@ _OPENAI_ONLY = ("allowed_host",)
 @click.option("--prefix-cache-mb", type=float, default=ServeSettings.prefix_cache_mb, show_default=True,
               help="Budget of the prefix cache: the KV of prompt prefixes later requests copy instead of "
                    "prefilling (a shared system prompt); 0 turns it off.")
+@click.option("--prefill-chunk", type=int, default=None,
+              help=f"The most tokens one forward feeds: a longer prompt is prefilled in chunks, other requests' steps "
+                   f"between them [default: {DEFAULT_PREFILL_CHUNK}, or the engines' own]; 0: no bound.")
 @click.option("--drain-timeout", type=int, default=30, show_default=True,
               help="On SIGTERM or Ctrl-C: seconds for requests in flight to finish before they are cancelled.")
 @click.option("--verbose", is_flag=True, help="The server's info log too (OpenAI: an access log line per request).")
@@ -80,8 +83,8 @@ _OPENAI_ONLY = ("allowed_host",)
 def serve(ctx: click.Context, model_dir: Path, api: str, model_name: str, http_port: int, grpc_port: int,
           metrics_port: int, address: str, allowed_host: tuple[str, ...], key: str | None, backend: str,
           threads: int | None,
-          max_requests: int | None, max_batch: int | None, max_queue: int, prefix_cache_mb: float, drain_timeout: int,
-          verbose: bool) -> None:
+          max_requests: int | None, max_batch: int | None, max_queue: int, prefix_cache_mb: float,
+          prefill_chunk: int | None, drain_timeout: int, verbose: bool) -> None:
     """Serve the export or engines in MODEL_DIR: an OpenAI-compatible API in this process (--api openai,
     the default), or NVIDIA Triton (--api triton: HTTP generate and generate_stream, gRPC streaming, health and
     metrics). Requests run concurrently, their forwards batched step by step. It listens on this host only
@@ -89,7 +92,7 @@ def serve(ctx: click.Context, model_dir: Path, api: str, model_name: str, http_p
     and limits"). SIGTERM or Ctrl-C drains and stops; the exit code is 1 (with an error line) if the server
     failed."""
     settings = ServeSettings(str(model_dir.resolve()), backend, threads, max_requests, max_batch, max_queue,
-                             prefix_cache_mb)
+                             prefix_cache_mb, prefill_chunk)
     key = api_key(key)
     given = [f"--{name.replace('_', '-')}" for name in (_TRITON_ONLY if api == "openai" else _OPENAI_ONLY)
              if ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT]
@@ -149,7 +152,8 @@ def _serve_openai(model_dir: Path, settings: ServeSettings, model_name: str, htt
     s = settings
     progress(f"loading {model_dir} ({s.backend})")
     with Generator.from_dir(model_dir, backend=s.backend, threads=s.threads, max_requests=s.max_requests,
-                            max_batch=s.max_batch, prefix_cache_mb=s.prefix_cache_mb) as gen:
+                            max_batch=s.max_batch, prefix_cache_mb=s.prefix_cache_mb,
+                            prefill_chunk=s.prefill_chunk) as gen:
         server = OpenAIServer(gen, model_name=model_name, address=address, port=http_port, api_key=key,
                               max_queue=s.max_queue, drain_timeout_s=drain_timeout, allowed_hosts=allowed_hosts,
                               verbose=verbose)

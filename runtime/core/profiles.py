@@ -55,6 +55,9 @@ class DecodeLimits:
     serial_blocks: int = DEFAULTS["serial_num_blocks"]  # engines.json's name for it
     max_slots: int | None = None  # slots per block the engines take; None: gen_length / serial_blocks / slot_size
     max_batch: int = 1  # rows (requests) one decode forward packs; 1: the batch-1 engines of format v2
+    # tokens one forward feeds at most: a longer prefill runs as chunks of it (runtime/decode/chunks.py), so the
+    # prefill profile spans 1..prefill_chunk tokens over a past, not the whole prompt; None: no bound
+    prefill_chunk: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_prompt", "gen_length", "slot_size", "serial_blocks", "max_batch"):
@@ -78,6 +81,12 @@ class DecodeLimits:
                 "most the whole generation."
             )
         object.__setattr__(self, "max_slots", slots)
+        chunk = self.prefill_chunk
+        if chunk is not None and (not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < self.block_length):
+            raise RefusionError(
+                f"--prefill-chunk {chunk!r} must be an integer of at least the engines' block of {self.block_length} "
+                f"tokens (--max-slots {slots} x --slot-size {self.slot_size}): a plan or a verify forward feeds a "
+                "block and cannot be cut; raise it, or build for smaller blocks.")
 
     @property
     def block_length(self) -> int:
@@ -101,12 +110,12 @@ class DecodeLimits:
         """These limits as `refusion-export build` flags."""
         return [f"--max-prompt {self.max_prompt}", f"--gen-length {self.gen_length}", f"--slot-size {self.slot_size}",
                 f"--serial-num-blocks {self.serial_blocks}", f"--max-slots {self.max_slots}",
-                f"--max-batch {self.max_batch}"]
+                f"--max-batch {self.max_batch}", *([f"--prefill-chunk {self.prefill_chunk}"] if self.prefill_chunk else [])]
 
 
 def export_limits(defaults: DecodeDefaults, max_positions: int, *, max_prompt: int | None = None,
                   gen_length: int | None = None, slot_size: int | None = None, serial_blocks: int | None = None,
-                  max_slots: int | None = None, max_batch: int = 1) -> DecodeLimits:
+                  max_slots: int | None = None, max_batch: int = 1, prefill_chunk: int | None = None) -> DecodeLimits:
     """What `refusion-export build` builds for by default: the decode settings the export recorded
     (refusion.json `defaults`: gen_length, slot_size, serial_num_blocks) and the longest prompt that fits
     beside that generation in the model's positions, at most DecodeLimits' 2048. Each value given overrides."""
@@ -114,7 +123,8 @@ def export_limits(defaults: DecodeDefaults, max_positions: int, *, max_prompt: i
     if max_prompt is None:
         max_prompt = min(DecodeLimits.max_prompt, max_positions - gen_length)
     return DecodeLimits(max_prompt, gen_length, defaults.slot_size if slot_size is None else slot_size,
-                        defaults.serial_num_blocks if serial_blocks is None else serial_blocks, max_slots, max_batch)
+                        defaults.serial_num_blocks if serial_blocks is None else serial_blocks, max_slots, max_batch,
+                        prefill_chunk)
 
 
 @dataclass(frozen=True)
@@ -127,23 +137,32 @@ class Box:
     past: tuple[int, int]
 
 
-def forward_boxes(prompt_len: int, gen_length: int, block_length: int) -> list[Box]:
+def forward_boxes(prompt_len: int, gen_length: int, block_length: int, prefill_chunk: int | None = None) -> list[Box]:
     """Every forward of a request (prompt P0, padded gen_length G, block length b), by kind.
 
     Plan and verify run over the committed prefix, P0 <= past <= P0 + G. Infill rows see the
     prefix plus n <= b/k private rows of scratch, so their past reaches P0 + G + b. The AR
-    baseline prefills the prompt, then feeds one token at a time.
+    baseline prefills the prompt, then feeds one token at a time. With `prefill_chunk` C, a prefill
+    longer than C runs as chunks of at most C tokens, each over the KV of the ones before it.
     """
     p, g, b = prompt_len, gen_length, block_length
+    prefill, ar_prefill = _prefill_box(p + b, prefill_chunk), _prefill_box(p, prefill_chunk)
     return [
-        Box("infiller", "prefill_plan", (p + b, p + b), (0, 0)),
+        Box("infiller", "prefill_plan", *prefill),
         Box("planner", "plan", (1, b), (p, p + g)),
         Box("infiller", "verify", (1, b), (p, p + g)),
         Box("planner", "infill_draft", (1, b), (p, p + g + b)),
         Box("infiller", "infill_verify", (1, b), (p, p + g + b)),
-        Box("infiller", "ar_prefill", (p, p), (0, 0)),
+        Box("infiller", "ar_prefill", *ar_prefill),
         Box("infiller", "ar_decode", (1, 1), (p, p + g)),
     ]
+
+
+def _prefill_box(tokens: int, chunk: int | None) -> tuple[tuple[int, int], tuple[int, int]]:
+    """(seq, past) of a prefill of `tokens`: one forward, or chunks of at most `chunk` over what came before."""
+    if chunk is None or tokens <= chunk:
+        return (tokens, tokens), (0, 0)
+    return (1, chunk), (0, tokens - 1)
 
 
 @dataclass(frozen=True)
@@ -219,8 +238,11 @@ def engine_profiles(limits: DecodeLimits) -> list[ProfileSpec]:
     past_opt = p // 2 + g // 2
     n = limits.max_batch
     rows = (1, (n + 1) // 2, n)
+    c = limits.prefill_chunk
+    # a prefill whole (over no past), or, with a bound, a chunk of it over the chunks before it (or a cached prefix)
+    prefill = ((1, p // 2 + b, p + b), (0, 0, 0)) if c is None else ((1, c, c), (0, p // 2, p + b - 1))
     return [
-        ProfileSpec("prefill", "infiller", (1, p // 2 + b, p + b), (0, 0, 0), heads=(1, b, b)),
+        ProfileSpec("prefill", "infiller", *prefill, heads=(1, b, b)),
         ProfileSpec("decode", "infiller", (1, min(k, b), b), (0, past_opt, past_max), rows, (1, min(k, b), b)),
         ProfileSpec("plan", "planner", (1, b, b), (0, past_opt, past_max), rows, (1, b, b)),
     ]
@@ -264,7 +286,7 @@ def check_request(limits: DecodeLimits, prompt_len: int, gen_length: int, slot_s
         )
     # Fitting the three limits above puts every box inside a profile; keep that true by construction.
     profiles = engine_profiles(limits)
-    for box in forward_boxes(prompt_len, gen, block):
+    for box in forward_boxes(prompt_len, gen, block, limits.prefill_chunk):
         assert box_profile(profiles, box) is not None, box
 
 

@@ -76,6 +76,12 @@ class Runner(ABC):
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         self.deactivate()
 
+    @property
+    def max_forward_tokens(self) -> int | None:
+        """The most tokens one forward may feed, if the backend was built for a bound (TensorRT engines built with
+        --prefill-chunk); None: any number (onnxruntime)."""
+        return None
+
     def check_request(self, prompt_length: int, params: DecodeParams | DiffusionParams) -> None:
         """Refuse, before any work, a request outside what this backend was built for.
         onnxruntime takes any shape; TensorRT checks its engines' profiles."""

@@ -77,6 +77,10 @@ class TensorRTRunner(Runner):
         return TensorRTRunner(ExportManifest.read(Path(path)), engines, max_requests, max_batch, verify)
 
     # -- requests ----------------------------------------------------------------------------
+    @property
+    def max_forward_tokens(self) -> int | None:
+        return self.limits.prefill_chunk
+
     def check_request(self, prompt_length: int, params: DecodeParams | DiffusionParams) -> None:
         needs = strategy(params.mode).profile_needs
         if needs is None:

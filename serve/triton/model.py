@@ -45,7 +45,8 @@ class TritonPythonModel:
         self.launcher = os.pidfd_open(s.launcher_pid) if s.launcher_pid is not None else None
         try:
             gen = Generator.from_dir(s.model_dir, backend=s.backend, threads=s.threads, max_requests=s.max_requests,
-                                     max_batch=s.max_batch, prefix_cache_mb=s.prefix_cache_mb)
+                                     max_batch=s.max_batch, prefix_cache_mb=s.prefix_cache_mb,
+                                     prefill_chunk=s.prefill_chunk)
         except RefusionError as e:  # the launcher prints it as one line, in place of Triton's load-failure report
             if s.work_dir is not None:
                 (Path(s.work_dir) / "load-error").write_text(str(e))

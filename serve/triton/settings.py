@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from refusion.runtime.core.errors import RefusionError
+from refusion.runtime.generator import resolve_prefill_chunk
 from refusion.runtime.prefix_cache import DEFAULT_MB, check_prefix_cache_mb
 
 SETTINGS_FILE = "settings.json"
@@ -23,6 +24,7 @@ class ServeSettings:
     max_batch: int | None = None  # forwards packed per call (None: the runner's default)
     max_queue: int = 64  # waiting beyond the running ones; more are rejected at once
     prefix_cache_mb: float = DEFAULT_MB  # the Generator's prefix cache (0: off)
+    prefill_chunk: int | None = None  # the most tokens a forward feeds (None: the default; 0: no bound)
     # Set by the launcher (serve/triton/launcher.py): its work directory (the drain's deadline, a load error)
     # and its process id (the model exits when the launcher is gone).
     work_dir: str | None = None
@@ -32,6 +34,7 @@ class ServeSettings:
         if isinstance(self.max_queue, bool) or not isinstance(self.max_queue, int) or self.max_queue < 0:
             raise RefusionError(f"max_queue={self.max_queue!r} (--max-queue) must be an integer >= 0.")
         check_prefix_cache_mb(self.prefix_cache_mb)
+        resolve_prefill_chunk(self.prefill_chunk, None)
 
     @property
     def drain_file(self) -> Path | None:

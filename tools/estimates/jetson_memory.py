@@ -171,11 +171,14 @@ def main(argv: list[str] | None = None) -> int:
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name))
     parser.add_argument("--serial-num-blocks", "--serial-blocks", dest="serial_blocks", type=int,
                         default=defaults.serial_blocks)
+    parser.add_argument("--prefill-chunk", type=int, default=None,
+                        help="engines built with this bound on a forward's tokens (refusion-export build) [none]")
     args = parser.parse_args(argv)
     from refusion.runtime.core.export_manifest import ExportManifest
 
     dims = ExportManifest.read(args.export).dims if args.export else REFUSION_8B
-    limits = DecodeLimits(args.max_prompt, args.gen_length, args.slot_size, args.serial_blocks)
+    limits = DecodeLimits(args.max_prompt, args.gen_length, args.slot_size, args.serial_blocks,
+                          prefill_chunk=args.prefill_chunk)
     rows = memory(dims, limits, args.block_size, HEADS[args.head], EMBEDDINGS[args.embeddings])
     title = (f"{args.export or 'ReFusion-8B'}; limits {' '.join(limits.flags())}; KV capacity {limits.kv_capacity} "
              f"tokens; headroom {args.headroom_gib:g} GiB (assumed); device column: fits (GiB to spare); host "

@@ -137,3 +137,20 @@ def test_requests_outside_the_limits_name_the_limit_and_the_flag():
     with pytest.raises(RefusionError, match=r"block of 256 tokens.*serial_num_blocks >= 4.*--max-slots 8`"):
         check_request(limits, 10, 512, 32, 2)
     check_request(DecodeLimits(max_slots=8), 10, 512, 32, 2)  # which the flag then allows
+
+
+def test_a_prefill_bound_makes_the_prefill_profile_chunks_over_a_past():
+    """Issue 34: --prefill-chunk C (at least a block): the prefill profile takes 1..C tokens over a past of up to
+    max_prompt + a block, every request's prefill box fits it, and engines.json keeps the bound."""
+    limits = DecodeLimits(max_prompt=512, gen_length=256, slot_size=16, serial_blocks=4, prefill_chunk=128)
+    prefill = engine_profiles(limits)[0]
+    assert (prefill.seq, prefill.past) == ((1, 128, 128), (0, 256, 512 + 64 - 1))
+    check_request(limits, 500, 256, 16, 4)  # its boxes fit the profiles (asserted inside)
+    boxes = {box.kind: box for box in forward_boxes(500, 256, 64, 128)}
+    assert (boxes["prefill_plan"].seq, boxes["prefill_plan"].past) == ((1, 128), (0, 563))
+    assert (boxes["ar_prefill"].seq, boxes["ar_prefill"].past) == ((1, 128), (0, 499))
+    assert forward_boxes(40, 256, 64, 128)[0].seq == (104, 104)  # within one chunk: whole, as before
+    assert DecodeLimits.from_json(limits.to_json()) == limits and "--prefill-chunk 128" in limits.flags()
+    assert DecodeLimits.from_json({k: v for k, v in limits.to_json().items() if k != "prefill_chunk"}).prefill_chunk is None
+    with pytest.raises(RefusionError, match=r"--prefill-chunk 32 must be an integer of at least the engines' block of 64"):
+        DecodeLimits(max_prompt=512, gen_length=256, slot_size=16, serial_blocks=4, prefill_chunk=32)

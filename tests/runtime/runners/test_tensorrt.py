@@ -517,3 +517,31 @@ def test_activation_checks_the_engine_size_and_hashes_it_only_to_verify(peaky_ex
     engine.write_bytes(damaged[:-1])
     with pytest.raises(RefusionError, match=r"model.engine has \d+ bytes and engines.json records \d+: .*truncated"):
         TensorRTRunner.from_dir(engines).activate()
+
+
+def test_engines_built_with_a_prefill_bound_take_chunks_of_it_and_decode_as_onnxruntime(peaky_export, fakes, tmp_path):
+    """Issue 34: engines built with --prefill-chunk 16 have a prefill profile of 1..16 tokens over a past (not the
+    whole prompt over none); the Generator takes the bound from them, so a 200-token prompt is prefilled as chunks,
+    each a forward of the engine within its profiles (none the runner cuts again), with onnxruntime's tokens."""
+    from refusion.runtime.core.profiles import DecodeLimits
+    from refusion.runtime.generator import Generator
+    from refusion.runtime.runners.stats import ForwardShape
+
+    limits = DecodeLimits(max_prompt=256, gen_length=32, slot_size=4, serial_blocks=2, prefill_chunk=16)
+    engines = fake_engines(peaky_export, tmp_path / "engines", limits)
+    prompt = np.random.default_rng(3).integers(3, 300, 200).tolist()
+    settings = dict(gen_length=32, slot_size=4, serial_num_blocks=2, slot_threshold=0.5, token_threshold=0.1)
+    with Generator.from_dir(peaky_export, backend="ort-cpu", threads=1, prefill_chunk=0, prefix_cache_mb=0) as ort:
+        want = [ort.generate(prompt_ids=prompt, **settings).committed_ids,
+                ort.generate(prompt_ids=prompt, gen_length=12, mode="ar").committed_ids]
+    with Generator.from_dir(engines, backend="trt", prefix_cache_mb=0) as trt:
+        assert trt.prefill_chunk == 16
+        prefill = trt.runner.engines.engine.profiles[0]
+        assert prefill.seq[2] == 16 and prefill.past[2] == 256 + 16 - 1
+        trt.runner.stats.record = []
+        got = [trt.generate(prompt_ids=prompt, **settings).committed_ids,
+               trt.generate(prompt_ids=prompt, gen_length=12, mode="ar").committed_ids]
+        calls = [c for c in trt.runner.stats.record if isinstance(c, ForwardShape)]
+        assert all(row.fed <= 16 for call in calls for row in call.rows)
+        assert trt.runner.stats.graph("infiller").forwards == sum(call.graph == "infiller" for call in calls)
+    assert got == want

@@ -96,3 +96,19 @@ def test_refusion_8b_int4_on_an_orin_nano_fits_with_the_embeddings_on_the_host()
     # the table's resident pages: 832 rows (KV capacity) x 8 KiB, plus inputs_embeds at the prefill's 576 tokens
     host = next(m for m in rows if m.host_embeddings)
     assert host.embeddings == 832 * 8192 + 576 * 8192
+
+
+def test_a_prefill_bound_sizes_the_prefill_profile_and_fits_refusion_8b_on_the_orin_nano_at_the_defaults():
+    """Issue 34: at --max-prompt 2048 --gen-length 512 the 2176-token prefill's attention sets the activations;
+    engines built with --prefill-chunk 256 take 256 tokens over a past instead, and ReFusion-8B int4 (int4 head,
+    embeddings on the host) fits an Orin Nano 8GB with the 3 GiB headroom."""
+    whole, chunked = DecodeLimits(), DecodeLimits(prefill_chunk=256)
+    dims = jetson_memory.REFUSION_8B
+    (acts, _), (bounded, profile) = (jetson_memory.activation_bytes(dims, lim) for lim in (whole, chunked))
+    # 256 tokens over a past of up to 2048 + 128 - 1: context 2431, 32 heads x 256 x 2431 x 10 bytes of attention
+    layer = 256 * (2 * 4096 + 4096 + 2 * 1024 + 3 * 12288) * 2
+    assert (bounded, profile) == (layer + 32 * 256 * 2431 * 10, "prefill") and bounded < acts / 7
+    nano = jetson_memory.DEVICES["Orin Nano 8GB"]
+    for limits, fits in ((whole, False), (chunked, True)):
+        row = jetson_memory.memory(dims, limits, 128, heads=(True,), host=(True,))[-1]
+        assert (row.total / jetson_memory.GIB + jetson_memory.HEADROOM_GIB <= nano) is fits
