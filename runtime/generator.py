@@ -67,7 +67,7 @@ class Generator:
         self.runner = runner
         self.tokenizer = tokenizer
         self.prefix_cache = PrefixCache(runner, int(prefix_cache_mb * 2**20)) if prefix_cache_mb else None
-        self.prefill_chunk = resolve_prefill_chunk(prefill_chunk, runner.max_forward_tokens)
+        self.prefill_chunk = resolve_prefill_chunk(prefill_chunk, runner.max_forward_tokens, runner.prefills_whole)
         self.scheduler = Scheduler(runner, self.prefix_cache, self.prefill_chunk)
         # Text over this many UTF-8 bytes cannot fit the model's positions: refused before it is tokenized.
         self.max_prompt_bytes = tokenizer.max_text_bytes(manifest.max_positions) if tokenizer else 0
@@ -342,14 +342,15 @@ class Generator:
             request.cancel()
 
 
-def resolve_prefill_chunk(asked: int | None, engines: int | None) -> int | None:
+def resolve_prefill_chunk(asked: int | None, engines: int | None, whole: bool = False) -> int | None:
     """The bound a Generator runs with (None: none): `asked`, 0 for none, None for the default (the engines' bound
-    where they were built with one, else DEFAULT_PREFILL_CHUNK), within what the runner's engines take (their
-    --prefill-chunk, which no bound, or a larger one, can go past)."""
+    where they were built with one; none for engines built for whole prefills, `whole`, whose prefill profile takes
+    no past; else DEFAULT_PREFILL_CHUNK), within what the runner's engines take (their --prefill-chunk, which no
+    bound, or a larger one, can go past)."""
     if asked is not None and (isinstance(asked, bool) or not isinstance(asked, Integral) or asked < 0):
         raise RefusionError(f"prefill_chunk={asked!r} (--prefill-chunk) must be a number of tokens, or 0 for none.")
     if asked is None:
-        return engines if engines is not None else DEFAULT_PREFILL_CHUNK
+        return engines if engines is not None else None if whole else DEFAULT_PREFILL_CHUNK
     bound = int(asked) or None
     if engines is not None and (bound is None or bound > engines):
         raise RefusionError(f"prefill_chunk={asked} asks for {'no bound' if bound is None else 'more'}, but these "

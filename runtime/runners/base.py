@@ -82,6 +82,12 @@ class Runner(ABC):
         --prefill-chunk); None: any number (onnxruntime)."""
         return None
 
+    @property
+    def prefills_whole(self) -> bool:
+        """Built for prefills in one forward over no past (TensorRT engines without --prefill-chunk): the Generator
+        does not chunk them unless asked to."""
+        return False
+
     def check_request(self, prompt_length: int, params: DecodeParams | DiffusionParams) -> None:
         """Refuse, before any work, a request outside what this backend was built for.
         onnxruntime takes any shape; TensorRT checks its engines' profiles."""

@@ -81,6 +81,10 @@ class TensorRTRunner(Runner):
     def max_forward_tokens(self) -> int | None:
         return self.limits.prefill_chunk
 
+    @property
+    def prefills_whole(self) -> bool:
+        return self.limits.prefill_chunk is None
+
     def check_request(self, prompt_length: int, params: DecodeParams | DiffusionParams) -> None:
         needs = strategy(params.mode).profile_needs
         if needs is None:
