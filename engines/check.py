@@ -33,7 +33,7 @@ from refusion.export.compare import (
     compare_runners,
     feed_shape,
 )
-from refusion.runtime.core.contract import GraphName, past_key_name, past_value_name
+from refusion.runtime.core.contract import VOCAB_MASK, GraphName, past_key_name, past_value_name
 from refusion.runtime.core.engines_manifest import EngineManifest
 from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.core.export_manifest import MANIFEST_NAME, ExportManifest
@@ -127,12 +127,17 @@ class TensorRTCases(CaseRunner):
         runner.activate()
         write_at = past if graph == "infiller" else None
         rows = []
+        heads = feed["head_positions"].shape[1]
         for b in range(batch):
             runner.allocate_kv(past + seq, b)
             runner.kv_from_host(0, {name: feed[name][b : b + 1] for i in range(runner.manifest.num_layers)
                                     for name in (past_key_name(i), past_value_name(i))}, b)
+            masks = feed.get(VOCAB_MASK)  # a row's masks, one a head (a mask for all heads, repeated)
+            row_masks = None if masks is None else np.ascontiguousarray(
+                np.broadcast_to(masks[b : b + 1], (1, heads, masks.shape[2])))
             rows.append(RowFeed(feed["input_ids"][b : b + 1], feed["position_ids"][b : b + 1],
-                                feed["attention_mask"][b : b + 1], past, write_at, b, feed["head_positions"][b : b + 1]))
+                                feed["attention_mask"][b : b + 1], past, write_at, b, feed["head_positions"][b : b + 1],
+                                row_masks))
         outs = [out for start in range(0, batch, runner.max_batch)
                 for out in runner.run_batch(graph, rows[start : start + runner.max_batch])]
         if write_at is not None:

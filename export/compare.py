@@ -8,6 +8,7 @@ onnxruntime (`OrtSessions`, here), the torch definition (export/validate.py) and
 
 from __future__ import annotations
 
+import itertools
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -17,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from refusion.runtime.core.contract import GRAPH_NAMES, GraphName, past_key_name, past_value_name
+from refusion.runtime.core.contract import GRAPH_NAMES, VOCAB_MASK, GraphName, mask_bytes, past_key_name, past_value_name
 from refusion.runtime.core.dtypes import dtype
 from refusion.runtime.core.embeddings import EmbeddingTable, token_feed
 from refusion.runtime.core.errors import RefusionError
@@ -204,9 +205,9 @@ def _difference(name: str, got: np.ndarray, want: Outputs, tol: Tolerance) -> tu
     if got.shape != expect.shape:
         return math.inf, 0.0, f"shape {list(got.shape)}, reference {list(expect.shape)}"
     if name in ID_OUTPUTS:
-        logits = want.get("logits")
-        if logits is not None and not np.isfinite(logits).all():
-            return math.nan, 0.0, "non-finite reference logits"
+        logits = want.get("logits")  # -inf where vocab_mask leaves a token out
+        if logits is not None and (np.isnan(logits).any() or np.isposinf(logits).any()):
+            return math.nan, 0.0, "non-finite reference logits (NaN or +inf)"
         if name == "top_ids":
             wrong = _misranked(got, expect, want["top_logprobs"], logits, tol.tie)
         elif logits is not None:  # the argmax is a list of one
@@ -217,9 +218,10 @@ def _difference(name: str, got: np.ndarray, want: Outputs, tol: Tolerance) -> tu
     if not got.size:
         return 0.0, tol.abs, ""
     g, w = got.astype(np.float32), expect.astype(np.float32)
-    with np.errstate(invalid="ignore"):  # inf - inf: NaN, as it should be
-        diff = float(np.max(np.abs(g - w)))  # NaN and inf propagate: never hidden as 0
-    return diff, tol.abs + tol.rel * float(np.max(np.abs(w))), "" if math.isfinite(diff) else "non-finite output"
+    with np.errstate(invalid="ignore"):  # inf - inf: NaN, as it should be, but for -inf on both sides (a masked logit)
+        diff = float(np.max(np.where((g == w) & (w == -np.inf), 0.0, np.abs(g - w))))  # NaN, inf never hidden as 0
+    scale = float(np.max(np.abs(w[np.isfinite(w)]), initial=0.0))  # of the finite values: a masked logit is -inf
+    return diff, tol.abs + tol.rel * scale, "" if math.isfinite(diff) else "non-finite output"
 
 
 def _misranked(got: np.ndarray, want: np.ndarray, want_logprobs: np.ndarray | None, logits: np.ndarray | None,
@@ -255,14 +257,23 @@ def _worse(a: float, b: float) -> float:
     return b if math.isnan(b) or b > a else a
 
 
+def every_token(manifest: ExportManifest, batch: int = 1) -> dict[str, np.ndarray]:
+    """A feed's vocab_mask that allows every token (one row for all heads), where the graphs take one."""
+    if not manifest.takes_masks:
+        return {}
+    return {VOCAB_MASK: np.full((batch, 1, mask_bytes(manifest.vocab_size)), 255, np.uint8)}
+
+
 def cases(manifest: ExportManifest, seed: int = 0, prefix: int = 12, block: int = 8, slot: int = 4) -> list[Case]:
     """The shared cases, random tokens and past KV from `seed`.
 
     Shapes unlike the export's: batch 1 and 2, past 0 and > 0, several lengths, shuffled
     position ids, slot rows over a shared past (both graphs each), heads at every position or at some,
-    out of order and repeated. Then the decode loop's forwards at small sizes, with the heads it reads:
-    a `prefix`-token prompt, a block of `block` masks, slots of `slot`: prefill + plan, plan, verify, slot
-    rows with private scratch (the infill passes), an AR prefill and step.
+    out of order and repeated; where the graphs take vocab_mask, every token allowed (one row for all heads), or
+    every second case a mask of its own for each head (the K candidates and about half the rest allowed). Then the
+    decode loop's forwards at small sizes, with the heads it reads: a `prefix`-token prompt, a block of `block`
+    masks, slots of `slot`: prefill + plan, plan, verify, slot rows with private scratch (the infill passes), an AR
+    prefill and step.
     """
     if manifest.dtype not in ("float32", "float16"):
         raise RefusionError(f"{manifest.path}: numpy holds no {manifest.dtype} KV to feed; "
@@ -283,12 +294,24 @@ def cases(manifest: ExportManifest, seed: int = 0, prefix: int = 12, block: int 
             "attention_mask": np.broadcast_to(mask, (batch, seq, past + seq)).copy(),  # writable: torch wants it
             "head_positions": np.broadcast_to(np.asarray(at, np.int64), (batch, len(at))).copy(),
         }
+        if takes_masks:
+            feed.update({VOCAB_MASK: masks(batch, len(at))} if next(made) % 2 else every_token(manifest, batch))
         for i in range(manifest.num_layers):
             for kv in (past_key_name(i), past_value_name(i)):
                 feed[kv] = rng.standard_normal((batch, past, manifest.kv_heads, manifest.head_dim)).astype(kv_dtype)
         return Case(name, graphs, feed)
 
-    out = []
+    takes_masks, width, made = manifest.takes_masks, mask_bytes(vocab), itertools.count()
+
+    def masks(batch: int, heads: int) -> np.ndarray:
+        """A mask per head that allows the K candidates' worth of tokens and half the others, at random."""
+        allowed = np.zeros((batch, heads, 8 * width), bool)
+        keep = manifest.candidates + (vocab - manifest.candidates) // 2
+        for row in allowed.reshape(-1, 8 * width):
+            row[rng.permutation(vocab)[:keep]] = True
+        return np.packbits(allowed, axis=-1, bitorder="little")
+
+    out: list[Case] = []
     for batch, past, seq, rows in ((1, 0, 5, 1), (2, 0, 3, 1), (1, 7, 4, 1), (2, 6, 1, 1), (1, 5, 6, 3)):
         name = f"batch {batch} past {past} seq {seq}" + (f" in {rows} rows" if rows > 1 else "")
         ids = rng.integers(0, vocab, (batch, seq))

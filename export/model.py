@@ -156,8 +156,10 @@ class Qwen3(nn.Module):
         attention_mask: torch.Tensor,
         past: list[tuple[torch.Tensor, torch.Tensor]],
         head_positions: torch.Tensor | None = None,
+        vocab_mask: torch.Tensor | None = None,
     ) -> dict[str, torch.Tensor]:
-        """The contract's outputs; the heads at `head_positions` [b, heads] (None: every position)."""
+        """The contract's outputs; the heads at `head_positions` [b, heads] (None: every position), each reading
+        the logits with the tokens `vocab_mask` [b, 1 or heads, bytes] leaves out at -inf (None: every token)."""
         x = self.embed_tokens(input_ids)
         cos, sin = rotary_tables(position_ids, self.dims, x.dtype)
         bias = torch.where(attention_mask[:, None], 0.0, torch.finfo(torch.float32).min)
@@ -168,6 +170,10 @@ class Qwen3(nn.Module):
         b, s = input_ids.shape
         at = torch.arange(s).expand(b, s) if head_positions is None else head_positions
         logits = self.lm_head(self.norm(x[torch.arange(b)[:, None], at])).float()  # [b, heads, vocab]
+        if vocab_mask is not None:
+            bits = (vocab_mask.long()[..., None] >> torch.arange(8)) & 1  # little-endian bits of each byte
+            allowed = bits.reshape(b, vocab_mask.shape[1], -1)[..., : logits.shape[-1]].bool()
+            logits = logits.masked_fill(~allowed, float("-inf"))
         probs = torch.softmax(logits, dim=-1)
         out["logits"] = logits
         out["argmax_ids"] = logits.argmax(-1)

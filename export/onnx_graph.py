@@ -22,7 +22,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from refusion.runtime.core.contract import INPUTS_EMBEDS, GraphSpec
+from refusion.runtime.core.contract import INPUTS_EMBEDS, VOCAB_MASK, GraphSpec, mask_bytes
 from refusion.runtime.core.dims import ModelDims
 from refusion.runtime.core.dtypes import dtype as core_dtype
 from refusion.runtime.core.quantization import INT4_OPSET, scale_name
@@ -162,9 +162,25 @@ def final_heads(g: _Builder, spec: GraphSpec, dims: ModelDims, x: str, norm: Cal
     h = norm(g.op("GatherElements", x, at, axis=1), "model.norm.weight")
     head = _tied_head(g, h, dims) if dims.tie_word_embeddings else g.linear(h, "lm_head.weight")
     logits = _to_f32(g, head, dtype)  # [b, heads, vocab] fp32
+    if any(t.name == VOCAB_MASK for t in spec.inputs):
+        logits = _masked(g, logits, dims.vocab_size)
     if "logits" in wants:
         logits = g.op("Identity", logits, out="logits")
     _heads(g, logits, "input_probs" in wants, spec.output("top_ids").axes[-1])
+
+
+def _masked(g: _Builder, logits: str, vocab: int) -> str:
+    """logits [b, heads, vocab] with the tokens vocab_mask leaves out at -inf; an all-ones mask leaves them as they
+    are, bit for bit. Each mask byte indexes a [256, 8] table of its bits (little-endian: token 8i + j is bit j of
+    byte i); TensorRT casts uint8 to floats only, so the bytes reach the Gather through fp32. A mask of one row is
+    expanded to every head."""
+    bits = np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1, bitorder="little").astype(bool)
+    index = g.op("Cast", g.op("Cast", VOCAB_MASK, to=TensorProto.FLOAT), to=TensorProto.INT32)  # [b, m, bytes]
+    rows = g.op("Concat", g.op("Shape", "head_positions"), g.ints(mask_bytes(vocab)), axis=0)  # [b, heads, bytes]
+    table = g.const(bits)
+    allowed = g.op("Reshape", g.op("Gather", table, g.op("Expand", index, rows)), g.ints(0, 0, -1))
+    allowed = g.op("Slice", allowed, g.ints(0), g.ints(vocab), g.ints(2))  # [b, heads, vocab]
+    return g.op("Where", allowed, logits, g.const(np.array(-np.inf, np.float32)))
 
 
 def assemble(g: _Builder, spec: GraphSpec, name: str, opsets: list[onnx.OperatorSetIdProto],

@@ -23,7 +23,7 @@ from refusion.export.compare import (
 )
 from refusion.export.progress import Progress, line, silent, tick
 from refusion.export.weights_file import map_weights
-from refusion.runtime.core.contract import GraphName, past_key_name, past_value_name
+from refusion.runtime.core.contract import VOCAB_MASK, GraphName, past_key_name, past_value_name
 from refusion.runtime.core.export_manifest import ExportManifest
 
 # fp16 rounds relative to magnitude: log-probabilities of magnitude ~30 (the embedded model's confident heads)
@@ -118,8 +118,9 @@ class TorchRunner(CaseRunner):
             self._model = Qwen3.from_export(m.dims, map_weights(m), m.dtype, m.candidates)
         t = torch.from_numpy
         past = [(t(feed[past_key_name(i)]), t(feed[past_value_name(i)])) for i in range(m.num_layers)]
+        masks = t(feed[VOCAB_MASK]) if VOCAB_MASK in feed else None
         out = self._model(t(feed["input_ids"]), t(feed["position_ids"]), t(feed["attention_mask"]), past,
-                          t(feed["head_positions"]))
+                          t(feed["head_positions"]), masks)
         return {name: (v.float() if v.is_floating_point() else v).numpy() for name, v in out.items()}
 
     def close(self) -> None:

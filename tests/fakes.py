@@ -244,7 +244,7 @@ class FakeCudart:
 
 
 # -- TensorRT ----------------------------------------------------------------------------------
-_TRT_NAMES = {"float32": "FLOAT", "float16": "HALF", "int64": "INT64", "bool": "BOOL"}
+_TRT_NAMES = {"float32": "FLOAT", "float16": "HALF", "int64": "INT64", "bool": "BOOL", "uint8": "UINT8"}
 
 
 class _Mode(enum.Enum):

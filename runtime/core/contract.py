@@ -16,6 +16,12 @@ so the vocabulary head's vocab x hidden MatMul runs on those rows alone.
 rows, gathered by the runtime from the table beside the graphs; `input_ids` stays an input of every graph,
 since the verification head reads the next fed token's id.
 
+`vocab_mask` [batch, mask_heads, mask_bytes] (exports of format 7 on) is the set of tokens each head may pick, one
+bit a token (token t: bit t % 8 of byte t // 8, the little-endian bytes of the int32 words grammar engines write):
+the graphs set the logits of every other token to -inf before the heads read them, so a structured-output request
+gets its masked argmax, top-K and probabilities where the logits are. mask_heads is 1 (one mask for every head: a
+request without a guide feeds it all ones, and the logits are unchanged bit for bit) or the heads.
+
 `attention_mask[b, i, t]` is True when new token i may attend to token t of
 `concat(past, new)`. One boolean input expresses every mask the decode loop needs:
 causal plan and verify passes over the committed prefix, and n independent slot rows
@@ -34,7 +40,9 @@ GRAPH_NAMES: tuple[GraphName, ...] = ("planner", "infiller")
 # Symbolic axes. `total_seq` is past_seq + seq; the name carries no arithmetic. `heads`: positions whose
 # vocabulary heads are computed (head_positions), at most seq.
 BATCH, SEQ, PAST_SEQ, TOTAL_SEQ, HEADS = "batch", "seq", "past_seq", "total_seq", "heads"
+MASK_HEADS = "mask_heads"  # rows of vocab_mask: 1 (every head the same) or heads
 INPUTS_EMBEDS = "inputs_embeds"  # the graphs' input of embedding rows, with the table on the host
+VOCAB_MASK = "vocab_mask"  # the graphs' input of the tokens each head may pick (structured output)
 
 
 @dataclass(frozen=True)
@@ -109,6 +117,11 @@ GRAPH_OPS = ("standard", "onnxruntime")
 ORT_OPSET = 23
 
 
+def mask_bytes(vocab_size: int) -> int:
+    """Bytes of one head's vocab_mask: a bit a token, in whole int32 words (the grammar engines' bitmask)."""
+    return 4 * -(-vocab_size // 32)
+
+
 def candidates_for(vocab_size: int, asked: int = DEFAULT_CANDIDATES) -> int:
     """The K an export of this vocabulary emits: as asked, at most the vocabulary."""
     return min(asked, vocab_size)
@@ -116,18 +129,21 @@ def candidates_for(vocab_size: int, asked: int = DEFAULT_CANDIDATES) -> int:
 
 def graph_specs(
     num_layers: int, kv_heads: int, head_dim: int, vocab_size: int, kv_dtype: str, logits: bool,
-    candidates: int = DEFAULT_CANDIDATES, embeds_hidden: int | None = None,
+    candidates: int = DEFAULT_CANDIDATES, embeds_hidden: int | None = None, vocab_mask: bool = True,
 ) -> dict[GraphName, GraphSpec]:
     """The planner and infiller contracts for a model of these dimensions; `candidates`: K of the top-K outputs;
     `embeds_hidden`: the hidden size of `inputs_embeds`, which the graphs take when the embedding table is kept
-    on the host (None: the graphs gather it themselves)."""
+    on the host (None: the graphs gather it themselves); `vocab_mask`: the graphs take the tokens each head may
+    pick (every export of format 7; format 6 ones do not, and serve no structured output)."""
     embeds = [TensorSpec(INPUTS_EMBEDS, kv_dtype, (BATCH, SEQ, embeds_hidden))] if embeds_hidden else []
+    masks = [TensorSpec(VOCAB_MASK, "uint8", (BATCH, MASK_HEADS, mask_bytes(vocab_size)))] if vocab_mask else []
     inputs: list[TensorSpec] = [
         TensorSpec("input_ids", "int64", (BATCH, SEQ)),
         *embeds,
         TensorSpec("position_ids", "int64", (BATCH, SEQ)),
         TensorSpec("attention_mask", "bool", (BATCH, SEQ, TOTAL_SEQ)),
         TensorSpec("head_positions", "int64", (BATCH, HEADS)),
+        *masks,
     ]
     presents: list[TensorSpec] = []
     for i in range(num_layers):
@@ -135,7 +151,8 @@ def graph_specs(
             inputs.append(TensorSpec(past, kv_dtype, (BATCH, PAST_SEQ, kv_heads, head_dim)))
             presents.append(TensorSpec(present, kv_dtype, (BATCH, SEQ, kv_heads, head_dim)))
     # Heads fused into the graphs, computed at the head positions only: nothing of vocabulary size leaves by
-    # default, and no vocabulary head runs where nothing reads it.
+    # default, and no vocabulary head runs where nothing reads it. With vocab_mask, every head reads the logits
+    # masked by it (the tokens it leaves out at -inf).
     heads = [
         # argmax over the vocabulary at each head position and its softmax probability; at a
         # mask token this is the planner's draft, at a real token the greedy next token.

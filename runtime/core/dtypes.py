@@ -59,6 +59,7 @@ _TABLE = (
     DType("int64", None, 7, "INT64", "int64", "I64", "tensor(int64)", "int64"),
     DType("int32", None, 6, "INT32", "int32", "I32", "tensor(int32)", "int32"),
     DType("bool", None, 9, "BOOL", "bool", "BOOL", "tensor(bool)", "bool"),
+    DType("uint8", None, 2, "UINT8", "uint8", None, "tensor(uint8)", "uint8"),  # vocab_mask's bits
     # quantized weights (docs/quantization.md)
     DType("int4", None, 22, "INT4", "int4", None, "tensor(int4)", "uint8", per_item=2),
 )

@@ -23,6 +23,7 @@ from refusion.runtime.core.contract import (
     GRAPH_NAMES,
     GRAPH_OPS,
     ORT_OPSET,
+    VOCAB_MASK,
     GraphName,
     GraphSpec,
     TensorSpec,
@@ -40,21 +41,24 @@ from refusion.runtime.core.quantization import INT4_OPSET, Quantization, weight_
 MANIFEST_NAME = "refusion.json"
 PENDING_NAME = "refusion.pending.json"
 FORMAT = "refusion-onnx"
-FORMAT_VERSION = 6  # 3: the quantization section; 4: the top-K sampling outputs (graphs.*.candidates); 5: heads at
+FORMAT_VERSION = 7  # 3: the quantization section; 4: the top-K sampling outputs (graphs.*.candidates); 5: heads at
 # head_positions only, input_probs as the next token's probability, the lean graphs; 6: the embeddings section
-# (the table in the graphs, or on the host with inputs_embeds)
+# (the table in the graphs, or on the host with inputs_embeds); 7: the graphs take vocab_mask (structured output)
+READABLE_VERSIONS = (6, FORMAT_VERSION)  # a v6 export still runs, without structured output
 REEXPORT = "re-export with `refusion-export onnx CHECKPOINT --output DIR --force`"
 WEIGHTS_LAYOUT = "linear weights [in, out]"
 _SECTIONS = ("model", "dtype", "quantization", "embeddings", "tokens", "defaults", "graphs", "weights", "tokenizer", "files")
 
 
-def check_format(fields: Fields, fmt: str, version: int, redo: str) -> None:
-    """A manifest written by another format or version is refused, saying what to redo."""
+def check_format(fields: Fields, fmt: str, version: int, redo: str, readable: tuple[int, ...] = ()) -> None:
+    """A manifest written by another format or version (`version`, or one of `readable`) is refused, saying what to
+    redo."""
     raw = fields.raw
-    if raw.get("format") != fmt or raw.get("format_version") != version:
+    if raw.get("format") != fmt or raw.get("format_version") not in (version, *readable):
+        older = "".join(f" (or v{v})" for v in readable if v != version)
         raise RefusionError(
             f"{fields.file}: format {raw.get('format')!r} v{raw.get('format_version')!r} is not {fmt!r} "
-            f"v{version}, the one this version of refusion-trt reads (CHANGELOG.md says what changed); {redo}."
+            f"v{version}{older}, the one this version of refusion-trt reads (CHANGELOG.md says what changed); {redo}."
         )
 
 
@@ -90,6 +94,7 @@ class ExportManifest:
     embeddings: Embeddings = Embeddings()  # in the graphs, or a table on the host (inputs_embeds)
     ops: str = "standard"  # the graphs' ops: GRAPH_OPS (contract.py)
     source: dict[str, Any] = field(default_factory=dict)  # checkpoint path and dtype, export time: informative
+    format_version: int = FORMAT_VERSION  # as written: READABLE_VERSIONS
 
     graph_files = {"planner": "planner.onnx", "infiller": "infiller.onnx"}
     weights_file = "weights.bin"
@@ -120,6 +125,11 @@ class ExportManifest:
         when the head is int4 too)."""
         q = self.quantization
         return f"{self.dtype}, {q.method} block {q.block_size}{', int4 lm_head' if q.head else ''}" if q else self.dtype
+
+    @property
+    def takes_masks(self) -> bool:
+        """The graphs take vocab_mask (format 7 on): what structured output needs."""
+        return any(t.name == VOCAB_MASK for t in self.graphs["infiller"].inputs)
 
     def graph_path(self, name: GraphName) -> Path:
         return self.path / self.graph_files[name]
@@ -165,7 +175,7 @@ class ExportManifest:
             "tokenizer": {"files": list(self.tokenizer_files)},
             "files": {name: record.to_json() for name, record in self.files.items()},
         }
-        return {"format": FORMAT, "format_version": FORMAT_VERSION, **body,
+        return {"format": FORMAT, "format_version": self.format_version, **body,
                 "digests": {k: _digest(body[k]) for k in _SECTIONS}, "source": self.source}
 
     def write(self, pending: bool = False) -> Path:
@@ -207,7 +217,8 @@ class ExportManifest:
         fields = Fields(file, raw, REEXPORT)
         engines = (path / "engines.json").is_file()  # an engines directory (engines_manifest imports this module)
         check_format(fields, FORMAT, FORMAT_VERSION,
-                     REEXPORT + (", then rebuild the engines from it with `refusion-export build`" if engines else ""))
+                     REEXPORT + (", then rebuild the engines from it with `refusion-export build`" if engines else ""),
+                     READABLE_VERSIONS)
         return _parse(path, fields)
 
 
@@ -247,8 +258,9 @@ def _parse(path: Path, f: Fields) -> ExportManifest:
         raise f.fail("graphs.planner.opset", opset,
                      f"{INT4_OPSET} for an int4 export (INT4 and blocked DequantizeLinear)")
     graphs: dict[GraphName, GraphSpec] = {}
+    version = f.raw["format_version"]
     expected = graph_specs(dims.num_layers, dims.kv_heads, dims.head_dim, vocab, export_dtype, logits, candidates,
-                           embeddings.fed_hidden)
+                           embeddings.fed_hidden, vocab_mask=version >= 7)
     for name in GRAPH_NAMES:
         f.str(f"graphs.{name}.file", (ExportManifest.graph_files[name],))
         if (graph_ops := _ops(f, name)) != ops:
@@ -288,6 +300,7 @@ def _parse(path: Path, f: Fields) -> ExportManifest:
         embeddings=embeddings,
         ops=ops,
         source=f.raw.get("source") if isinstance(f.raw.get("source"), dict) else {},
+        format_version=version,
     )
     _check_weights_fit(f, manifest)
     for name in embeddings.files:

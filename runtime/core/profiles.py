@@ -30,6 +30,7 @@ from refusion.runtime.core.contract import (
     BATCH,
     GRAPH_NAMES,
     HEADS,
+    MASK_HEADS,
     PAST_SEQ,
     SEQ,
     TOTAL_SEQ,
@@ -201,8 +202,10 @@ class ProfileSpec:
         if isinstance(axis, int):
             return axis, axis, axis
         s, p = self.seq, self.past
-        ranges: dict[str, Range] = {BATCH: self.batch, SEQ: s, PAST_SEQ: p, HEADS: self.head_range,
-                                    TOTAL_SEQ: (s[0] + p[0], s[1] + p[1], s[2] + p[2])}
+        h = self.head_range
+        ranges: dict[str, Range] = {BATCH: self.batch, SEQ: s, PAST_SEQ: p, HEADS: h,
+                                    TOTAL_SEQ: (s[0] + p[0], s[1] + p[1], s[2] + p[2]),
+                                    MASK_HEADS: (1, 1, h[2])}  # one row for every head (no guide), or one a head
         if axis not in ranges:
             raise RefusionError(f"graph axis {axis!r} has no profile rule; the export is newer than this builder.")
         return ranges[axis]

@@ -38,18 +38,20 @@ def bounds(seq: int, bound: int) -> list[tuple[int, int]]:
 
 
 def split(forward: Forward, bound: int) -> list[Forward]:
-    """`forward` (chunkable) as chunks of at most `bound` tokens, in order. A chunk keeps the heads that fall in it;
-    one that holds none reads a head at its last token, which `merge` drops."""
+    """`forward` (chunkable) as chunks of at most `bound` tokens, in order. A chunk keeps the heads that fall in it,
+    and their rows of vocab_mask; one that holds none reads a head at its last token, which `merge` drops."""
     heads = forward.heads[0]
     assert (np.diff(heads) > 0).all(), "head positions in order"
     chunks = []
     for start, end in bounds(forward.input_ids.shape[1], bound):
-        own = heads[(heads >= start) & (heads < end)] - start
+        held = (heads >= start) & (heads < end)
+        own = heads[held] - start
+        masks = forward.vocab_mask[:, held] if forward.vocab_mask is not None and own.size else None
         chunks.append(Forward(forward.kind, forward.graph, forward.input_ids[:, start:end],
                               forward.position_ids[:, start:end],
                               forward.attention_mask[:, start:end, : forward.past + end], forward.past + start,
                               forward.past + start,
-                              (own if own.size else np.array([end - start - 1]))[None].astype(np.int64)))
+                              (own if own.size else np.array([end - start - 1]))[None].astype(np.int64), masks))
     return chunks
 
 

@@ -30,12 +30,14 @@ class Forwards:
         self.rng = np.random.default_rng(params.seed) if params.temperature > 0 else None
 
     def run(self, kind: str, graph: GraphName, ids: np.ndarray, pos: np.ndarray, mask: np.ndarray, past: int,
-            write_at: int | None = None, heads: np.ndarray | None = None) -> Calls[Outputs]:
-        """One forward; the heads at `heads` (indices into ids; default every position)."""
+            write_at: int | None = None, heads: np.ndarray | None = None,
+            vocab_mask: np.ndarray | None = None) -> Calls[Outputs]:
+        """One forward; the heads at `heads` (indices into ids; default every position), each over the tokens its
+        row of `vocab_mask` ([heads, mask bytes]) allows (None: every token)."""
         self.trace.forwards[kind] += 1
         at = np.arange(len(ids)) if heads is None else heads
         out = yield Forward(kind, graph, ids[None].astype(np.int64), pos[None].astype(np.int64), mask, past, write_at,
-                            at[None].astype(np.int64))
+                            at[None].astype(np.int64), None if vocab_mask is None else vocab_mask[None])
         assert out is not None  # the driver sends every Forward's outputs back
         return out
 

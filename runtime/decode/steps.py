@@ -22,7 +22,8 @@ from refusion.runtime.core.contract import GraphName
 class Forward:
     """One forward of `graph`: tokens at their positions over KV [0, past) of the request; the
     infiller writes its new tokens' KV at [write_at, write_at + seq). The vocabulary heads run at `heads`
-    alone (indices into seq, the positions the step reads), so its outputs hold one row per head."""
+    alone (indices into seq, the positions the step reads), so its outputs hold one row per head, each over the
+    tokens its row of `vocab_mask` allows (None: every token)."""
 
     kind: str  # what the loop uses it for: prefill_plan, plan, verify, infill_draft, ...
     graph: GraphName
@@ -32,6 +33,7 @@ class Forward:
     past: int
     write_at: int | None
     heads: np.ndarray  # int64 [1, heads]
+    vocab_mask: np.ndarray | None = None  # uint8 [1, heads, mask bytes]
 
 
 @dataclass(frozen=True)

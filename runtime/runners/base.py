@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from refusion.runtime.core.contract import GraphName
+from refusion.runtime.core.contract import VOCAB_MASK, GraphName, mask_bytes
 from refusion.runtime.core.dtypes import dtype
 from refusion.runtime.core.embeddings import EmbeddingTable, token_feed
 from refusion.runtime.core.errors import RefusionError
@@ -51,6 +51,7 @@ class Runner(ABC):
         self.stats = RunnerStats()  # what the benches read
         self.is_active = False
         self.embeddings = EmbeddingTable.of(manifest.path, manifest.embeddings)  # a host table, mapped on first use
+        self.takes_masks = manifest.takes_masks  # the graphs take vocab_mask (format 7 on)
 
     # -- lifecycle -------------------------------------------------------------------
     def activate(self) -> None:
@@ -185,14 +186,16 @@ class Runner(ABC):
         write_at: int | None = None,
         region: int = 0,
         heads: np.ndarray | None = None,
+        vocab_mask: np.ndarray | None = None,
     ) -> dict[str, np.ndarray]:
         """One forward of `graph` over KV tokens [0, past_length) of `region`.
 
         The infiller writes its new tokens' KV to [write_at, write_at + seq); the planner
         keeps none. Returns the graph's other outputs on the host, at the head positions `heads`
-        (int64 [1, heads], indices into seq; default every position).
+        (int64 [1, heads], indices into seq; default every position), each head reading only the tokens its row of
+        `vocab_mask` (uint8 [1, heads, mask bytes]; None: every token) allows.
         """
-        row = RowFeed(input_ids, position_ids, attention_mask, past_length, write_at, region, heads)
+        row = RowFeed(input_ids, position_ids, attention_mask, past_length, write_at, region, heads, vocab_mask)
         return self.run_batch(graph, [row])[0]
 
     def run_batch(self, graph: GraphName, rows: list[RowFeed]) -> list[dict[str, np.ndarray]]:
@@ -212,13 +215,20 @@ class Runner(ABC):
                 RowShape(r.input_ids.shape[1], r.past, r.write_at, tuple(r.heads_at[0].tolist())) for r in rows)))
         return out
 
-    def _feed(self, ids: np.ndarray, pos: np.ndarray, mask: np.ndarray, heads: np.ndarray) -> dict[str, np.ndarray]:
+    def _feed(self, ids: np.ndarray, pos: np.ndarray, mask: np.ndarray, heads: np.ndarray,
+              vocab_mask: np.ndarray | None = None) -> dict[str, np.ndarray]:
         """A forward's inputs but KV, by the contract's names, as host arrays every backend binds as they come:
         the ids as `token_feed` makes them (where the export keeps its embedding table on the host, the rows
-        are gathered from its map here, for every backend, into `_embeds_out`), positions, mask and head positions."""
+        are gathered from its map here, for every backend, into `_embeds_out`), positions, mask, head positions
+        and, where the graphs take it, vocab_mask (None: one all-ones row a batch row, every token allowed)."""
         out = self._embeds_out(ids) if self.embeddings is not None else None
-        return {**token_feed(self.embeddings, ids, out), "position_ids": pos,
+        feed = {**token_feed(self.embeddings, ids, out), "position_ids": pos,
                 "attention_mask": np.ascontiguousarray(mask), "head_positions": np.ascontiguousarray(heads)}
+        if self.takes_masks:
+            width = mask_bytes(self.manifest.vocab_size)
+            feed[VOCAB_MASK] = (np.full((ids.shape[0], 1, width), 255, np.uint8) if vocab_mask is None
+                                else np.ascontiguousarray(vocab_mask))
+        return feed
 
     def _embeds_out(self, ids: np.ndarray) -> np.ndarray | None:
         """Where a host table's rows for `ids` are gathered: a new array (None), or memory the backend uploads from."""
@@ -248,6 +258,14 @@ class Runner(ABC):
                                 f"{list(heads.shape)}.")
         if heads.min() < 0 or heads.max() >= seq:
             raise RefusionError(f"head positions {heads[0].tolist()} must index the {seq} tokens fed, 0..{seq - 1}.")
+        if row.vocab_mask is not None:
+            if not self.takes_masks:
+                raise RefusionError(f"{self.manifest.path} is an export of format {self.manifest.format_version}, whose "
+                                    "graphs take no vocab_mask (structured output); re-export it.")
+            shape = (1, heads.shape[1], mask_bytes(self.manifest.vocab_size))
+            if row.vocab_mask.shape != shape or row.vocab_mask.dtype != np.uint8:
+                raise RefusionError(f"vocab_mask must be uint8 {list(shape)} (a row of bits a head); got "
+                                    f"{row.vocab_mask.dtype} {list(row.vocab_mask.shape)}.")
         write_at = row.write_at
         if (graph == "infiller") != (write_at is not None):
             raise RefusionError(f"write_at={write_at!r}: the infiller needs a KV write offset and the planner takes none.")

@@ -93,7 +93,7 @@ class OrtRunner(Runner):
         call cost more than copying one forward's new KV (0.76 against 0.81 ms for a 1-token forward of the
         embedded model)."""
         past, write_at, kv = row.past, row.write_at, self._host_kv
-        feed = self._feed(row.input_ids, row.position_ids, row.attention_mask, row.heads_at)
+        feed = self._feed(row.input_ids, row.position_ids, row.attention_mask, row.heads_at, row.vocab_mask)
         for name, cache in zip(kv.past_names, kv.arrays(row.region)):
             feed[name] = cache[:, :past]
         outputs = self._session_run(graph, feed, write_at is not None)
@@ -106,7 +106,7 @@ class OrtRunner(Runner):
         D] tensor per cache, padded; its new KV copied back into its region."""
         m, batch, packed, kv = self.manifest, len(rows), pack_rows(rows), self._host_kv
         past = packed.past
-        feed = self._feed(packed.input_ids, packed.position_ids, packed.attention_mask, packed.heads)
+        feed = self._feed(packed.input_ids, packed.position_ids, packed.attention_mask, packed.heads, packed.vocab_mask)
         shape = (batch, past, m.kv_heads, m.head_dim)
         for j, name in enumerate(kv.past_names):
             cache = np.zeros(shape, self.dtype)
@@ -197,7 +197,8 @@ class OrtCudaRunner(OrtRunner):
     def _run_row(self, graph: GraphName, row: RowFeed) -> dict[str, np.ndarray]:
         """Past bound as the region's first `past` tokens, present bound at write_at: both in place."""
         m, t, seq, write_at = self.manifest, self._kv.token_bytes, row.input_ids.shape[1], row.write_at
-        binding, wanted = self._binding(graph, row.input_ids, row.position_ids, row.attention_mask, row.heads_at)
+        binding, wanted = self._binding(graph, row.input_ids, row.position_ids, row.attention_mask, row.heads_at,
+                                        row.vocab_mask)
         kv = [m.kv_heads, m.head_dim]
         caches = self._kv.addresses(row.region)
         for name, ptr in zip(self._kv.past_names, caches):
@@ -211,7 +212,7 @@ class OrtCudaRunner(OrtRunner):
         m, t, batch, packed = self.manifest, self._kv.token_bytes, len(rows), pack_rows(rows)
         seq, past, kv = packed.seq, packed.past, [m.kv_heads, m.head_dim]
         binding, wanted = self._binding(graph, packed.input_ids, packed.position_ids, packed.attention_mask,
-                                        packed.heads)
+                                        packed.heads, packed.vocab_mask)
         stride = batch * past * t  # one cache's rows, each padded to the longest past
         gathered = self._scratch.get("past", self._kv.caches * stride, zeroed=True)
         self._count_copies(graph, self._kv.gather(rows, past, gathered, stride, self._stream))  # one copy a row
@@ -233,10 +234,10 @@ class OrtCudaRunner(OrtRunner):
 
 
     def _binding(self, graph: GraphName, ids: np.ndarray, pos: np.ndarray, mask: np.ndarray,
-                 heads: np.ndarray) -> tuple[Any, list[str]]:
+                 heads: np.ndarray, vocab_mask: np.ndarray | None) -> tuple[Any, list[str]]:
         """A fresh IO binding with the feed on the host and the heads to come back to it."""
         binding = self.sessions[graph].io_binding()
-        for name, array in self._feed(ids, pos, mask, heads).items():
+        for name, array in self._feed(ids, pos, mask, heads, vocab_mask).items():
             binding.bind_cpu_input(name, array)
         wanted = self._outputs[graph]
         for name in wanted:  # bound first, so they come first in get_outputs()

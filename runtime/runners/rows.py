@@ -22,6 +22,7 @@ class PackedRows:
     heads: np.ndarray  # [rows, heads] int64
     seq: int
     past: int
+    vocab_mask: np.ndarray | None  # [rows, heads, mask bytes] uint8; None when no row has one
 
 
 def pack_rows(rows: list[RowFeed]) -> PackedRows:
@@ -32,7 +33,8 @@ def pack_rows(rows: list[RowFeed]) -> PackedRows:
     the NaN would reach the row's real tokens through the padding's KV in the next layer). Head positions
     are padded with position 0, whose heads no row reads (each row's outputs are its first heads). Ids are padded
     with the row's last token, so its last position's input_probs reads its own token there as alone (the next
-    token's probability, clamped to the last fed)."""
+    token's probability, clamped to the last fed). Where a row has a vocab_mask, every row gets one a head: all
+    ones for the rows without and for padding (a head with no token allowed would read NaN)."""
     batch = len(rows)
     seq, past = max(r.input_ids.shape[1] for r in rows), max(r.past for r in rows)
     ids = np.zeros((batch, seq), np.int64)
@@ -47,14 +49,21 @@ def pack_rows(rows: list[RowFeed]) -> PackedRows:
         mask[b, :s, past : past + s] = r.attention_mask[0, :, p:]
         mask[b, pad[s:], past + pad[s:]] = True
         heads[b, : r.head_count] = r.heads_at[0]
-    return PackedRows(ids, pos, mask, heads, seq, past)
+    masked = [(b, r.vocab_mask) for b, r in enumerate(rows) if r.vocab_mask is not None]
+    vocab_mask = None
+    if masked:
+        vocab_mask = np.full((batch, heads.shape[1], masked[0][1].shape[2]), 255, np.uint8)
+        for b, rows_mask in masked:
+            vocab_mask[b, : rows_mask.shape[1]] = rows_mask[0]
+    return PackedRows(ids, pos, mask, heads, seq, past, vocab_mask)
 
 
 @dataclass(frozen=True)
 class RowFeed:
     """One request's forward in a batch: its feed ([1, seq] ids and positions, [1, seq, past + seq]
     mask) over KV [0, past) of its region, writing present at write_at (infiller), its heads at `heads` ([1, n]
-    indices into seq; None: every position)."""
+    indices into seq; None: every position), each allowed the tokens of its row of `vocab_mask` ([1, n, mask bytes]
+    uint8; None: every token)."""
 
     input_ids: np.ndarray
     position_ids: np.ndarray
@@ -63,12 +72,13 @@ class RowFeed:
     write_at: int | None
     region: int
     heads: np.ndarray | None = None
+    vocab_mask: np.ndarray | None = None
 
     @staticmethod
     def of(forward: Forward, region: int) -> RowFeed:
         """A strategy's forward over the KV region its request holds (the scheduler's rows)."""
         return RowFeed(forward.input_ids, forward.position_ids, forward.attention_mask, forward.past, forward.write_at,
-                       region, forward.heads)
+                       region, forward.heads, forward.vocab_mask)
 
     @property
     def heads_at(self) -> np.ndarray:

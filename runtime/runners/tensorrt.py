@@ -247,10 +247,10 @@ class TensorRTRunner(Runner):
         if select_profile(list(self.engines.engine.profiles), graph, seq, past, 1, count) is None:
             chunk = self.chunk_length(graph, ids, row.attention_mask, past, write_at)
             if chunk:
-                return self._run_chunked(chunk, ids, row.position_ids, past, row.region, heads)
+                return self._run_chunked(chunk, ids, row.position_ids, past, row.region, heads, row.vocab_mask)
         index = self._profile(graph, seq, past, count)  # before any device work
         context = self._contexts[index]
-        self._bind_feed(context, ids, row.position_ids, row.attention_mask, heads)
+        self._bind_feed(context, ids, row.position_ids, row.attention_mask, heads, row.vocab_mask)
         m, caches = self.manifest, self._kv.addresses(row.region)
         kv_shape = (1, past, m.kv_heads, m.head_dim)
         for name, cache in zip(self._kv.past_names, caches):  # the region's first `past` tokens, in place
@@ -277,7 +277,7 @@ class TensorRTRunner(Runner):
         return max(fits, default=0)
 
     def _run_chunked(self, chunk: int, ids: np.ndarray, pos: np.ndarray, past: int, region: int,
-                     heads: np.ndarray) -> dict[str, np.ndarray]:
+                     heads: np.ndarray, vocab_mask: np.ndarray | None) -> dict[str, np.ndarray]:
         """Each chunk computes the heads that fall in it (a chunk without any, one at its last token that nothing
         reads: a forward computes at least one); they are put back in the order asked. Each chunk is a forward of
         its own in RunnerStats. No `input_probs`: at a chunk's last token it reads that token's own id, where the
@@ -290,9 +290,10 @@ class TensorRTRunner(Runner):
             n = min(chunk, ids.shape[1] - start)
             mine = np.flatnonzero((at >= start) & (at < start + n))
             local = (at[mine] - start if mine.size else np.array([n - 1]))[None].astype(np.int64)
+            masks = None if vocab_mask is None or not mine.size else vocab_mask[:, mine]  # the chunk's heads' rows
             part = self._run_row("infiller", RowFeed(ids[:, start:start + n], pos[:, start:start + n],
                                                      causal_after(past + start, n), past + start, past + start, region,
-                                                     local))
+                                                     local, masks))
             for name, array in part.items():
                 if name == "input_probs":
                     continue
@@ -307,7 +308,8 @@ class TensorRTRunner(Runner):
         packed, batch = pack_rows(rows), len(rows)
         seq, past = packed.seq, packed.past
         context = self._contexts[index]
-        self._bind_feed(context, packed.input_ids, packed.position_ids, packed.attention_mask, packed.heads)
+        self._bind_feed(context, packed.input_ids, packed.position_ids, packed.attention_mask, packed.heads,
+                        packed.vocab_mask)
         self._gather_past(context, graph, rows, packed)
         heads = self._bind_heads(context, index, batch, seq, packed.heads.shape[1])
         buf, stride = self._bind_scratch_presents(context, batch * seq)
@@ -340,8 +342,8 @@ class TensorRTRunner(Runner):
         return index
 
     def _bind_feed(self, context: tensorrt.IExecutionContext, ids: np.ndarray, pos: np.ndarray,
-                   mask: np.ndarray, heads: np.ndarray) -> None:
-        for name, array in self._feed(ids, pos, mask, heads).items():
+                   mask: np.ndarray, heads: np.ndarray, vocab_mask: np.ndarray | None) -> None:
+        for name, array in self._feed(ids, pos, mask, heads, vocab_mask).items():
             buf = self._buffer(name, array.nbytes)
             buf.copy_from_host(array)
             self._bind_input(context, name, buf.ptr, array.shape)

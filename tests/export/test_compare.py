@@ -16,7 +16,7 @@ from refusion.runtime.decode import masks
 
 TOL = Tolerance(1e-4)
 MANIFEST = SimpleNamespace(path="tiny", dtype="float16", vocab_size=50, mask_token_id=49, num_layers=2, kv_heads=2,
-                           head_dim=4, embeddings=Embeddings())
+                           head_dim=4, embeddings=Embeddings(), takes_masks=False, candidates=8)
 
 
 def _report(*outputs: tuple[str, dict, dict], tol: Tolerance = TOL) -> ComparisonReport:

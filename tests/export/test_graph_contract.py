@@ -10,7 +10,7 @@ from onnx import helper
 
 from refusion.export.checkpoint import Checkpoint
 from refusion.export.model import Qwen3
-from refusion.runtime.core.contract import GRAPH_NAMES, graph_specs
+from refusion.runtime.core.contract import GRAPH_NAMES, graph_specs, mask_bytes
 from refusion.runtime.core.export_manifest import ExportManifest
 
 ort = pytest.importorskip("onnxruntime")
@@ -124,6 +124,7 @@ def test_logits_output_matches_torch(store):
         "position_ids": np.arange(past, past + seq)[None],
         "attention_mask": np.concatenate([np.ones((seq, past), bool), np.tril(np.ones((seq, seq), bool))], 1)[None],
         "head_positions": np.array([[2, 0, 2]]),
+        "vocab_mask": np.full((1, 1, mask_bytes(d.vocab_size)), 255, np.uint8),
     }
     for i in range(d.num_layers):
         for kind in ("key", "value"):
@@ -146,7 +147,8 @@ def test_heads_at_some_positions_are_those_of_every_position(store):
     rng = np.random.default_rng(5)
     seq = 6
     feed = {"input_ids": rng.integers(0, m.vocab_size, (2, seq)), "position_ids": np.tile(np.arange(seq), (2, 1)),
-            "attention_mask": np.tile(np.tril(np.ones((seq, seq), bool)), (2, 1, 1))}
+            "attention_mask": np.tile(np.tril(np.ones((seq, seq), bool)), (2, 1, 1)),
+            "vocab_mask": np.full((2, 1, mask_bytes(m.vocab_size)), 255, np.uint8)}
     for i in range(m.num_layers):
         for kind in ("key", "value"):
             feed[f"past_key_values.{i}.{kind}"] = np.zeros((2, 0, m.kv_heads, m.head_dim), np.float32)
@@ -164,3 +166,27 @@ def test_heads_at_some_positions_are_those_of_every_position(store):
     following = np.concatenate([feed["input_ids"][:, 1:], feed["input_ids"][:, -1:]], axis=1)
     want = np.take_along_axis(probs, following[..., None], -1)[..., 0]
     np.testing.assert_allclose(every["input_probs"], want, rtol=1e-4, atol=1e-6)
+
+
+def test_vocab_mask_keeps_the_allowed_logits_bit_for_bit_and_the_others_at_minus_inf(store):
+    """One all-ones row leaves every head as without a mask; a mask a head sets the tokens it leaves out to -inf and
+    nothing else, so the heads are the masked logits' (argmax, top-K, the next token's probability)."""
+    export = store.export("gqa2", "fp32", logits=True)
+    m = ExportManifest.load(export.path)
+    rng = np.random.default_rng(7)
+    seq, width = 4, mask_bytes(m.vocab_size)
+    feed = {"input_ids": rng.integers(0, m.vocab_size, (1, seq)), "position_ids": np.arange(seq)[None],
+            "attention_mask": np.tril(np.ones((seq, seq), bool))[None], "head_positions": np.arange(seq)[None]}
+    for i in range(m.num_layers):
+        for kind in ("key", "value"):
+            feed[f"past_key_values.{i}.{kind}"] = np.zeros((1, 0, m.kv_heads, m.head_dim), np.float32)
+    session = ort.InferenceSession(str(export.path / "infiller.onnx"), providers=["CPUExecutionProvider"])
+    names = ["logits", "argmax_ids", "top_ids", "input_probs"]
+    free = dict(zip(names, session.run(names, feed | {"vocab_mask": np.full((1, 1, width), 255, np.uint8)})))
+    allowed = rng.random((1, seq, 8 * width)) < 0.3
+    masked = dict(zip(names, session.run(names, feed | {"vocab_mask": np.packbits(allowed, -1, bitorder="little")})))
+    allowed = allowed[..., : m.vocab_size]
+    assert np.array_equal(masked["logits"][allowed], free["logits"][allowed])
+    assert np.all(masked["logits"][~allowed] == -np.inf)
+    assert np.array_equal(masked["argmax_ids"], np.where(allowed, free["logits"], -np.inf).argmax(-1))
+    assert allowed[0, np.arange(seq)[:, None], masked["top_ids"][0][:, : allowed.sum(-1).min()]].all()

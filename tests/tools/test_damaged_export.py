@@ -200,10 +200,11 @@ def test_messages_name_the_file_the_field_and_the_fix(export, tmp_path):
 
 
 def test_an_older_format_is_refused_with_how_to_re_export(export, tmp_path):
-    """v5 exports have no embeddings section; an engines directory's copy says to rebuild after."""
+    """v5 exports have no embeddings section; an engines directory's copy says to rebuild after (v6 ones still run,
+    without structured output)."""
     d = Path(shutil.copytree(export, tmp_path / "v5"))
     edit(("format_version",), 5)(d)
-    with pytest.raises(RefusionError, match=r"refusion.json: format 'refusion-onnx' v5 is not 'refusion-onnx' v6, "
+    with pytest.raises(RefusionError, match=r"refusion.json: format 'refusion-onnx' v5 is not 'refusion-onnx' v7 \(or v6\), "
                                              r"the one this version of refusion-trt reads \(CHANGELOG.md says what "
                                              r"changed\); re-export with `refusion-export onnx CHECKPOINT"):
         Generator.from_dir(d, backend="ort-cpu")

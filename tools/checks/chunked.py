@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from refusion.export.compare import Case
+from refusion.export.compare import Case, every_token
 from refusion.tools.checks.verdict import line
 
 PREFIX, REMAINDER = 128, 320  # a cached prefix and what follows it: with a block of masks, several decode chunks
@@ -40,7 +40,7 @@ def _case(export: Path, block: int) -> Case:
     feed = {"input_ids": rng.integers(0, m.vocab_size, (1, REMAINDER)).astype(np.int64),
             "position_ids": np.arange(PREFIX, PREFIX + REMAINDER, dtype=np.int64)[None],
             "attention_mask": causal_after(PREFIX, REMAINDER),
-            "head_positions": np.arange(REMAINDER - block, REMAINDER, dtype=np.int64)[None]}
+            "head_positions": np.arange(REMAINDER - block, REMAINDER, dtype=np.int64)[None], **every_token(m)}
     for i in range(m.num_layers):
         for name in (past_key_name(i), past_value_name(i)):
             feed[name] = rng.standard_normal((1, PREFIX, m.kv_heads, m.head_dim)).astype(dtype(m.dtype).numpy)

@@ -192,7 +192,7 @@ def long_positions(export16: Path, export32: Path, engines: Path) -> bool:
     token at position max_prompt + gen_length + block - 1 (random tokens and past KV), the heads where the loop
     reads them (the prefill's at its block, the block's at every token)."""
     from refusion.engines.check import TensorRTCases
-    from refusion.export.compare import Case, OrtSessions, Tolerance, compare_runners
+    from refusion.export.compare import Case, OrtSessions, Tolerance, compare_runners, every_token
     from refusion.runtime.core.contract import GRAPH_NAMES, past_key_name, past_value_name
     from refusion.runtime.core.export_manifest import ExportManifest
     from refusion.runtime.core.profiles import DecodeLimits
@@ -208,7 +208,7 @@ def long_positions(export16: Path, export32: Path, engines: Path) -> bool:
         feed = {"input_ids": rng.integers(0, m.vocab_size, (1, seq)).astype(np.int64),
                 "position_ids": np.arange(past, past + seq, dtype=np.int64)[None],
                 "attention_mask": causal_after(past, seq),
-                "head_positions": np.arange(max(seq - b, 0), seq, dtype=np.int64)[None]}
+                "head_positions": np.arange(max(seq - b, 0), seq, dtype=np.int64)[None], **every_token(m)}
         for i in range(m.num_layers):
             for kv in (past_key_name(i), past_value_name(i)):
                 feed[kv] = rng.standard_normal((1, past, m.kv_heads, m.head_dim)).astype(np.float16)

@@ -12,7 +12,7 @@ onnx = pytest.importorskip("onnx")
 torch = pytest.importorskip("torch")
 
 
-@pytest.mark.parametrize("name", ["float32", "float16", "bfloat16", "int64", "int32", "bool"])
+@pytest.mark.parametrize("name", ["float32", "float16", "bfloat16", "int64", "int32", "bool", "uint8"])
 def test_every_spelling_names_the_same_type(name):
     row = dtypes.dtype(name)
     assert onnx.helper.tensor_dtype_to_string(row.onnx) == "TensorProto." + {

@@ -33,11 +33,11 @@ def _with_contract(m: ExportManifest, **change) -> ExportManifest:
 
 
 @pytest.mark.parametrize("change, message", [
-    (dict(kv_heads=4), r"infiller.onnx does not match refusion.json beside it: its input 4 is past_key_values.0.key "
+    (dict(kv_heads=4), r"infiller.onnx does not match refusion.json beside it: its input 5 is past_key_values.0.key "
                        r"float32 \['batch', 'past_seq', 2, 16\], the contract says past_key_values.0.key float32 "
                        r"\['batch', 'past_seq', 4, 16\]; the graph and refusion.json come from different exports"),
-    (dict(num_layers=3), r"its input 8 is nothing, the contract says past_key_values.2.key"),
-    (dict(kv_dtype="float16"), r"its input 4 is past_key_values.0.key float32 .* the contract says "
+    (dict(num_layers=3), r"its input 9 is nothing, the contract says past_key_values.2.key"),
+    (dict(kv_dtype="float16"), r"its input 5 is past_key_values.0.key float32 .* the contract says "
                                r"past_key_values.0.key float16"),
     (dict(logits=True), r"its output \d+ is nothing, the contract says logits float32 \['batch', 'heads', 384\]"),
 ])

@@ -42,6 +42,8 @@ def _feed(session: Any, seq: int, heads: int) -> dict[str, np.ndarray]:
             feed[i.name] = causal_after(PAST, seq)
         elif i.name == "head_positions":
             feed[i.name] = np.arange(seq - heads, seq)[None]
+        elif i.name == "vocab_mask":  # every token allowed (no guide)
+            feed[i.name] = np.full((1, 1, i.shape[2]), 255, np.uint8)
         else:  # past KV [1, past, kv_heads, head_dim]
             feed[i.name] = rng.standard_normal((1, PAST, *i.shape[2:])).astype(np.float32)
     return feed
