@@ -22,7 +22,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from refusion.runtime.core.contract import INPUTS_EMBEDS, VOCAB_MASK, GraphSpec, mask_bytes
+from refusion.runtime.core.contract import INPUTS_EMBEDS, VOCAB_MASK, GraphSpec
 from refusion.runtime.core.dims import ModelDims
 from refusion.runtime.core.dtypes import dtype as core_dtype
 from refusion.runtime.core.quantization import INT4_OPSET, scale_name
@@ -172,15 +172,14 @@ def final_heads(g: _Builder, spec: GraphSpec, dims: ModelDims, x: str, norm: Cal
 def _masked(g: _Builder, logits: str, vocab: int) -> str:
     """logits [b, heads, vocab] with the tokens vocab_mask leaves out at -inf; an all-ones mask leaves them as they
     are, bit for bit. Each mask byte indexes a [256, 8] table of its bits (little-endian: token 8i + j is bit j of
-    byte i); TensorRT casts uint8 to floats only, so the bytes reach the Gather through fp32. A mask of one row is
-    expanded to every head."""
+    byte i); TensorRT casts uint8 to floats only, so the bytes reach the Gather through fp32. The bits are expanded
+    to every head once unpacked: one row (no guide) is unpacked once, not once a head."""
     bits = np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1, bitorder="little").astype(bool)
     index = g.op("Cast", g.op("Cast", VOCAB_MASK, to=TensorProto.FLOAT), to=TensorProto.INT32)  # [b, m, bytes]
-    rows = g.op("Concat", g.op("Shape", "head_positions"), g.ints(mask_bytes(vocab)), axis=0)  # [b, heads, bytes]
-    table = g.const(bits)
-    allowed = g.op("Reshape", g.op("Gather", table, g.op("Expand", index, rows)), g.ints(0, 0, -1))
-    allowed = g.op("Slice", allowed, g.ints(0), g.ints(vocab), g.ints(2))  # [b, heads, vocab]
-    return g.op("Where", allowed, logits, g.const(np.array(-np.inf, np.float32)))
+    allowed = g.op("Reshape", g.op("Gather", g.const(bits), index), g.ints(0, 0, -1))  # [b, m, bytes x 8]
+    allowed = g.op("Slice", allowed, g.ints(0), g.ints(vocab), g.ints(2))  # [b, m, vocab]
+    every_head = g.op("Concat", g.op("Shape", "head_positions"), g.ints(vocab), axis=0)  # [b, heads, vocab]
+    return g.op("Where", g.op("Expand", allowed, every_head), logits, g.const(np.array(-np.inf, np.float32)))
 
 
 def assemble(g: _Builder, spec: GraphSpec, name: str, opsets: list[onnx.OperatorSetIdProto],
