@@ -26,6 +26,9 @@ from refusion.runtime.request import GenerationResult, GenerationStats, Request
 from refusion.runtime.runners import make_runner
 from refusion.runtime.runners.base import Runner
 from refusion.runtime.scheduler import Scheduler
+from refusion.runtime.structured.engine import Grammar, Guides, Vocabulary
+from refusion.runtime.structured.guide import guide_of
+from refusion.runtime.structured.tools import Tools, check_template, read_tools
 from refusion.runtime.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -71,6 +74,7 @@ class Generator:
         self.scheduler = Scheduler(runner, self.prefix_cache, self.prefill_chunk)
         # Text over this many UTF-8 bytes cannot fit the model's positions: refused before it is tokenized.
         self.max_prompt_bytes = tokenizer.max_text_bytes(manifest.max_positions) if tokenizer else 0
+        self._guides: Guides | None = None  # the grammar engine over the vocabulary, made on the first guide
 
     @staticmethod
     def from_dir(path: str | Path, backend: str = "auto", threads: int | None = None, verify: bool = False,
@@ -126,15 +130,21 @@ class Generator:
         prompt_ids: list[int] | None = None,
         chat: bool = False,
         enable_thinking: bool = True,
+        tools: Tools | None = None,
     ) -> list[int]:
+        """The prompt's token ids: text as it is, or through the chat template (`chat`, or `messages`, with the
+        functions of `tools` offered where they are given), or ids as given."""
         given = sum(x is not None for x in (prompt, messages, prompt_ids))
         if given != 1:
             raise RefusionError("give exactly one of a prompt, messages, or prompt_ids.")
         if prompt is not None and not isinstance(prompt, str):
             raise RefusionError(f"prompt={prompt!r} is not a string; pass text, or token ids as prompt_ids=[...].")
         if messages is not None and not _is_chat(messages):
-            raise RefusionError(f"messages={messages!r} is not a list of {{'role': ..., 'content': ...}} dicts; "
-                                "pass e.g. messages=[{'role': 'user', 'content': 'hi'}].")
+            raise RefusionError(f"messages={messages!r} is not a list of {{'role': ..., 'content': ...}} dicts (an "
+                                "assistant's may carry tool_calls instead of content); pass e.g. "
+                                "messages=[{'role': 'user', 'content': 'hi'}].")
+        if tools is not None and messages is None and not chat:
+            raise RefusionError("tools are offered through the chat template: pass messages=[...] (or chat=True).")
         if prompt_ids is not None:
             if chat:
                 raise RefusionError("chat=True does not combine with prompt_ids: token ids are fed exactly as given, "
@@ -144,10 +154,14 @@ class Generator:
             tok = self._tokenizer()
             if messages is None and chat:
                 messages = [{"role": "user", "content": prompt}]
-            for text in [prompt] if messages is None else [m["content"] for m in messages]:
+            for text in [prompt] if messages is None else [m.get("content") for m in messages]:
                 if isinstance(text, str):
                     self._check_text(text)  # before a template copies it
-            text = tok.apply_chat_template(messages, enable_thinking=enable_thinking) if messages else prompt
+            offered = tools.rendered if tools is not None else None
+            if offered is not None:
+                check_template(tok.template(tools=True), str(self.manifest.path))
+            text = (tok.apply_chat_template(messages, enable_thinking=enable_thinking, tools=offered) if messages
+                    else prompt)
             ids = tok.encode(self._check_text(text or ""))
         if not ids:
             raise RefusionError("the prompt is empty; give at least one token of prompt.")
@@ -229,7 +243,8 @@ class Generator:
 
     def options(self, **options: Any) -> tuple[DecodeParams, RequestOptions]:
         """A request's keywords, checked: its decode settings (DecodeParams; those left out take the export's
-        recorded values) and its request options (RequestOptions: stop, stop_token_ids, logprobs, timeout_s)."""
+        recorded values) and its request options (RequestOptions: stop, stop_token_ids, logprobs, timeout_s, and
+        a guide, compiled here: one the engine cannot enforce is refused before any work)."""
         asked = {name: options.pop(name) for name in RequestOptions.names() if name in options}
         unknown = [name for name in options if name not in DECODE_SETTINGS]
         if unknown:
@@ -251,17 +266,52 @@ class Generator:
         if request.stop and self.tokenizer is None:
             raise RefusionError(f"stop={list(request.stop)!r} needs the tokenizer to read the answer's text, and "
                                 f"{self.manifest.path} carries none; stop at token ids (stop_token_ids) instead.")
+        self.grammar(request)
         return params, request
 
+    def grammar(self, options: RequestOptions, tools: Tools | None = None) -> Grammar | None:
+        """The guide `options` ask for, or the call `tools` makes certain (tool_choice "required" or a named
+        function), compiled (each guide once: the Generator caches them); None without one. A guide this export or
+        the engine cannot enforce is a RefusionError naming its field."""
+        guide, call = guide_of(options), tools.guide() if tools is not None else None
+        if guide is not None and call is not None:
+            raise RefusionError(f"tool_choice={tools.choice!r} and {guide.field} both ask for structured output "  # type: ignore[union-attr]
+                                "(a call, or an answer in that form); give one of them.")
+        guide = guide or call
+        if guide is None:
+            return None
+        m = self.manifest
+        if not m.takes_masks:
+            raise RefusionError(f"{guide.field}: {m.path} is an export of format {m.format_version}, whose graphs "
+                                "cannot apply a guide (they take no vocab_mask); re-export it with this version: "
+                                "`refusion-export onnx CHECKPOINT --output DIR --force` (engines: then rebuild them).")
+        return self.guides.compile(guide)
+
+    @property
+    def guides(self) -> Guides:
+        """The grammar engine over this export's vocabulary and the guides it compiled: made on the first guide."""
+        if self._guides is None:
+            m, tok = self.manifest, self._tokenizer()
+            token_bytes, special = tok.token_bytes()
+            self._guides = Guides(Vocabulary(token_bytes, special, m.vocab_size, m.eos_token_id, tok.encode_short))
+        return self._guides
+
     def submit(self, prompt: str | None = None, *, messages=None, prompt_ids=None, chat: bool = False,
-               enable_thinking: bool = True, **options: Any) -> Request:
+               enable_thinking: bool = True, tools: list[dict[str, Any]] | None = None, tool_choice: Any = None,
+               **options: Any) -> Request:
         """Start a generation and return its handle at once: `.result()`, iteration over settled
         text, `.cancel()`, `.done`. `options`: decode settings (gen_length, max_tokens, slot_size, ...; left
         out, the export's) and request options (stop, stop_token_ids, logprobs, timeout_s: it ends with
-        finish_reason "timeout" within one forward of the deadline). Bad input raises here, before anything runs."""
+        finish_reason "timeout" within one forward of the deadline; a guide: json_schema, regex, choice, grammar or
+        response_format). `tools` (OpenAI's functions, offered through the chat template) and `tool_choice` ("auto",
+        "none", "required" or {"type": "function", "function": {"name": ...}}): the result carries the calls in
+        `tool_calls`. Bad input raises here, before anything runs."""
+        calls = read_tools(tools, tool_choice)
         params, request = self.options(**options)
-        ids = self.prompt_ids(prompt, messages=messages, prompt_ids=prompt_ids, chat=chat, enable_thinking=enable_thinking)
-        return self.submit_ids(ids, params, request)
+        self.grammar(request, calls)  # a call and a guide together are refused before the prompt is rendered
+        ids = self.prompt_ids(prompt, messages=messages, prompt_ids=prompt_ids, chat=chat, enable_thinking=enable_thinking,
+                              tools=calls)
+        return self.submit_ids(ids, params, request, calls)
 
     def check_fits(self, params: DecodeParams | DiffusionParams, prompt_tokens: int = 1) -> None:
         """Refuse params this export cannot run with a prompt of `prompt_tokens` (a RefusionError): too many
@@ -286,13 +336,17 @@ class Generator:
         self.runner.check_request(prompt_tokens, params)
 
     def submit_ids(self, ids: list[int], params: DecodeParams | DiffusionParams,
-                   options: RequestOptions = RequestOptions()) -> Request:
-        """Start a generation of these token ids with these params (any strategy's: decode.STRATEGIES)."""
+                   options: RequestOptions = RequestOptions(), tools: Tools | None = None) -> Request:
+        """Start a generation of these token ids with these params (any strategy's: decode.STRATEGIES); `tools`:
+        the functions the prompt offers, whose calls the result reads."""
         self.check_fits(params, len(ids))
         m = self.manifest
         detokenize = self.tokenizer.decode if self.tokenizer else None
-        tokens = Tokens(ids, m.mask_token_id, m.eos_token_id, top_logprobs=options.top_logprobs)
-        request = Request(tokens, params, detokenize, self.runner.name, options)
+        grammar = self.grammar(options, tools)
+        if grammar is not None and strategy(params.mode).guided is None:
+            raise RefusionError(f"mode {params.mode!r} follows no guide (structured output); use mode refusion or ar.")
+        tokens = Tokens(ids, m.mask_token_id, m.eos_token_id, top_logprobs=options.top_logprobs, guide=grammar)
+        request = Request(tokens, params, detokenize, self.runner.name, options, tools)
         return self.scheduler.submit(request)
 
     def generate(self, prompt: str | None = None, *, messages=None, prompt_ids=None, chat: bool = False,
@@ -365,4 +419,4 @@ class _TooManyBytes(RefusionError):
 
 def _is_chat(messages: Any) -> bool:
     return isinstance(messages, (list, tuple)) and all(
-        isinstance(m, Mapping) and "role" in m and "content" in m for m in messages)
+        isinstance(m, Mapping) and "role" in m and ("content" in m or "tool_calls" in m) for m in messages)

@@ -1,5 +1,6 @@
 """What a request asks beyond its prompt and its decode settings (DecodeParams): where its answer stops,
-what its result carries, and its deadline: the `request` rows of runtime/core/settings.py. `Generator.submit`
+what its result carries, its deadline and the structure its answer follows: the `request` rows of
+runtime/core/settings.py. `Generator.submit`
 takes these and the decode settings as its keywords; a frontend translates its wire format into them."""
 
 from __future__ import annotations
@@ -16,6 +17,12 @@ class RequestOptions:
     logprobs: bool = DEFAULTS["logprobs"]  # the result carries each returned token's log-probability
     top_logprobs: int = DEFAULTS["top_logprobs"]  # ... and this many alternatives to each (at most the candidates)
     timeout_s: float | None = DEFAULTS["timeout_s"]  # the request ends with finish_reason "timeout" at this deadline
+    # structured output, one guide at most (runtime/structured/guide.py); JSON ones held as their JSON text
+    response_format: str | None = DEFAULTS["response_format"]  # OpenAI's: json_object, json_schema (text: none)
+    json_schema: str | None = DEFAULTS["json_schema"]  # the answer is JSON valid under this schema
+    regex: str | None = DEFAULTS["regex"]  # ... matches this regular expression whole
+    choice: tuple[str, ...] = DEFAULTS["choice"]  # ... is one of these strings
+    grammar: str | None = DEFAULTS["grammar"]  # ... follows this grammar (Lark or GBNF)
 
     def __post_init__(self) -> None:
         for setting in REQUEST:

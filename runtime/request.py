@@ -6,7 +6,8 @@ thread may wait for its result, iterate its settled text, or cancel it.
 
     req = gen.submit("sort: 3 1 2", chat=True, timeout_s=5)
     for piece in req: print(piece, end="")      # settled text as it commits
-    req.result().finish_reason                   # "eos" | "length" | "stop" | "timeout" | "cancelled"
+    req.result().finish_reason                   # "eos" | "length" | "stop" | "timeout" | "cancelled" | "dead_end"
+                                                 # | "tool_calls" (an answer that called a function, then ended)
 """
 
 from __future__ import annotations
@@ -24,15 +25,17 @@ from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.decode import STRATEGIES
 from refusion.runtime.decode.steps import Commit, DecodeTrace, Outputs, Step, StepMachine, Tokens
 from refusion.runtime.options import RequestOptions
+from refusion.runtime.structured.tools import tool_calls
 from refusion.runtime.text import Detokenize, SettledText
 
 if TYPE_CHECKING:
     from refusion.runtime.decode.llada import DiffusionParams
     from refusion.runtime.params import DecodeParams
+    from refusion.runtime.structured.tools import Tools
 
     Params = DecodeParams | DiffusionParams
 
-FinishReason = Literal["eos", "length", "stop", "timeout", "cancelled"]
+FinishReason = Literal["eos", "length", "stop", "timeout", "cancelled", "dead_end", "tool_calls"]
 _ids = itertools.count(1)
 
 
@@ -74,6 +77,9 @@ class GenerationResult:
     logprobs: list[float] | None = None  # with logprobs=True: each of token_ids' log-probability when drafted
     # with top_logprobs=N: each of token_ids' N most likely alternatives in that reading, (id, log-probability)
     top_logprobs: list[tuple[tuple[int, float], ...]] | None = None
+    # with tools: the calls the answer made, OpenAI's way ({"id", "type": "function", "function": {"name",
+    # "arguments"}}); `text` is then the answer's text outside them
+    tool_calls: list[dict[str, Any]] | None = None
 
     @property
     def committed_ids(self) -> list[int]:
@@ -91,11 +97,12 @@ class GenerationResult:
 
 class Request:
     def __init__(self, tokens: Tokens, params: Params, detokenize: Detokenize | None = None, backend: str = "",
-                 options: RequestOptions = RequestOptions()):
+                 options: RequestOptions = RequestOptions(), tools: Tools | None = None):
         """A request of params.mode's strategy over `tokens`; its step machine is made when the scheduler
-        starts it (`start`)."""
+        starts it (`start`). `tools`: the functions its prompt offers, whose calls its result reads."""
         self.id = next(_ids)
         self.tokens, self.prompt_ids, self.params, self.options = tokens, tokens.prompt, params, options
+        self.tools = tools
         self.trace = DecodeTrace()
         self._strategy = STRATEGIES[params.mode]
         self.capacity = self._strategy.kv_capacity(len(tokens.prompt), params)
@@ -267,7 +274,10 @@ class Request:
     def start(self, cached: int = 0) -> None:
         """Make its step machine, over a KV region whose first `cached` tokens already hold the prompt's KV."""
         self.cached_tokens = cached
-        self._steps = self._strategy.steps(replace(self.tokens, cached=cached), self.params, self.trace)
+        steps = self._strategy.steps if self.tokens.guide is None else self._strategy.guided
+        if steps is None:
+            raise RefusionError(f"mode {self.params.mode!r} follows no guide (structured output); use refusion or ar.")
+        self._steps = steps(replace(self.tokens, cached=cached), self.params, self.trace)
 
     def send(self, outputs: Outputs | None) -> Step | None:
         """Advance the step machine to its next step (None when it is over)."""
@@ -323,6 +333,8 @@ class Request:
         token_ids = answer.settled
         if answer.stopped:
             reason = "stop"
+        elif reason is None and self.trace.dead_end and not answer.ended:
+            reason = "dead_end"  # the guide allowed no token where the answer stopped
         elif reason in (None, "stop"):
             reason = "eos" if answer.ended else "length"
         tokens = len(token_ids) + (answer.end_token is not None)  # with the EOS or stop token that ended it
@@ -348,5 +360,10 @@ class Request:
         if self.options.top_logprobs:
             others = {p: a for c in self.commits for p, a in zip(c.positions, c.alternatives)}
             alternatives = [others[p] for p in returned]
+        calls = None
+        if self.tools is not None and self.tools.choice != "none":
+            text, calls = tool_calls(text)
+            if calls and reason == "eos":
+                reason = "tool_calls"
         return GenerationResult(text, token_ids, self.prompt_ids, stats, list(self.commits), reason, logprobs,
-                                alternatives)
+                                alternatives, calls)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Mapping, Sequence
-from functools import cached_property
+from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -97,6 +97,11 @@ class Tokenizer:
         with main_thread_signals():
             return self._backend.encode_batch([text])[0].ids
 
+    def encode_short(self, text: str) -> list[int]:
+        """`encode` of a short text on the calling thread, without the tokenizers library's pool (it holds the GIL
+        for microseconds): what a grammar engine tokenizes, a guide's forced text, as often as tokens are decoded."""
+        return self._backend.encode(text).ids
+
     @cached_property
     def longest_token_bytes(self) -> int:
         """At least the UTF-8 bytes of input text any one token stands for: the longest vocabulary entry in
@@ -116,6 +121,23 @@ class Tokenizer:
 
     def token_to_id(self, token: str) -> int | None:
         return self._backend.token_to_id(token)
+
+    def token_bytes(self) -> tuple[list[bytes], list[int]]:
+        """Each id's bytes, and the ids of the special tokens, as a grammar engine reads the vocabulary
+        (runtime/structured/): a byte-level BPE token's bytes through its alphabet, an added token's its text's,
+        any other token's the UTF-8 of its text."""
+        added = self._backend.get_added_tokens_decoder()
+        byte_level = isinstance(self._backend.decoder, decoders.ByteLevel)
+        alphabet = {c: b for b, c in _byte_alphabet().items()}
+        out = []
+        for i in range(self.vocab_size):
+            if i in added:
+                out.append(added[i].content.encode())
+            elif byte_level:
+                out.append(bytes(alphabet[c] for c in self._backend.id_to_token(i) or ""))
+            else:
+                out.append(self._backend.decode([i], skip_special_tokens=False).encode())
+        return out, sorted(i for i, token in added.items() if token.special)
 
     @property
     def vocab_size(self) -> int:
@@ -174,6 +196,10 @@ class Tokenizer:
                 "check the message roles/fields against the template, or pass raw text or token ids instead"
             ) from e
 
+    def template(self, tools: bool = False) -> str:
+        """The chat template's source that renders a conversation (with `tools`: one that offers functions)."""
+        return self._template_for(True if tools else None)
+
     def _template_for(self, tools: object) -> str:
         template = self.chat_template
         if isinstance(template, dict):  # named templates; transformers' selection rule
@@ -190,6 +216,15 @@ class Tokenizer:
                 "tokenizer_config.json); pass raw text or token ids instead of chat messages"
             )
         return template
+
+
+@lru_cache(maxsize=1)
+def _byte_alphabet() -> dict[int, str]:
+    """GPT-2's byte-level alphabet, which byte-level BPE vocabularies are written in: printable bytes stand for
+    themselves, the others for the characters from U+0100 on."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    extra = (b for b in range(256) if b not in printable)
+    return {**{b: chr(b) for b in printable}, **{b: chr(256 + n) for n, b in enumerate(extra)}}
 
 
 # --- loading --------------------------------------------------------------------------------

@@ -171,3 +171,34 @@ def edited_export(export: Path, tmp_path: Path, change) -> Path:
     raw["digests"] = {k: _digest(raw[k]) for k in _SECTIONS}
     (d / "refusion.json").write_text(json.dumps(raw))
     return d
+
+
+def as_format_6(export: Path, tmp_path: Path) -> Path:
+    """A copy of `export` as refusion-trt wrote it before structured output (refusion.json v6): graphs that take no
+    vocab_mask (here the input made an all-ones constant), the contract, file records and digests to match."""
+    import shutil
+
+    import numpy as np
+    import onnx
+    from onnx import numpy_helper
+
+    from refusion.runtime.core.contract import VOCAB_MASK, mask_bytes
+    from refusion.runtime.core.export_manifest import _SECTIONS, _digest
+    from refusion.runtime.core.files import FileRecord
+
+    d = Path(shutil.copytree(export, tmp_path / "v6"))
+    raw = json.loads((d / "refusion.json").read_text())
+    width = mask_bytes(raw["model"]["vocab_size"])
+    for name, graph in raw["graphs"].items():
+        model = onnx.load(d / graph["file"], load_external_data=False)
+        kept = [i for i in model.graph.input if i.name != VOCAB_MASK]
+        del model.graph.input[:]
+        model.graph.input.extend(kept)
+        model.graph.initializer.append(numpy_helper.from_array(np.full((1, 1, width), 255, np.uint8), VOCAB_MASK))
+        onnx.save(model, d / graph["file"])
+        graph["inputs"] = [t for t in graph["inputs"] if t["name"] != VOCAB_MASK]
+        raw["files"][graph["file"]] = FileRecord.of(d / graph["file"]).to_json()
+    raw["format_version"] = 6
+    raw["digests"] = {k: _digest(raw[k]) for k in _SECTIONS}
+    (d / "refusion.json").write_text(json.dumps(raw))
+    return d

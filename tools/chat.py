@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import shlex
 import sys
 import textwrap
 from collections.abc import Callable, Iterable, Iterator
@@ -24,7 +25,7 @@ from typing import Any
 import click
 
 from refusion.runtime.core.errors import RefusionError
-from refusion.runtime.core.settings import ALIASES, BY_NAME, DECODE, Setting
+from refusion.runtime.core.settings import ALIASES, BY_NAME, DECODE, GUIDES, Setting
 from refusion.runtime.generator import Generator
 from refusion.runtime.params import DecodeParams
 from refusion.tools.cli_common import given_settings, load_options, load_settings, setting_options
@@ -38,24 +39,44 @@ def _boolean(value: str) -> bool:
     return words[value.lower()]
 
 
-# /settings keys: every decode setting by its name (runtime/core/settings.py), its short key and former names
-_TYPES: dict[str, Callable[[str], Any]] = {s.name: {"int": int, "number": float, "bool": _boolean}.get(s.kind, str)
-                                           for s in DECODE}
+def _file(value: str) -> str:
+    """A FILE key's value: the file's text."""
+    try:
+        return Path(value).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"cannot read {value} as UTF-8 text ({e})") from None
+
+
+def _strings(value: str) -> tuple[str, ...]:
+    return tuple(value.split(","))
+
+
+# /settings keys: every decode setting by its name (runtime/core/settings.py), its short key and former names, and
+# the guides the CLI takes (structured output: one at a time)
+CHAT_SETTINGS = (*DECODE, *(s for s in GUIDES if s.cli != ""))
+_TYPES: dict[str, Callable[[str], Any]] = {
+    s.name: _file if s.cli_file else {"int": int, "number": float, "bool": _boolean, "strings": _strings}.get(s.kind, str)
+    for s in CHAT_SETTINGS}
 
 
 def _key(setting: Setting) -> str:
     text = f"{setting.short} ({setting.name})" if setting.short else setting.name
     if setting.choices:
         return f"{text} ({' | '.join(setting.choices)})"
+    if setting.cli_file:
+        return f"{text} (FILE)"
+    if setting.kind == "strings":
+        return f"{text} (a,b,...)"
     return f"{text} (true | false)" if setting.kind == "bool" else text
 
 
-_KEYS = textwrap.fill("change them: " + ", ".join(_key(s) for s in DECODE) + ";", 104,
+_KEYS = textwrap.fill("change them: " + ", ".join(_key(s) for s in CHAT_SETTINGS) + ";", 104,
                       initial_indent=" " * 24, subsequent_indent=" " * 24).lstrip()
 HELP = f"""commands:
-  /settings             show the decode settings
+  /settings             show the decode settings and the guide
   /settings k=v ...     {_KEYS}
-                        e.g. /settings slot_size=4 mode=ar max_tokens=32 (seed=none, max_tokens=none: unset)
+                        e.g. /settings slot_size=4 mode=ar max_tokens=32 (seed=none, max_tokens=none: unset);
+                        regex='[a-z]+ \\d' (quoted as in a shell), choice=yes,no, json_schema=robot.json
   /stats                switch the stats line after each answer on or off
   /reset                start a new conversation
   /quit                 leave (Ctrl-D too); Ctrl-C cancels the answer being written"""
@@ -143,7 +164,11 @@ class ChatSession:
 
     def command(self, text: str) -> bool:
         """Run a /command; False when it ends the session."""
-        name, *args = text.split()
+        try:
+            name, *args = shlex.split(text)
+        except ValueError as e:
+            click.echo(f"error: {text!r}: {e} (quote values as in a shell).", err=True)
+            return True
         if name == "/quit":
             return False
         if name == "/reset" and not args:
@@ -157,7 +182,9 @@ class ChatSession:
                 self.change(args)
             except RefusionError as e:
                 click.echo(f"error: {e}", err=True)
-            click.echo(" ".join(f"{k}={v}" for k, v in asdict(self.params()).items()), err=True)
+            guide = {s.name: self.settings[s.name] for s in GUIDES if self.settings.get(s.name) not in (None, ())}
+            shown = {**asdict(self.params()), **{k: _shown(v) for k, v in guide.items()}}
+            click.echo(" ".join(f"{k}={v}" for k, v in shown.items()), err=True)
         elif name == "/help":
             click.echo(HELP, err=True)
         else:
@@ -174,9 +201,15 @@ class ChatSession:
                 raise RefusionError(f"/settings {item!r} is not key=value with a key among k, blocks, "
                                     f"{', '.join(_TYPES)}; e.g. /settings slot_size=4 mode=ar.")
             try:
-                optional = BY_NAME[name].optional and value.lower() == "none"
-                changed[name] = None if optional else _TYPES[name](value)
+                unset = value.lower() == "none" and (BY_NAME[name].optional or BY_NAME[name].guide)
+                changed[name] = (() if BY_NAME[name].kind == "strings" else None) if unset else _TYPES[name](value)
+                if BY_NAME[name].guide and not unset:  # a request follows one guide: the new one replaces the other
+                    for other in GUIDES:
+                        if other.name != name:
+                            changed.pop(other.name, None)
             except ValueError as e:
+                if _TYPES[name] is _file:
+                    raise RefusionError(f"/settings {item}: {e}.") from e
                 kind, example = {int: ("an integer", "4"), _boolean: ("true or false", "true")}.get(
                     _TYPES[name], ("a number", "0.5"))
                 raise RefusionError(f"/settings {item}: {value!r} is not {kind} (e.g. {name}={example}).") from e
@@ -194,6 +227,12 @@ class ChatSession:
                     return
             else:
                 self.turn(text)
+
+
+def _shown(value: Any) -> str:
+    """A guide as /settings shows it: on one line, cut."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _typed(prompt: str) -> Iterator[str]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import click
@@ -106,7 +107,7 @@ def version_option(f: Any) -> Any:
 
 # The request settings of `refusion-run generate`, `chat` and `client`: every row of runtime/core/settings.py
 # that has a CLI option, with its kind, default and help; left out, a recorded setting takes the export's value.
-_CLI_TYPES = {"int": int, "number": float, "string": str, "strings": str, "ints": int}
+_CLI_TYPES = {"int": int, "number": float, "string": str, "strings": str, "ints": int, "text": str, "json": str}
 
 
 def _setting_option(setting: Setting) -> Callable[[Any], Any]:
@@ -117,6 +118,9 @@ def _setting_option(setting: Setting) -> Callable[[Any], Any]:
     if setting.kind in ("strings", "ints"):
         return click.option(*flags, setting.name, type=_CLI_TYPES[setting.kind], multiple=True, default=(),
                             metavar="TEXT" if setting.kind == "strings" else "ID", help=help + " Repeatable.")
+    if setting.cli_file:  # a JSON schema, a grammar: the file's text is the value (given_settings reads it)
+        return click.option(*flags, setting.name, type=click.Path(dir_okay=False, path_type=Path), default=None,
+                            metavar="FILE", help=f"{help} Read from FILE. [default: none]")
     kind = click.Choice(setting.choices) if setting.choices else _CLI_TYPES[setting.kind]
     if setting.recorded or setting.default is None:
         left_out = "the export's recorded value" if setting.recorded else "none"
@@ -163,8 +167,19 @@ def given_settings(options: dict[str, Any]) -> dict[str, Any]:
     """The settings given on the command line, taken out of a command's `options`, as Generator.submit's
     keywords; those left out (None, no stop) are left out, to take the export's value or none."""
     taken = {s.name: options.pop(s.name) for s in CLI_SETTINGS}
+    for setting in CLI_SETTINGS:
+        if setting.cli_file and taken[setting.name] is not None:
+            taken[setting.name] = _read_file(setting.flag, taken[setting.name])
     return {name: tuple(value) if isinstance(value, tuple) else value for name, value in taken.items()
             if value is not None and value != ()}
+
+
+def _read_file(flag: str, path: Path) -> str:
+    """A FILE option's text (UTF-8), or an error naming the option."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise RefusionError(f"{flag} {path}: cannot read it as UTF-8 text ({e}).") from None
 
 
 def load_settings(options: dict[str, Any]) -> dict[str, Any]:

@@ -12,6 +12,7 @@ tables, to the rows. docs/architecture.md, "How to add a request setting", says 
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -20,10 +21,11 @@ from typing import Any, Literal
 
 from refusion.runtime.core.errors import RefusionError
 
-Kind = Literal["int", "number", "bool", "string", "strings", "ints"]
+Kind = Literal["int", "number", "bool", "string", "strings", "ints", "text", "json"]
 Role = Literal["decode", "request"]
 EVERY = ("refusion", "ar")  # the public strategies (runtime/decode/'s MODES; a test holds them equal)
 INT64 = (-(2**63), 2**64 - 1)  # what a seed may be: any int64, or its unsigned bits
+GUIDE_BYTES = 65536  # the most UTF-8 bytes a guide (a schema, a regex, a grammar, the choices) may hold
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,8 @@ class Setting:
     openai: tuple[str, ...] = ()  # its OpenAI field names: OpenAI's own first (an alias after it), or ()
     openai_extra: bool = False  # a ReFusion field beside OpenAI's (the openai client: extra_body)
     triton: str | None = None  # its Triton input (TensorRT-LLM's name where one exists), or None
+    cli_file: bool = False  # its CLI option names a FILE that holds the value (a JSON schema, a grammar)
+    guide: bool = False  # a structured-output guide (runtime/structured/guide.py): a request takes one at most
 
     @property
     def optional(self) -> bool:
@@ -63,6 +67,10 @@ class Setting:
             return f"one of {', '.join(map(repr, self.choices))}"
         if self.kind == "bool":
             text = "True or False"
+        elif self.kind == "text":
+            text = f"a non-empty string of at most {self.high:g} bytes"
+        elif self.kind == "json":
+            text = f"a JSON object (or its JSON text) of at most {self.high:g} bytes"
         elif self.kind == "strings":
             text = "a string or a list of non-empty strings"
         elif self.kind == "ints":
@@ -109,6 +117,8 @@ class Setting:
             return self._strings(value)
         if self.kind == "ints":
             return self._ints(value)
+        if self.kind in ("text", "json"):
+            return self._text(value)
         whole = self.kind == "int"
         if not (_is_int(value) if whole else _is_number(value) and math.isfinite(value)):
             raise self.refusal(value)
@@ -132,6 +142,30 @@ class Setting:
             raise RefusionError(f"{self.name}={value!r} holds {bad[0]!r}; each must be a non-empty string "
                                 f"({self.note}).")
         return values
+
+    def _text(self, value: Any) -> str:
+        """A text setting as given; a JSON one as its compact JSON text (a dict or list given, or text that parses
+        to one): one spelling, which caches and compares."""
+        if self.kind == "json" and isinstance(value, dict):
+            try:
+                value = json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+            except (TypeError, ValueError) as e:
+                raise RefusionError(f"{self.name}={_shown(value)} is not JSON ({e}); it must be {self.expected()}.") from None
+        if not isinstance(value, str) or not value:
+            raise self.refusal(value)
+        if self.kind == "json":
+            try:
+                parsed = json.loads(value)
+            except ValueError as e:
+                raise RefusionError(f"{self.name}={_shown(value)} is not JSON text ({e}); it must be "
+                                    f"{self.expected()}.") from None
+            if not isinstance(parsed, dict):
+                raise self.refusal(value)
+            value = json.dumps(parsed, ensure_ascii=False, separators=(",", ":"))
+        if self.high is not None and len(value.encode("utf-8", "surrogatepass")) > self.high:
+            raise RefusionError(f"{self.name} holds {len(value.encode('utf-8', 'surrogatepass'))} bytes, over the "
+                                f"{self.high:g} a request may send ({self.note}).")
+        return value
 
     def _ints(self, value: Any) -> tuple[int, ...]:
         if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
@@ -198,13 +232,36 @@ SETTINGS = (
     Setting("timeout_s", "number", "a deadline in seconds: the answer ends there with what had settled",
             role="request", low=0, open="low", note="seconds", cli="--timeout", openai=("timeout_s",),
             openai_extra=True, triton="timeout_s"),
+    # -- structured output: the answer follows one guide, or the request is refused (docs/decoding.md) ----------
+    Setting("response_format", "json", "OpenAI's response_format: {\"type\": \"json_object\"}, or {\"type\": "
+            "\"json_schema\", \"json_schema\": {\"name\": ..., \"schema\": {...}}} (text: no guide)", role="request",
+            high=GUIDE_BYTES, note="a guide is bounded", cli="", openai=("response_format",), guide=True),
+    Setting("json_schema", "json", "the answer is JSON valid under this JSON schema", role="request",
+            high=GUIDE_BYTES, note="a guide is bounded", cli_file=True, openai=("guided_json",), openai_extra=True,
+            triton="json_schema", guide=True),
+    Setting("regex", "text", "the answer matches this regular expression whole", role="request",
+            high=GUIDE_BYTES, note="a guide is bounded", openai=("guided_regex",), openai_extra=True, triton="regex",
+            guide=True),
+    Setting("choice", "strings", "the answer is one of these strings", (), role="request",
+            note="e.g. choice=['yes', 'no']", openai=("guided_choice",), openai_extra=True, triton="choice",
+            guide=True),
+    Setting("grammar", "text", "the answer follows this grammar (Lark, or llama.cpp's GBNF)", role="request",
+            high=GUIDE_BYTES, note="a guide is bounded", cli_file=True, openai=("guided_grammar",), openai_extra=True,
+            triton="grammar", guide=True),
 )
 BY_NAME = {setting.name: setting for setting in SETTINGS}
 DEFAULTS = {setting.name: setting.default for setting in SETTINGS}
 DECODE = tuple(s for s in SETTINGS if s.role == "decode")
 REQUEST = tuple(s for s in SETTINGS if s.role == "request")
 RECORDED = tuple(s for s in SETTINGS if s.recorded)
+GUIDES = tuple(s for s in SETTINGS if s.guide)
 ALIASES = {alias: setting.name for setting in SETTINGS for alias in (*setting.aliases, setting.short or "") if alias}
+
+
+def _shown(value: Any) -> str:
+    """A value in an error message, cut to a line."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def read_by(strategy: str) -> tuple[str, ...]:

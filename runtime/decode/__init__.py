@@ -10,7 +10,7 @@ from typing import Any
 
 from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.core.settings import read_by
-from refusion.runtime.decode import ar, llada, refusion
+from refusion.runtime.decode import ar, guided, llada, refusion
 from refusion.runtime.decode.steps import DecodeTrace, StepMachine, Tokens
 
 Steps = Callable[[Tokens, Any, DecodeTrace], StepMachine]  # (tokens, params, trace)
@@ -28,12 +28,22 @@ class Strategy:
     check: Callable[[Any], None] = lambda params: None  # mode-specific rules on DecodeParams
     public: bool = True  # a DecodeParams mode: offered by the API, the CLIs and the server
     prefix_reuse: bool = True  # its steps start from Tokens.cached (a cached prompt prefix's KV in the region)
+    guided: Steps | None = None  # its steps when the request brings a guide (Tokens.guide); None: it takes none
+
+
+def _guided(module: Any, drafting: bool) -> Steps:
+    """The guided loop (decode/guided.py) over a strategy's positions and KV capacity."""
+    def steps(tokens: Tokens, params: Any, trace: DecodeTrace) -> StepMachine:
+        return guided.guided_steps(tokens, params, trace, module.positions(params),
+                                   module.kv_capacity(len(tokens.prompt), params), drafting)
+    return steps
 
 
 STRATEGIES: dict[str, Strategy] = {
     "refusion": Strategy(refusion.refusion_steps, read_by("refusion"), refusion.kv_capacity, refusion.positions,
-                         refusion.profile_needs, refusion.check),
-    "ar": Strategy(ar.ar_steps, read_by("ar"), ar.kv_capacity, ar.positions, ar.profile_needs),
+                         refusion.profile_needs, refusion.check, guided=_guided(refusion, drafting=True)),
+    "ar": Strategy(ar.ar_steps, read_by("ar"), ar.kv_capacity, ar.positions, ar.profile_needs,
+                   guided=_guided(ar, drafting=False)),
     # the benchmark's baseline, with its own params (llada.DiffusionParams)
     "llada": Strategy(llada.llada_steps, ("gen_length", "steps", "block_length", "order", "early_exit"),
                       llada.kv_capacity, llada.positions, None, public=False, prefix_reuse=False),

@@ -12,10 +12,14 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Generator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from refusion.runtime.core.contract import GraphName
+
+if TYPE_CHECKING:
+    from refusion.runtime.structured.engine import Grammar
 
 
 @dataclass(frozen=True)
@@ -23,7 +27,7 @@ class Forward:
     """One forward of `graph`: tokens at their positions over KV [0, past) of the request; the
     infiller writes its new tokens' KV at [write_at, write_at + seq). The vocabulary heads run at `heads`
     alone (indices into seq, the positions the step reads), so its outputs hold one row per head, each over the
-    tokens its row of `vocab_mask` allows (None: every token)."""
+    tokens its row of `vocab_mask` allows (a guided request's; None: every token)."""
 
     kind: str  # what the loop uses it for: prefill_plan, plan, verify, infill_draft, ...
     graph: GraphName
@@ -52,7 +56,7 @@ class Commit:
     step: int
     token_ids: tuple[int, ...]
     positions: tuple[int, ...]
-    how: str  # "verification" (whole slots from the verify pass), "infill", or "ar"
+    how: str  # "verification" (whole slots from the verify pass), "infill", "ar"; guided: "forced", "draft", "next"
     logprobs: tuple[float, ...] = ()  # each token's log-probability when it was drafted (its draft's reading)
     # with Tokens.top_logprobs: each token's most likely alternatives in that reading, (id, log-probability)
     alternatives: tuple[tuple[tuple[int, float], ...], ...] = ()
@@ -79,6 +83,7 @@ class DecodeTrace:
     branches: Counter = field(default_factory=Counter)
     tpf_sum: float = 0.0
     iterations: int = 0
+    dead_end: str = ""  # a guided decode stopped where its guide allowed no token: why (finish_reason "dead_end")
 
     @property
     def tpf(self) -> float:
@@ -93,3 +98,4 @@ class Tokens:
     eos_id: int
     cached: int = 0  # KV of prompt[:cached] is already in the request's region (the prefix cache's copy)
     top_logprobs: int = 0  # alternatives each commit reports per token (Commit.alternatives), at most the graphs' K
+    guide: Grammar | None = None  # the structure the answer follows (runtime/decode/guided.py), compiled

@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import re
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -33,8 +34,10 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.core.export_manifest import MANIFEST_NAME
+from refusion.runtime.core.settings import SETTINGS
 from refusion.runtime.request import GenerationResult
 from refusion.runtime.request import Request as Generation
+from refusion.runtime.structured.tools import before_calls
 from refusion.runtime.text import covering
 from refusion.serve.frontend import Final, Frontend, ServeRequest, Status
 from refusion.serve.openai.metrics import CONTENT_TYPE, Arrival, ServerMetrics
@@ -80,7 +83,8 @@ def create_app(frontend: Frontend[Arrival], metrics: ServerMetrics, config: AppC
 
     @app.exception_handler(RefusionError)
     async def refusion_error(_: Request, e: RefusionError) -> Response:  # the runtime's refusal of a setting
-        return refused(400, error_body(400, str(e), _param(str(e))))
+        message, param = _as_sent(str(e))
+        return refused(400, error_body(400, message, param))
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, e: HTTPException) -> Response:
@@ -335,6 +339,7 @@ async def _events(frontend: Frontend[Arrival], generations: list[Generation], ap
     pumps = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(generations)]
     shown = [_StreamLogprobs(g, detokenize, token_text, reply.chat) if api.logprobs else None for g in generations]
     results: list[GenerationResult | None] = [None] * len(generations)
+    settled, sent = [""] * len(generations), [""] * len(generations)  # with tools: the text read, the text shown
     try:
         if reply.chat:
             for index in range(len(generations)):
@@ -346,10 +351,19 @@ async def _events(frontend: Frontend[Arrival], generations: list[Generation], ap
             if item is None:
                 running -= 1
             elif isinstance(item, str):
-                yield sse(reply.chunk(item, include_usage=usage, index=index,
-                                      logprobs=logprobs.piece(item) if logprobs else None))
+                if api.tool_calls:  # only text surely outside a call is shown as it settles; the calls come whole
+                    settled[index] += item
+                    item = before_calls(settled[index])[len(sent[index]):]
+                    sent[index] += item
+                if item:
+                    yield sse(reply.chunk(item, include_usage=usage, index=index,
+                                          logprobs=logprobs.piece(item) if logprobs else None))
             elif item.result is not None:
                 results[index] = result = item.result
+                if result.tool_calls:
+                    rest = result.text[len(sent[index]):] if result.text.startswith(sent[index]) else ""
+                    yield sse(reply.chunk(rest or None, include_usage=usage, index=index,
+                                          tool_calls=result.tool_calls))
                 yield sse(reply.chunk(finish_reason=result.finish_reason, include_usage=usage, index=index,
                                       token_ids=result.token_ids if api.token_ids else None,
                                       logprobs=logprobs.rest(result) if logprobs else None))
@@ -396,7 +410,15 @@ class _StreamLogprobs:
         return logprobs
 
 
-def _param(message: str) -> str | None:
-    """The field a runtime message names first (`temperature=-1.0 must be ...`)."""
-    head = message.split("=", 1)[0]
-    return head if head.isidentifier() and "=" in message else None
+_FIELDS = {setting.name: setting.openai[0] for setting in SETTINGS if setting.openai}  # a setting's OpenAI name
+_NAMED = re.compile(r"([a-z_]+)((?:\.[a-z_]+)*)([ =:])")  # a message's first word: `name=...`, `name.sub is ...`
+
+
+def _as_sent(message: str) -> tuple[str, str | None]:
+    """A runtime message and the field it names first (`temperature=-1.0 must be ...`, a guide's `json_schema is not
+    ...`, `tools must be ...`), both by the name the client sent it as (json_schema: guided_json)."""
+    named = _NAMED.match(message)
+    if named is None or named[1] not in (*_FIELDS, "tools", "tool_choice"):
+        return message, None
+    field = _FIELDS.get(named[1], named[1])
+    return field + message[len(named[1]):], field + named[2]

@@ -18,8 +18,10 @@ from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.request import GenerationResult
 
 # Our finish reasons as OpenAI's: an answer that ended by itself "stop", one cut before its end "length"
-# (its max_tokens, its timeout_s, or the drain's deadline).
-FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "timeout": "length", "cancelled": "length"}
+# (its max_tokens, its timeout_s, or the drain's deadline), one that called a function "tool_calls"; a guide that
+# allowed no token ended the answer where it stood: "dead_end", ours.
+FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "timeout": "length", "cancelled": "length",
+                  "tool_calls": "tool_calls", "dead_end": "dead_end"}
 
 # OpenAI's error types by HTTP status (the openai client raises BadRequestError, AuthenticationError, ... by status;
 # OpenAI's own API sends these types: a bad key and an unknown model are invalid requests too).
@@ -73,6 +75,9 @@ class Reply:
             shown = logprobs[index] if logprobs is not None else None
             if self.chat:
                 choice["message"] = {"role": "assistant", "content": result.text}
+                if result.tool_calls:
+                    choice["message"] = {"role": "assistant", "content": result.text or None,
+                                         "tool_calls": result.tool_calls}
                 choice["logprobs"] = {"content": shown} if shown is not None else None
             else:
                 choice["text"] = result.text
@@ -85,14 +90,16 @@ class Reply:
 
     def chunk(self, text: str | None = None, finish_reason: str | None = None, first: bool = False,
               include_usage: bool = False, token_ids: list[int] | None = None, index: int = 0,
-              logprobs: Any = None) -> dict[str, Any]:
+              logprobs: Any = None, tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         """A streamed piece of choice `index`'s text (`first`: the chat's opening chunk with the role), with the
-        log-probabilities of the tokens it completes (`logprobs`, when asked for), or its closing chunk (with
-        `token_ids`, when asked for)."""
+        log-probabilities of the tokens it completes (`logprobs`, when asked for), or the calls it made (each
+        whole, with its index), or its closing chunk (with `token_ids`, when asked for)."""
         choice: dict[str, Any] = {"index": index}
         if self.chat:
             choice["delta"] = ({"role": "assistant", "content": ""} if first
                                else {"content": text} if text is not None else {})
+            if tool_calls:
+                choice["delta"]["tool_calls"] = [{"index": i, **call} for i, call in enumerate(tool_calls)]
             choice["logprobs"] = {"content": logprobs} if logprobs is not None else None
         else:
             choice["text"] = text or ""

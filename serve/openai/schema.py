@@ -26,10 +26,11 @@ from refusion.serve.frontend import ServeRequest
 from refusion.serve.openai.responses import ApiError
 from refusion.serve.security import read_json_object
 
-Kind = Literal["string", "bool", "int", "number", "strings", "ints", "object"]
+Kind = Literal["string", "bool", "int", "number", "strings", "ints", "object", "text", "json"]
 CHAT, COMPLETIONS = "chat", "completions"
 BOTH = (CHAT, COMPLETIONS)
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}  # OpenAI's -> template's
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
+         "tool": "tool"}  # OpenAI's -> template's
 
 
 @dataclass(frozen=True)
@@ -69,7 +70,12 @@ FIELDS = (
              "the export's candidates)", "logprobs", endpoints=(COMPLETIONS,)),
     ApiField("n", "int", "choices per prompt: n requests that share the prompt's KV (through the prefix cache)"),
     ApiField("user", "string", "the end user's id: taken and not used"),
-    ApiField("response_format", "object", "{\"type\": \"text\"} only (the default): no structured output"),
+    ApiField("tools", "object", "functions the model may call, offered through its chat template (one whose template "
+             "has a tool format)", "tools", endpoints=(CHAT,)),
+    ApiField("tool_choice", "json", "auto (the default with tools), none, required, or {\"type\": \"function\", "
+             "\"function\": {\"name\": ...}}: required and named calls follow the functions' parameter schemas",
+             "tool_choice", endpoints=(CHAT,)),
+    ApiField("parallel_tool_calls", "bool", "taken: a required or named call is one call", endpoints=(CHAT,)),
     ApiField("presence_penalty", "number", "no penalties: 0 only", only=(0,)),
     ApiField("frequency_penalty", "number", "no penalties: 0 only", only=(0,)),
     ApiField("echo", "bool", "the prompt is not repeated: false only", endpoints=(COMPLETIONS,), only=(False,)),
@@ -80,8 +86,7 @@ FIELDS = (
 
 # OpenAI's fields this server does not do, with why: refused by name rather than as unknown.
 UNSUPPORTED = {
-    "tools": "tool calling", "tool_choice": "tool calling", "parallel_tool_calls": "tool calling",
-    "functions": "function calling", "function_call": "function calling", "logit_bias": "logit biases",
+    "functions": "function calling (tools replace it)", "function_call": "function calling", "logit_bias": "logit biases",
     "audio": "audio", "modalities": "audio", "prediction": "predicted output",
     "reasoning_effort": "reasoning settings", "service_tier": "service tiers", "store": "stored completions",
     "metadata": "stored completions", "web_search_options": "web search",
@@ -101,6 +106,7 @@ class ApiRequest:
     include_usage: bool = False
     logprobs: bool = False
     token_ids: bool = False  # return_token_ids
+    tool_calls: bool = False  # answers are read for tool calls (tools given, tool_choice not none)
 
     @property
     def stream(self) -> bool:
@@ -141,7 +147,6 @@ def read_request(endpoint: str, body: Mapping[str, Any], model: str) -> ApiReque
     if "max_tokens" in values and "max_completion_tokens" in values:
         raise ApiError(400, "max_tokens and max_completion_tokens mean the same here; give one of them.",
                        "max_completion_tokens")
-    _response_format(values.get("response_format"))
     n = values.get("n", 1)
     if n < 1:
         raise ApiError(400, f"n={n} must be at least 1 (choices per prompt).", "n")
@@ -164,19 +169,9 @@ def read_request(endpoint: str, body: Mapping[str, Any], model: str) -> ApiReque
             raise ApiError(400, 'prompt is missing; send "prompt": "..." (or token ids).', "prompt")
         jobs = [ServeRequest(text, prompt_ids=ids) for text, ids in _prompts(values["prompt"])]
     jobs = [replace(job, stream=stream, timeout_s=timeout_s, settings=settings) for job in jobs]
+    calls = "tools" in settings and settings.get("tool_choice") != "none"
     return ApiRequest(endpoint, tuple(jobs), n, include_usage, bool(settings.get("logprobs", False)),
-                      values.get("return_token_ids", False))
-
-
-def _response_format(value: Any) -> None:
-    """Only OpenAI's default, plain text, is taken."""
-    if value is None:
-        return
-    kind = value.get("type") if isinstance(value, dict) else None
-    if not isinstance(value, dict) or set(value) != {"type"} or kind != "text":
-        shown = json.dumps(kind if isinstance(kind, str) else value)[:80]
-        raise ApiError(400, f"response_format {shown} is not supported by this server (structured output); send "
-                            '{"type": "text"} or leave it out.', "response_format")
+                      values.get("return_token_ids", False), calls)
 
 
 def _unknown(endpoint: str, name: str, fields: Mapping[str, ApiField]) -> ApiError:
@@ -191,7 +186,8 @@ def _unknown(endpoint: str, name: str, fields: Mapping[str, ApiField]) -> ApiErr
 
 
 _EXPECTED = {"string": "a string", "bool": "true or false", "int": "an integer", "number": "a number",
-             "strings": "a string or a list of strings", "ints": "a list of integers", "object": "an object"}
+             "strings": "a string or a list of strings", "ints": "a list of integers", "object": "an object",
+             "text": "a string", "json": "an object (or its JSON text)"}
 
 
 def _checked(spec: ApiField, value: Any) -> Any:
@@ -205,8 +201,10 @@ def _checked(spec: ApiField, value: Any) -> Any:
 
 
 def _is(kind: Kind, value: Any) -> bool:
-    if kind == "string":
+    if kind in ("string", "text"):
         return isinstance(value, str)
+    if kind == "json":
+        return isinstance(value, (dict, str))
     if kind == "bool":
         return isinstance(value, bool)
     if kind == "int":
@@ -237,30 +235,57 @@ def _stream_options(options: Any, stream: bool) -> bool:
     return include
 
 
-def _messages(value: Any) -> list[dict[str, str]]:
-    """OpenAI's messages as the chat template's: a role and text content each."""
+_MESSAGE_KEYS = {"tool": ("role", "content", "name", "tool_call_id"), "assistant": ("role", "content", "name", "tool_calls")}
+
+
+def _messages(value: Any) -> list[dict[str, Any]]:
+    """OpenAI's messages as the chat template's: a role and text content each; an assistant's tool calls and a tool
+    message's call id as they are (the template renders them)."""
     if not isinstance(value, list) or not value:
         raise ApiError(400, 'messages must be a non-empty list, e.g. [{"role": "user", "content": "hi"}].', "messages")
-    out = []
+    out: list[dict[str, Any]] = []
     for i, message in enumerate(value):
         where = f"messages[{i}]"
         if not isinstance(message, dict):
             raise ApiError(400, f"{where} is not an object with a role and content.", where)
-        extra = [k for k in message if k not in ("role", "content", "name")]
-        if extra:
-            raise ApiError(400, f"{where}.{extra[0]} is not supported; a message has a role, content and a name.",
-                           f"{where}.{extra[0]}")
         role = message.get("role")
         if role not in ROLES:
-            why = " (tool calling is not supported)" if role in ("tool", "function") else ""
+            why = " (functions: send tools, and their results as role tool)" if role == "function" else ""
             raise ApiError(400, f"{where}.role is {json.dumps(role)[:40]}{why}; it must be one of "
                                 f"{', '.join(ROLES)}.", f"{where}.role")
-        out.append({"role": ROLES[role], "content": _content(message.get("content"), f"{where}.content")})
+        keys = _MESSAGE_KEYS.get(role, ("role", "content", "name"))
+        extra = [k for k in message if k not in keys]
+        if extra:
+            raise ApiError(400, f"{where}.{extra[0]} is not supported; a {role} message has {', '.join(keys)}.",
+                           f"{where}.{extra[0]}")
+        calls = message.get("tool_calls")
+        content = message.get("content")
+        if calls is not None:
+            _check_calls(calls, f"{where}.tool_calls")
+        out.append({"role": ROLES[role],
+                    "content": "" if content is None and calls else _content(content, f"{where}.content")})
+        if calls:
+            out[-1]["tool_calls"] = calls
+        if role == "tool" and message.get("tool_call_id") is not None:
+            if not isinstance(message["tool_call_id"], str):
+                raise ApiError(400, f"{where}.tool_call_id must be a string.", f"{where}.tool_call_id")
+            out[-1]["tool_call_id"] = message["tool_call_id"]
         if message.get("name") is not None:  # the chat template reads it where it has a use for it
             if not isinstance(message["name"], str):
                 raise ApiError(400, f"{where}.name must be a string.", f"{where}.name")
             out[-1]["name"] = message["name"]
     return out
+
+
+def _check_calls(calls: Any, where: str) -> None:
+    """An assistant's earlier calls: [{"id", "type": "function", "function": {"name", "arguments" (JSON text)}}]."""
+    good = isinstance(calls, list) and all(
+        isinstance(c, dict) and c.get("type", "function") == "function" and isinstance(c.get("function"), dict)
+        and isinstance(c["function"].get("name"), str) and isinstance(c["function"].get("arguments", ""), str)
+        for c in calls)
+    if not good:
+        raise ApiError(400, f'{where} must be a list of {{"id": ..., "type": "function", "function": {{"name": ..., '
+                            '"arguments": "{...}"}}}}.', where)
 
 
 def _content(content: Any, where: str) -> str:

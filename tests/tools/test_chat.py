@@ -4,9 +4,11 @@ typed on a pseudo-terminal."""
 from __future__ import annotations
 
 import io
+import json
 import os
 import platform
 import pty
+import re
 import select
 import signal
 import sys
@@ -291,3 +293,24 @@ def test_a_typed_session(tiny_dir, gen):
     finally:
         code = term.exit_code()
     assert code == 0
+
+
+def test_a_guide_set_in_chat_shapes_every_answer_until_unset(tiny_dir, gen, tmp_path):
+    schema = tmp_path / "answer.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"answer": {"type": "string", "maxLength": 30}},
+                                  "required": ["answer"], "additionalProperties": False}))
+    out = chat(tiny_dir, "\n".join([r"/settings regex='\d( \d)+'", SORT, f"/settings json_schema={schema}", SORT,
+                                    "/settings regex='(a'", "/settings choice=yes,no", SORT, "/settings choice=none",
+                                    "/settings json_schema=missing.json", SORT]) + "\n", "--no-stats")
+    assert out.exit_code == 0, out.output
+    lines = out.stdout.splitlines()
+    assert re.fullmatch(r"\d( \d)+", lines[0])
+    assert set(json.loads(lines[1])) == {"answer"}  # the schema replaced the regex: one guide at a time
+    assert lines[2] in ("yes", "no")
+    history = [m for turn, shown in zip([SORT] * 3, lines) for m in ({"role": "user", "content": turn},
+                                                                       {"role": "assistant", "content": shown})]
+    assert lines[3] == "".join(gen.stream(messages=[*history, {"role": "user", "content": SORT}]))  # unset: no guide
+    err = out.stderr.splitlines()
+    assert any(e.startswith("error: regex is not a guide llguidance can enforce") for e in err)
+    assert any(e.startswith("error: /settings json_schema=missing.json: cannot read missing.json") for e in err)
+    assert [e for e in err if e.startswith("gen_length=")][0].endswith(r" regex='\\d( \\d)+'")  # shown beside

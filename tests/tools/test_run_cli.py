@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -176,3 +177,30 @@ def test_errors_say_which_directory_to_pass(tiny_dir, tmp_path):
     out = run(parent, PROMPT, "--chat")
     assert f"error: {parent} is not a refusion export: refusion.json is missing. {parent / 'onnx'} is an export: " \
            "pass it." in out.stderr
+
+
+def test_guides_on_the_command_line(tiny_dir, tmp_path):
+    schema = tmp_path / "robot.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"action": {"enum": ["left", "right"]}},
+                                  "required": ["action"], "additionalProperties": False}))
+    out = run(tiny_dir, PROMPT, "--chat", "--json-schema", schema, "--backend", "ort-cpu")
+    assert out.exit_code == 0, out.output
+    assert json.loads(out.stdout)["action"] in ("left", "right")
+    out = run(tiny_dir, PROMPT, "--chat", "--regex", r"\d( \d)+", "--mode", "ar", "--backend", "ort-cpu")
+    assert out.exit_code == 0 and re.fullmatch(r"\d( \d)+", out.stdout.strip()), out.output
+    out = run(tiny_dir, PROMPT, "--chat", "--choice", "1 2 3", "--choice", "3 2 1", "--stream", "--backend", "ort-cpu")
+    assert out.exit_code == 0 and out.stdout.strip() in ("1 2 3", "3 2 1"), out.output
+    grammar = tmp_path / "yes.lark"
+    grammar.write_text('start: "yes" | "no"\n')
+    out = run(tiny_dir, PROMPT, "--chat", "--grammar", grammar, "--backend", "ort-cpu")
+    assert out.exit_code == 0 and out.stdout.strip() in ("yes", "no"), out.output
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--regex", "(a"), "error: regex is not a guide llguidance can enforce"),
+    (("--json-schema", "missing.json"), "error: --json-schema missing.json: cannot read it as UTF-8 text"),
+    (("--regex", "a", "--choice", "b"), "error: regex and choice both ask for structured output"),
+])
+def test_a_guide_that_cannot_be_enforced_is_refused(tiny_dir, args, message):
+    out = run(tiny_dir, PROMPT, "--chat", *args)
+    assert out.exit_code == 1 and message in out.output, out.output

@@ -13,7 +13,17 @@ import pytest
 from refusion.runtime.core.defaults import DecodeDefaults
 from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.core.profiles import DecodeLimits
-from refusion.runtime.core.settings import ALIASES, BY_NAME, DECODE, EVERY, RECORDED, REQUEST, SETTINGS, read_by
+from refusion.runtime.core.settings import (
+    ALIASES,
+    BY_NAME,
+    DECODE,
+    EVERY,
+    GUIDES,
+    RECORDED,
+    REQUEST,
+    SETTINGS,
+    read_by,
+)
 from refusion.runtime.decode import MODES, STRATEGIES
 from refusion.runtime.options import RequestOptions
 from refusion.runtime.params import DecodeParams, Mode
@@ -46,19 +56,26 @@ def test_the_strategies_read_what_the_rows_say():
 def test_each_row_checks_its_kind_and_bounds(setting):
     if setting.default is not None:
         assert setting.check(setting.default) == setting.default
-    bad = {"int": 1.5, "number": "x", "bool": 1, "string": 3, "strings": 3, "ints": ["2"]}[setting.kind]
+    bad = {"int": 1.5, "number": "x", "bool": 1, "string": 3, "strings": 3, "ints": ["2"], "text": 3,
+           "json": [1]}[setting.kind]
     with pytest.raises(RefusionError, match=re.escape(f"{setting.name}={bad!r}")):
         setting.check(bad)
     if setting.low is not None and setting.kind in ("int", "number"):
         with pytest.raises(RefusionError, match=re.escape(setting.name)):
             setting.check(setting.low - 1)
+    if setting.kind in ("text", "json"):  # bounded in bytes, before anything compiles it
+        big = "x" * (int(setting.high) + 1) if setting.kind == "text" else {"a": "x" * int(setting.high)}
+        with pytest.raises(RefusionError, match=rf"{setting.name} holds \d+ bytes, over the {setting.high:g}"):
+            setting.check(big)
     assert setting.check(None) is None if setting.optional else True
 
 
 def test_the_openai_fields_are_the_rows():
     from refusion.serve.openai.schema import FIELDS
 
-    fed = {f.name: f for f in FIELDS if f.keyword and not (f.name == "logprobs" and f.kind == "int")}
+    # tools and tool_choice feed Generator.submit's own keywords (the prompt's functions), not settings
+    fed = {f.name: f for f in FIELDS if f.keyword and not (f.name == "logprobs" and f.kind == "int")
+           and f.keyword not in ("tools", "tool_choice")}
     for setting in SETTINGS:
         for i, name in enumerate(setting.openai):
             field = fed.pop(name)
@@ -101,13 +118,13 @@ def test_the_cli_options_are_the_rows():
                 assert tuple(option.type.choices) == setting.choices
 
 
-def test_chats_settings_are_the_decode_rows():
+def test_chats_settings_are_the_decode_rows_and_the_guides():
     from refusion.tools.chat import _TYPES, HELP
 
-    assert list(_TYPES) == [s.name for s in DECODE]
+    assert list(_TYPES) == [s.name for s in DECODE] + [s.name for s in GUIDES if s.cli != ""]
     assert ALIASES == {"k": "slot_size", "blocks": "serial_num_blocks", "serial_blocks": "serial_num_blocks"}
-    for setting in DECODE:
-        assert setting.name in HELP
+    for setting in (*DECODE, *GUIDES):
+        assert setting.name in HELP or setting.cli == ""
 
 
 def _first_column(doc: str, header: str) -> set[str]:

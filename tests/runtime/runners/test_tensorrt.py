@@ -11,6 +11,7 @@ What only a GPU shows (kernels, precision, timing) is tools/checks/gpu.py's.
 from __future__ import annotations
 
 import itertools
+import re
 
 import numpy as np
 import pytest
@@ -545,3 +546,28 @@ def test_engines_built_with_a_prefill_bound_take_chunks_of_it_and_decode_as_onnx
         assert all(row.fed <= 16 for call in calls for row in call.rows)
         assert trt.runner.stats.graph("infiller").forwards == sum(call.graph == "infiller" for call in calls)
     assert got == want
+
+
+def test_a_guided_request_binds_vocab_mask_and_decodes_as_on_onnxruntime(peaky_export, fakes, tmp_path):
+    """vocab_mask is an engine input whose profile ranges take one row (no guide) up to a block of heads; a guided
+    decode binds its masks and gives onnxruntime's tokens, in both modes."""
+    pytest.importorskip("llguidance")
+    from refusion.runtime.core.engines_manifest import EngineManifest
+    from refusion.runtime.generator import Generator
+    from refusion.runtime.tokenizer import Tokenizer
+
+    engines = fake_engines(peaky_export, tmp_path / "engines")
+    spec = ExportManifest.read(engines).graphs["infiller"]
+    for profile in EngineManifest.load(engines).engine.profiles:
+        lo, opt, hi = profile.shapes(spec)["vocab_mask"]
+        assert (lo[1], opt[1], hi[1]) == (1, 1, profile.head_range[2])
+    settings = dict(gen_length=32, slot_size=4, serial_num_blocks=2, slot_threshold=0.5, token_threshold=0.1,
+                    regex=r"[a-z]{3,9}( [a-z]{3,9}){0,2}")
+    runner = TensorRTRunner.from_dir(engines)
+    runner.activate()
+    with Generator(ExportManifest.read(engines), runner, Tokenizer.from_dir(engines)) as trt, \
+            Generator.from_dir(peaky_export, backend="ort-cpu") as ort:
+        for mode in ("refusion", "ar"):
+            ours = trt.generate("robot", mode=mode, **settings)
+            assert ours.token_ids == ort.generate("robot", mode=mode, **settings).token_ids
+            assert re.fullmatch(settings["regex"], ours.text) and ours.finish_reason == "eos"

@@ -57,8 +57,8 @@ def test_malformed_bodies_are_400s(serve, raw, says):
     _ready(server)
 
 
-_WRONG = {"string": 5, "bool": 1, "int": "5", "number": "0.5", "strings": 5, "ints": ["2"]}
-_WRONG_OBJECTS = {"messages": "hi", "prompt": {"text": "hi"}, "stream_options": 5, "response_format": 5}
+_WRONG = {"string": 5, "bool": 1, "int": "5", "number": "0.5", "strings": 5, "ints": ["2"], "text": 5, "json": 5}
+_WRONG_OBJECTS = {"messages": "hi", "prompt": {"text": "hi"}, "stream_options": 5, "tools": "move"}
 
 
 @pytest.mark.parametrize("field", [f for f in FIELDS], ids=lambda f: f"{f.name}-{f.endpoints[0]}")
@@ -75,10 +75,18 @@ def test_every_field_of_the_wrong_type_is_a_400_naming_it(serve, field):
 @pytest.mark.parametrize("body, param, says", [
     ({**HI, "frobnicate": 1}, "frobnicate", "unknown field 'frobnicate'"),
     ({**HI, "prompt": "x"}, "prompt", "a field of /v1/completions"),
-    ({**HI, "tools": []}, "tools", "tools is not supported"),
+    ({**HI, "tools": []}, "tools", "tools must be a non-empty list"),
+    ({**HI, "functions": []}, "functions", "functions is not supported by this server (function calling"),
     ({**HI, "n": 0}, "n", "n=0 must be at least 1"),
     ({**HI, "n": 1000}, "n", "asks for 1000 choices (1 prompt(s) x n=1000), more than the"),
-    ({**HI, "response_format": {"type": "json_object"}}, "response_format", '"json_object" is not supported'),
+    ({**HI, "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "array", "uniqueItems": True}}}},
+     "response_format.json_schema.schema", 'Unimplemented keys: ["uniqueItems"]'),
+    ({**HI, "response_format": {"type": "xml"}}, "response_format.type", 'response_format.type is "xml"'),
+    ({**HI, "guided_json": {"type": "wat"}}, "guided_json", "guided_json is not a guide llguidance can enforce"),
+    ({**HI, "guided_regex": "(a"}, "guided_regex", "unclosed group"),
+    ({**HI, "guided_choice": ["a"], "guided_regex": "a"}, None, "both ask for structured output"),
+    ({**HI, "tools": [{"type": "function", "function": {"name": "f"}}]}, None, "has no tool format"),
+    ({**HI, "tool_choice": "required"}, "tool_choice", "needs tools"),
     ({**HI, "top_logprobs": 2}, "top_logprobs", "top_logprobs needs logprobs=true"),
     ({**HI, "logprobs": True, "top_logprobs": 65}, "top_logprobs", "exceeds the 64 candidates"),
     ({**HI, "max_tokens": 2147483648}, None, "2147483648 positions of generation exceeds"),
@@ -87,7 +95,9 @@ def test_every_field_of_the_wrong_type_is_a_400_naming_it(serve, field):
     ({**HI, "stream_options": {"include_usage": True}}, "stream_options", "only taken with stream=true"),
 
     ({**HI, "messages": []}, "messages", "non-empty list"),
-    ({**HI, "messages": [{"role": "tool", "content": "x"}]}, "messages[0].role", "tool calling is not supported"),
+    ({**HI, "messages": [{"role": "function", "content": "x"}]}, "messages[0].role", "send tools, and their results"),
+    ({**HI, "messages": [{"role": "assistant", "tool_calls": [{"function": {"name": 5}}]}]}, "messages[0].tool_calls",
+     "must be a list of"),
     ({**HI, "messages": [{"role": "user", "content": "x", "name": 5}]}, "messages[0].name", "must be a string"),
     ({**HI, "messages": [{"role": "user", "content": "x", "tool_calls": []}]}, "messages[0].tool_calls",
      "not supported"),

@@ -130,7 +130,7 @@ def test_the_clients_errors_name_the_field(serve):
     with pytest.raises(openai.BadRequestError, match="n=0 must be at least 1") as e:
         client.chat.completions.create(model="refusion", messages=messages, n=0)
     assert e.value.body["param"] == "n" and e.value.body["type"] == "invalid_request_error"
-    with pytest.raises(openai.BadRequestError, match="tools is not supported"):
+    with pytest.raises(openai.BadRequestError, match="has no tool format"):
         client.chat.completions.create(model="refusion", messages=messages,
                                        tools=[{"type": "function", "function": {"name": "f"}}])
     with pytest.raises(openai.BadRequestError, match="slot_threshold=2.0 is outside"):

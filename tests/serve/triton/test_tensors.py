@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -189,3 +190,32 @@ def test_runner_options_are_checked_before_triton_starts(served_export, monkeypa
         assert result.exit_code == 1
         assert result.output == "error: max_batch=32 exceeds max_requests=4: a forward packs requests in flight; " \
                                 "raise max_requests or lower max_batch.\n"
+
+
+def test_the_guides_are_inputs_and_one_the_engine_cannot_enforce_is_refused_before_any_work(tiny_export):
+    """json_schema (its JSON text), regex, choice (a list) and grammar read into the settings; Triton's model submits
+    them through the frontend, which refuses what cannot be enforced (a 400, INVALID_ARGUMENT)."""
+    pytest.importorskip("llguidance")
+    from refusion.runtime.generator import Generator
+    from refusion.serve.frontend import Frontend
+
+    job = read_request({"text_input": text("sort: 3 1 2"), "chat": np.array([True]),
+                        "json_schema": text('{"type": "array", "items": {"type": "integer"}}'),
+                        "choice": np.array([b"a", "b".encode()], dtype=np.object_)})
+    assert job.settings == {"json_schema": '{"type": "array", "items": {"type": "integer"}}', "choice": ["a", "b"]}
+    assert read_json({"text_input": "hi", "regex": r"\d+", "grammar": 'start: "a"', "choice": ["x", "y"]},
+                     streaming=False)["choice"] == ["x", "y"]
+    with Generator.from_dir(tiny_export, backend="ort-cpu", threads=1) as gen:
+        frontend = Frontend(gen, max_queue=2)
+        for settings, message in (({"json_schema": '{"type": "integer"}', "choice": ["1"]}, "both ask"),
+                                  ({"regex": "(a"}, "regex is not a guide")):
+            assert frontend.admit() is None
+            with pytest.raises(RefusionError, match=message):
+                frontend.submit(replace(job, settings=settings), handle=None)
+        assert frontend.metrics().requests_in_flight == 0 and gen.scheduler.in_flight == 0
+        assert frontend.admit() is None
+        request = frontend.submit(replace(job, settings={"json_schema": job.settings["json_schema"]}), handle=None)
+        finals: list = []
+        frontend.respond(request, False, lambda piece: None, finals.append)
+        assert isinstance(json.loads(finals[0].result.text), list)
+        frontend.close(5)

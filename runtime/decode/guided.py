@@ -1,0 +1,203 @@
+"""Guided decoding: the answer follows a guide (runtime/structured/), exactly, with ReFusion's drafts where they hold.
+
+The rule: a token is committed only if the guide accepts it given every committed token to its left. So the
+answer grows as one run from the frontier (the first position not decided), and every forward is causal over it:
+
+- **forced tokens** (what the guide allows alone: braces, keys, separators, an enum's only completion) are
+  committed without a forward, and fed with the next one for their KV;
+- each forward (one infiller pass) feeds the tokens committed since the last (P), then, in ReFusion, the drafted
+  run to verify (R) and masks after it (M): heads at P's last token and at every token of R read the next token
+  over the mask of what the guide allows there (masks along the draft), and M's heads draft what follows;
+- R's tokens are accepted from the first while their probability under those masks exceeds `token_threshold`;
+  the head after the last accepted one gives the next token (its masked argmax, or a draw from its masked
+  candidates), so a forward commits at least one token, as AR does, and each accepted draft is one more;
+- R is chosen by ReFusion's rule over the drafts of the slots after the frontier (a slot while its first token's
+  draft probability exceeds `slot_threshold`, the first always), cut where the guide rejects a draft, its forced
+  tokens written in where a draft strays from them.
+
+AR (no drafts) is the same loop with R and M empty: one forward a token, forced tokens free. docs/decoding.md,
+"Structured output", has the figures and why the plan / verify / infill passes are fused into one forward here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from refusion.runtime.core.errors import RefusionError
+from refusion.runtime.decode import masks
+from refusion.runtime.decode.forwards import Forwards
+from refusion.runtime.decode.kv_cache import KVCache
+from refusion.runtime.decode.steps import Commit, DecodeTrace, PrefixKV, StepMachine, Tokens
+
+if TYPE_CHECKING:
+    from refusion.runtime.params import DecodeParams
+    from refusion.runtime.structured.engine import Matcher
+
+
+def feed_limit(params: DecodeParams) -> int:
+    """The most tokens a guided forward feeds after the first (which adds the prompt): a ReFusion block, the seq
+    the engines' decode profile takes; an AR request whose canvas cuts into no blocks, a slot."""
+    try:
+        return params.block_length
+    except RefusionError:
+        return params.slot_size
+
+
+def guided_steps(tokens: Tokens, params: DecodeParams, trace: DecodeTrace, positions: int, capacity: int,
+                 drafting: bool) -> StepMachine:
+    """The guided loop over `positions` after the prompt (in a KV region of `capacity` tokens); `drafting`:
+    ReFusion's drafts and their verification, else AR's one token a forward. At its end the answer's KV, causal
+    like the prompt's, is offered to the prefix cache (a conversation's next turn reuses it)."""
+    loop = _Loop(tokens, params, trace, positions, capacity, drafting)
+    yield from loop.run()
+    yield PrefixKV(tuple(loop.sequence[: loop.cache.length]))
+
+
+class _Loop:
+    def __init__(self, tokens: Tokens, params: DecodeParams, trace: DecodeTrace, positions: int, capacity: int,
+                 drafting: bool):
+        assert tokens.guide is not None, "a guided request brings its compiled guide"
+        self.tokens, self.params, self.trace, self.drafting = tokens, params, trace, drafting
+        self.guide, self.matcher = tokens.guide, tokens.guide.matcher()
+        self.p0 = len(tokens.prompt)
+        self.end = self.p0 + positions  # no position at or past it is fed
+        self.cap = self.p0 + (params.max_tokens if params.max_tokens is not None else positions)  # nor committed
+        self.cache = KVCache(capacity, tokens.cached)
+        self.fwd = Forwards(self.cache, trace, params, tokens.top_logprobs)
+        self.sequence = list(tokens.prompt)  # the prompt and the answer so far, in position order: causal
+        self.steps = 0
+
+    def commit(self, ids: list[int], logprobs: list[float], alternatives: list[tuple[tuple[int, float], ...]],
+               how: str) -> Iterator[Commit]:
+        """Tokens the guide accepts become the answer's next (none at or past the cap)."""
+        room = self.cap - len(self.sequence)
+        ids, logprobs, alternatives = ids[:room], logprobs[:room], alternatives[:room]
+        if ids:
+            self.steps += 1
+            self.matcher.consume([t for t in ids if t != self.tokens.eos_id])  # an EOS ends it: the guide needs it not
+            at = len(self.sequence)
+            self.sequence.extend(ids)
+            yield Commit(self.steps, tuple(ids), tuple(range(at, at + len(ids))), how, tuple(logprobs),
+                         tuple(alternatives) if self.tokens.top_logprobs else ())
+
+    def forced(self, ids: list[int]) -> Iterator[Commit]:
+        """Tokens the guide allows alone: probability 1 under it, their own only alternative; no forward."""
+        self.trace.branches["forced_tokens"] += len(ids)
+        yield from self.commit(ids, [0.0] * len(ids), [((t, 0.0),) for t in ids], "forced")
+
+    def run(self) -> StepMachine:
+        tokens, params, trace, matcher, cache = self.tokens, self.params, self.trace, self.matcher, self.cache
+        eos, k, limit, width = tokens.eos_id, params.slot_size, feed_limit(params), self.guide.width
+        drafts: list[int] = []  # drafted tokens for the positions after the answer, and their draft probabilities
+        confidence: list[float] = []
+        first, counted = True, len(self.sequence)
+        while len(self.sequence) < self.cap:  # else max_tokens or the canvas end it: finish_reason "length"
+            if matcher.finished:  # the structure is complete: the answer ends here
+                yield from self.forced([eos])
+                return
+            run = matcher.forced()
+            if run:
+                yield from self.forced(run)
+                drafts, confidence = drafts[len(run):], confidence[len(run):]
+                if eos in run:
+                    return
+                continue  # the guide may be complete now
+            pending = self.sequence[cache.length:]  # committed since the last forward, their KV not yet computed
+            budget = limit + max(0, self.p0 - cache.length)  # the first forward feeds the prompt too
+            if len(pending) > budget:  # more forced tokens than a forward feeds: their KV first, a chunk at a time,
+                c, n = cache.length, min(budget, len(pending) - 1)  # the last left to read the next token at
+                yield from self.fwd.run("guided_kv", "infiller", np.array(pending[:n]), np.arange(c, c + n),
+                                        masks.causal_after(c, n), c, c, np.array([n - 1]))
+                cache.commit(n)
+                continue
+            room = budget - len(pending)
+            run = _verifiable(matcher, drafts, confidence, min(room - k, self.cap - len(self.sequence)), k,
+                              params.slot_threshold, eos) if self.drafting else []
+            along = np.empty((len(run) + 1, width), np.uint8)
+            body = run[:-1] if run and run[-1] == eos else run  # after an EOS nothing is read
+            matcher.allowed_along(body, along[: len(body) + 1])
+            along[len(body) + 1:] = 255
+            if not along[0].any():
+                trace.dead_end = matcher.error or "the guide allows no token here"
+                return
+            blocked = [j for j in range(1, len(body) + 1) if not along[j].any()]
+            if blocked:  # a draft the guide accepts, after which it allows nothing: verify those before it
+                run, along = run[: blocked[0] - 1], along[: blocked[0]]
+            frontier, p, r = len(self.sequence), len(pending), len(run)
+            window = max(0, min(room - r, self.end - frontier - r)) if self.drafting else 0
+            ids = np.array([*pending, *run, *[tokens.mask_id] * window], np.int64)
+            c = cache.length
+            heads = np.arange(p - 1, len(ids))  # P's last, R's (each reads the next token), M's (drafts)
+            vocab_mask = np.full((len(heads), width), 255, np.uint8)
+            vocab_mask[: r + 1] = along  # the guide's masks where the next token is read; M's drafts are free
+            out = yield from self.fwd.run("guided_prefill" if first else "guided", "infiller", ids,
+                                          np.arange(c, c + len(ids)), masks.causal_after(c, len(ids)), c, c, heads,
+                                          vocab_mask)
+            cache.commit(p)
+            if first:
+                yield PrefixKV(tuple(tokens.prompt))  # the prompt's KV is a causal prefill's
+                first = False
+            # R's tokens under the masks along it (a prefill cut into chunks returns no input_probs: it has no R)
+            probs = out["input_probs"][0][:r] if r else np.zeros(0, np.float32)
+            accepted = int(np.cumprod(probs > params.token_threshold).sum())
+            trace.branches["drafts_verified"] += r
+            trace.branches["drafts_accepted"] += accepted
+            if eos in run[:accepted]:
+                accepted = run.index(eos) + 1
+            # every head's draft: the masked argmax (or a draw from the masked candidates) where R reads the next
+            # token, the mask reading's draft over M
+            picked, picked_probs, alternatives = self.fwd.draft(out, sample=True)
+            others = [tuple((int(i), float(lp)) for i, lp in row) for row in alternatives[: accepted + 1]]
+            lps = _logprobs(np.concatenate([probs[:accepted], picked_probs[accepted : accepted + 1]]))
+            before = len(self.sequence)
+            yield from self.commit(run[:accepted], lps[:accepted], others[:accepted], "draft")
+            cache.commit(len(self.sequence) - before)  # R's accepted tokens' KV is in place
+            if accepted and run[accepted - 1] == eos:
+                return
+            nxt = int(picked[accepted])
+            yield from self.commit([nxt], lps[accepted:], others[accepted:], "next")
+            trace.tpf_sum += len(self.sequence) - counted
+            trace.iterations += 1
+            counted = len(self.sequence)
+            if nxt == eos:
+                return
+            # drafts for the positions after the next token: R's after it, then M's (the next is M's first's)
+            leftover = slice(accepted + 1, r)
+            masks_from = r + 2 if accepted == r else r + 1
+            drafts = [*run[leftover], *(int(t) for t in picked[masks_from:])]
+            confidence = [*confidence[leftover], *(float(x) for x in picked_probs[masks_from:])]
+
+
+def _logprobs(probs: np.ndarray) -> list[float]:
+    with np.errstate(divide="ignore"):  # a probability of 0 in fp32 is -inf
+        return [float(x) for x in np.log(probs.astype(np.float64))]
+
+
+def _verifiable(matcher: Matcher, drafts: list[int], confidence: list[float], most: int, k: int,
+                threshold: float, eos: int) -> list[int]:
+    """The drafted run to verify: the slots after the frontier while a slot's first draft clears `threshold` (the
+    first always), at most `most` tokens, cut at the first draft the guide rejects, its forced tokens written in
+    where a draft strays from them. The matcher is left where it was."""
+    chosen = 0
+    while chosen < len(drafts) and (chosen == 0 or confidence[chosen] > threshold):
+        chosen += k
+    candidates = drafts[: max(0, min(chosen, most))]
+    run: list[int] = []
+    while len(run) < len(candidates):
+        taken = candidates[len(run): len(run) + matcher.valid(candidates[len(run):])]
+        if eos in taken:  # the answer may end here: nothing after it is read, and the guide needs it not
+            matcher.consume(taken[: taken.index(eos)])
+            run += taken[: taken.index(eos) + 1]
+            break
+        matcher.consume(taken)
+        run += taken
+        fill = matcher.forced()[: len(candidates) - len(run)]
+        if len(run) == len(candidates) or not fill:
+            break
+        matcher.consume(fill)
+        run += fill
+    matcher.rollback(len(run) - (run[-1:] == [eos]))
+    return run

@@ -1,0 +1,86 @@
+"""A request's guide: the one structure its answer must follow, read from its options (the `guide` rows of
+runtime/core/settings.py): a JSON schema (json_schema, or OpenAI's response_format), a regular expression, a choice
+of strings, or a grammar. Pure: a grammar engine (engine.py) compiles what this names, and every refusal names
+the field the guide came from."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+from refusion.runtime.core.errors import RefusionError
+from refusion.runtime.core.settings import GUIDE_BYTES, GUIDES
+
+if TYPE_CHECKING:
+    from refusion.runtime.options import RequestOptions
+
+GuideKind = Literal["json_schema", "regex", "choice", "grammar"]
+ANY_OBJECT = '{"type":"object"}'  # response_format json_object: any JSON object
+
+
+@dataclass(frozen=True)
+class Guide:
+    kind: GuideKind
+    source: str  # the JSON schema's JSON text, the regular expression, the choices as a JSON list, the grammar
+    field: str  # where the request gave it: every refusal of the guide names it
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """What a compiled grammar is cached by."""
+        return self.kind, self.source
+
+
+def guide_of(options: RequestOptions) -> Guide | None:
+    """The guide `options` ask for, or None; a RefusionError naming the field when they ask for two, or for one
+    that is not what its field takes."""
+    given: list[Guide] = []
+    if options.response_format is not None:
+        given += _response_format(json.loads(options.response_format))
+    for setting in GUIDES:
+        value = getattr(options, setting.name)
+        if setting.name == "response_format" or value in (None, ()):
+            continue
+        if setting.name == "choice":
+            given.append(_choice(value))
+        else:
+            given.append(Guide(setting.name, value, setting.name))  # type: ignore[arg-type]  # the rows' names
+    if len(given) > 1:
+        raise RefusionError(f"{given[0].field} and {given[1].field} both ask for structured output; a request "
+                            "follows one guide: give one of them.")
+    return given[0] if given else None
+
+
+def _response_format(value: dict[str, Any]) -> list[Guide]:
+    """OpenAI's response_format: text (no guide), json_object (any JSON object) or json_schema."""
+    kind = value.get("type")
+    if kind == "text" and set(value) == {"type"}:
+        return []
+    if kind == "json_object" and set(value) == {"type"}:
+        return [Guide("json_schema", ANY_OBJECT, "response_format")]
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        extra = [k for k in value if k not in ("type", "json_schema")]
+        if extra:
+            raise RefusionError(f"response_format.{extra[0]} is not a field of a json_schema response_format; it "
+                                "takes type and json_schema.")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+            raise RefusionError('response_format.json_schema must be an object with the schema in "schema": '
+                                '{"type": "json_schema", "json_schema": {"name": "answer", "schema": {...}}}.')
+        unknown = [k for k in spec if k not in ("name", "schema", "strict", "description")]
+        if unknown:
+            raise RefusionError(f"response_format.json_schema.{unknown[0]} is not one of name, description, schema, "
+                                "strict.")
+        schema = json.dumps(spec["schema"], ensure_ascii=False, separators=(",", ":"))
+        return [Guide("json_schema", schema, "response_format.json_schema.schema")]
+    shown = json.dumps(kind)[:40] if kind is not None else "missing"
+    raise RefusionError(f"response_format.type is {shown}; it must be \"text\", \"json_object\" or \"json_schema\" "
+                        "(with json_schema.schema), and nothing else beside type.")
+
+
+def _choice(values: tuple[str, ...]) -> Guide:
+    source = json.dumps(list(values), ensure_ascii=False)
+    if len(source.encode("utf-8", "surrogatepass")) > GUIDE_BYTES:
+        raise RefusionError(f"choice holds {len(source.encode('utf-8', 'surrogatepass'))} bytes as JSON, over the "
+                            f"{GUIDE_BYTES} a request may send (a guide is bounded).")
+    return Guide("choice", source, "choice")

@@ -1,0 +1,150 @@
+"""Tool calls: the functions a chat request offers (OpenAI's `tools`), how its model's chat template asks for a
+call, the guide that makes a call certain (`tool_choice` "required" or a named function), and the calls read back
+out of an answer.
+
+A template asks for calls in its own format; the one read here is the Hermes / Qwen format, a JSON object
+`{"name": ..., "arguments": {...}}` between `<tool_call>` and `</tool_call>` (Qwen2.5 and Qwen3 templates): a
+template that renders `tools` in another format, or never reads them, is refused with a message saying so.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from refusion.runtime.core.errors import RefusionError
+from refusion.runtime.core.settings import GUIDE_BYTES
+from refusion.runtime.structured.guide import Guide
+from refusion.runtime.structured.llguidance_engine import JSON_OPTIONS
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+CHOICES = ("auto", "none", "required")  # and {"type": "function", "function": {"name": ...}}
+_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for a function's name
+_CALL = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.DOTALL)
+_READS_TOOLS = re.compile(r"{[{%][^}]*\btools\b")  # `tools` inside a jinja expression or statement
+
+
+@dataclass(frozen=True)
+class Tools:
+    """A request's functions and its tool_choice, checked: what its prompt renders and its answer is read for."""
+
+    functions: tuple[dict[str, Any], ...]  # OpenAI's tools entries, as given (the template renders them)
+    choice: str  # auto, none, required, or the name of the function it must call
+    named: bool = False  # choice names a function
+
+    @property
+    def parameters(self) -> dict[str, dict[str, Any]]:
+        """Each function's parameter schema, by name (an object without properties where it gives none)."""
+        return {f["function"]["name"]: f["function"].get("parameters") or {"type": "object", "properties": {}}
+                for f in self.functions}
+
+    @property
+    def rendered(self) -> list[dict[str, Any]] | None:
+        """What the chat template gets as `tools`: none with tool_choice "none" (the model is not offered them)."""
+        return None if self.choice == "none" else list(self.functions)
+
+    def guide(self) -> Guide | None:
+        """A call, certain: one call of the named function, or with "required" of any, its arguments valid
+        under its parameter schema (a grammar: the call's tags around a JSON schema); None otherwise."""
+        if self.choice in ("auto", "none"):
+            return None
+        names = [self.choice] if self.named else list(self.parameters)
+        calls = [{"type": "object", "properties": {"name": {"const": name}, "arguments": self.parameters[name]},
+                  "required": ["name", "arguments"], "additionalProperties": False} for name in names]
+        schema = {**(calls[0] if len(calls) == 1 else {"anyOf": calls}), "x-guidance": JSON_OPTIONS}
+        source = f"start: {json.dumps(OPEN + chr(10))} %json {json.dumps(schema)} {json.dumps(chr(10) + CLOSE)}\n"
+        return Guide("grammar", source, "tool_choice")
+
+
+def read_tools(tools: Any, tool_choice: Any) -> Tools | None:
+    """OpenAI's `tools` and `tool_choice` checked (None: no tools); a RefusionError names the bad field."""
+    if tools is None:
+        if tool_choice not in (None, "none"):
+            raise RefusionError(f"tool_choice={tool_choice!r} needs tools: give the functions in tools=[...].")
+        return None
+    if not isinstance(tools, Sequence) or isinstance(tools, (str, bytes)) or not tools:
+        raise RefusionError("tools must be a non-empty list of {\"type\": \"function\", \"function\": {\"name\": ..., "
+                            "\"parameters\": {...}}}.")
+    names: list[str] = []
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, Mapping) else None
+        if not isinstance(tool, Mapping) or tool.get("type") != "function" or not isinstance(fn, Mapping):
+            raise RefusionError(f"tools[{i}] is not {{\"type\": \"function\", \"function\": {{...}}}}.")
+        name = fn.get("name")
+        if not isinstance(name, str) or not _NAME.match(name):
+            raise RefusionError(f"tools[{i}].function.name={name!r} must be 1-64 letters, digits, _ or -.")
+        if name in names:
+            raise RefusionError(f"tools[{i}].function.name={name!r} is given twice; names must be unique.")
+        names.append(name)
+        parameters = fn.get("parameters")
+        if parameters is not None and (not isinstance(parameters, Mapping) or parameters.get("type", "object") != "object"):
+            raise RefusionError(f"tools[{i}].function.parameters must be a JSON schema of an object.")
+    try:
+        size = len(json.dumps(list(tools), ensure_ascii=False).encode("utf-8", "surrogatepass"))
+    except (TypeError, ValueError) as e:
+        raise RefusionError(f"tools is not JSON ({e}).") from None
+    if size > GUIDE_BYTES:
+        raise RefusionError(f"tools holds {size} bytes as JSON, over the {GUIDE_BYTES} a request may send.")
+    choice = "auto" if tool_choice is None else tool_choice
+    if isinstance(choice, Mapping):
+        fn = choice.get("function")
+        name = fn.get("name") if choice.get("type") == "function" and isinstance(fn, Mapping) else None
+        if name not in names:
+            raise RefusionError(f"tool_choice names the function {name!r}, which is not one of the tools "
+                                f"({', '.join(names)}); send {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}.")
+        return Tools(tuple(dict(t) for t in tools), name, named=True)
+    if choice not in CHOICES:
+        raise RefusionError(f"tool_choice={choice!r} is not one of {', '.join(map(repr, CHOICES))} or "
+                            "{\"type\": \"function\", \"function\": {\"name\": ...}}.")
+    return Tools(tuple(dict(t) for t in tools), choice)
+
+
+def check_template(source: str, where: str) -> None:
+    """Refuse a chat template that cannot offer tools: one that never reads `tools`, or asks for calls in a format
+    other than the one read here."""
+    if not _READS_TOOLS.search(source):
+        raise RefusionError(f"the chat template of {where} has no tool format (it never reads `tools`), so this "
+                            "model cannot be offered functions; call a model whose template renders tools, or leave "
+                            "tools out.")
+    if OPEN not in source:
+        raise RefusionError(f"the chat template of {where} renders tools but asks for calls in a format other than "
+                            f"{OPEN}{{\"name\": ..., \"arguments\": ...}}{CLOSE}, the one this runtime reads.")
+
+
+def tool_calls(text: str) -> tuple[str, list[dict[str, Any]]]:
+    """An answer read for calls: (the text outside them, stripped; each call OpenAI's way, {"id", "type":
+    "function", "function": {"name", "arguments" (JSON text)}}). A block that is not a call (not JSON, no name)
+    stays in the text."""
+    calls: list[dict[str, Any]] = []
+    kept: list[str] = []
+    last = 0
+    for match in _CALL.finditer(text):
+        try:
+            call = json.loads(match.group(1))
+        except ValueError:
+            continue
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            continue
+        kept.append(text[last:match.start()])
+        last = match.end()
+        arguments = call.get("arguments", {})
+        calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                      "function": {"name": call["name"], "arguments": json.dumps(arguments, ensure_ascii=False)}})
+    kept.append(text[last:])
+    return "".join(kept).strip(), calls
+
+
+def before_calls(text: str) -> str:
+    """The part of growing answer text that is surely not inside a call: before the first `<tool_call>`, less an
+    end that could still begin one (what a stream may show while the answer settles)."""
+    at = text.find(OPEN)
+    if at >= 0:
+        return text[:at]
+    for n in range(min(len(OPEN) - 1, len(text)), 0, -1):
+        if OPEN.startswith(text[-n:]):
+            return text[:-n]
+    return text

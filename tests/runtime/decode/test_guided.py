@@ -1,0 +1,164 @@
+"""Guided decoding (runtime/decode/guided.py): every answer follows its guide, ReFusion and AR, streamed and not,
+on the embedded model and on a random-weight one; AR under a guide its answer already follows is AR unguided; the
+answer ends where the guide does, at max_tokens ("length") or at a dead end ("dead_end"); forced tokens take no
+forward; a guided request shares batches with unguided ones, which stay as they were."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import numpy as np
+import pytest
+
+pytest.importorskip("llguidance")
+pytest.importorskip("jsonschema")
+
+from refusion.runtime.core.contract import mask_bytes
+from refusion.runtime.core.export_manifest import ExportManifest
+from refusion.runtime.decode.steps import Tokens
+from refusion.runtime.generator import Generator
+from refusion.runtime.options import RequestOptions
+from refusion.runtime.params import DecodeParams
+from refusion.runtime.runners.onnxruntime import OrtRunner
+from refusion.runtime.structured.engine import Grammar, Matcher
+from refusion.tools.bench.guides import CASES, ROBOT
+from refusion.tools.tasks import held_out
+from tests.helpers import decode_on
+
+RANDOM = dict(gen_length=96, slot_size=4, serial_num_blocks=4, slot_threshold=0.5, token_threshold=0.1)
+MODES = ("refusion", "ar")
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_export):
+    with Generator.from_dir(tiny_export, backend="ort-cpu", threads=1) as gen:
+        yield gen
+
+
+@pytest.fixture(scope="module")
+def random_model(exports):
+    """A random-weight model with the fixture's byte-level tokenizer, whose chat template has a tool format."""
+    with Generator.from_dir(exports["fp32"], backend="ort-cpu", threads=1, max_requests=4, max_batch=4) as gen:
+        yield gen
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_every_answer_of_the_embedded_model_follows_its_guide(tiny, mode):
+    prompts = [ex.prompt for ex in held_out(3)]
+    for case in (c for c in CASES if not c.tools):
+        for prompt in prompts:
+            result = tiny.generate(prompt, chat=True, mode=mode, **case.settings)
+            assert case.valid(result), (case.name, prompt, result.text, result.finish_reason)
+            streamed = "".join(tiny.stream(prompt, chat=True, mode=mode, **case.settings))
+            assert streamed == result.text, case.name  # greedy: the stream settles to the same answer
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_every_answer_of_a_random_weight_model_follows_its_guide(random_model, mode):
+    for case in CASES:
+        for prompt in ("robot, go", "Grüße 🙂"):
+            ask = dict(messages=[{"role": "user", "content": prompt}]) if case.tools else dict(prompt=prompt)
+            result = random_model.generate(**ask, mode=mode, **RANDOM, **case.settings)
+            assert case.valid(result), (case.name, prompt, result.text, result.tool_calls, result.finish_reason)
+            if not case.tools:
+                assert "".join(random_model.stream(prompt, mode=mode, **RANDOM, **case.settings)) == result.text
+
+
+def test_constrained_ar_is_unconstrained_ar_where_that_already_follows_the_guide(tiny, random_model):
+    """The mask only removes tokens the guide forbids, so AR's argmax is unchanged wherever the unguided answer
+    follows the guide; forced tokens are fed in one forward, and read the same."""
+    guides = {"list": dict(json_schema={"type": "array", "items": {"type": "integer"}}),
+              "add": dict(regex=r"\d+\+\d+=\d+"), "sort": dict(regex=r"\d( \d)*"), "upper": dict(regex="[A-Z ]+"),
+              "reverse": dict(regex="[a-z]+"), "lookup": dict(regex=r"[a-z]\d( [a-z]\d)*")}
+    fitting = 0
+    for ex in held_out(24):
+        free = tiny.generate(ex.prompt, chat=True, mode="ar")
+        guide = guides[ex.task]
+        fits = (re.fullmatch(guide["regex"], free.text) if "regex" in guide
+                else free.text.startswith("[") and isinstance(json.loads(free.text), list))
+        if fits:
+            fitting += 1
+            assert tiny.generate(ex.prompt, chat=True, mode="ar", **guide).token_ids == free.token_ids, ex.prompt
+    assert fitting >= 20  # the embedded model answers in these forms
+    # A random model's garbage is no text (bytes that form no UTF-8): up to the first token a guide that takes any
+    # text refuses, the guided answer is the unguided one, token for token.
+    matcher = random_model.grammar(RequestOptions(regex=r"[\s\S]*")).matcher()
+    for prompt in ("a", "robot, stop", "hello"):
+        free = random_model.generate(prompt, mode="ar", **RANDOM).token_ids
+        accepted = matcher.valid(free)
+        assert random_model.generate(prompt, mode="ar", regex=r"[\s\S]*", **RANDOM).token_ids[:accepted] == free[:accepted]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_max_tokens_inside_the_structure_is_length(tiny, mode):
+    result = tiny.generate("hi", chat=True, mode=mode, json_schema=ROBOT, max_tokens=5)
+    assert result.finish_reason == "length" and result.text == '{"act' and len(result.token_ids) == 5
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_forced_tokens_take_no_forward(tiny, mode):
+    one = tiny.generate("hi", chat=True, mode=mode, choice=["forward-then-stop"])
+    assert one.text == "forward-then-stop" and one.finish_reason == "eos" and one.stats.forward_count == 0
+    robot = tiny.generate("hi", chat=True, mode=mode, json_schema=ROBOT)
+    assert robot.stats.branches["forced_tokens"] >= len('{"action": "') + len('", "speed": ') + 1  # and the EOS
+    assert robot.stats.forward_count < robot.stats.tokens - robot.stats.branches["forced_tokens"] + 1
+
+
+class _Blocked(Grammar, Matcher):
+    """A guide that allows every token but the EOS for `free` tokens, then none: a dead end."""
+
+    def __init__(self, width: int, free: int, eos: int):
+        self.width, self.free, self.eos, self.taken = width, free, eos, 0
+
+    def matcher(self) -> Matcher:
+        return _Blocked(self.width, self.free, self.eos)
+
+    def allowed(self, out: np.ndarray) -> bool:
+        out[:] = 255 if self.taken < self.free else 0
+        out[self.eos // 8] &= ~np.uint8(1 << self.eos % 8)
+        return self.taken < self.free
+
+    def valid(self, tokens) -> int:
+        return max(0, min(len(tokens), self.free - self.taken))
+
+    def consume(self, tokens) -> None:
+        self.taken += len(tokens)
+
+    def rollback(self, count: int) -> None:
+        self.taken -= count
+
+    def forced(self) -> list[int]:
+        return []
+
+    @property
+    def finished(self) -> bool:
+        return False
+
+    @property
+    def error(self) -> str:
+        return "nothing after three tokens" if self.taken >= self.free else ""
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_dead_end_ends_the_answer_with_its_finish_reason(tiny_export, mode):
+    m = ExportManifest.load(tiny_export)
+    params = DecodeParams(gen_length=64, slot_size=4, serial_num_blocks=4, slot_threshold=0.5, token_threshold=0.1,
+                          mode=mode)
+    with OrtRunner(m, threads=1) as runner:
+        tokens = Tokens([101, 97, 0, 93, 102, 0, 101, 98, 0], m.mask_token_id, m.eos_token_id,
+                        guide=_Blocked(mask_bytes(m.vocab_size), 3, m.eos_token_id))
+        result = decode_on(runner, tokens, params)
+    assert result.finish_reason == "dead_end" and len(result.token_ids) == 3
+    assert result.stats.forward_count <= 3
+
+
+def test_a_guided_request_shares_batches_with_unguided_ones_which_stay_as_they_were(random_model):
+    prompts = ["the robot", "go left now", "stop", "x y z"]
+    alone = [random_model.generate(p, **RANDOM).token_ids for p in prompts]
+    requests = [random_model.submit(p, **RANDOM, **({"json_schema": ROBOT} if i % 2 else {}))
+                for i, p in enumerate(prompts)]
+    results = [r.result() for r in requests]
+    assert [results[i].token_ids for i in (0, 2)] == [alone[0], alone[2]]
+    assert all(json.loads(results[i].text)["action"] for i in (1, 3))
+    assert random_model.runner.stats.graph("infiller").rows > random_model.runner.stats.graph("infiller").forwards

@@ -1,0 +1,125 @@
+"""llguidance behind the engine interface, over the embedded model's character vocabulary and the fixture's
+byte-level BPE one: guides compile once, are refused whole when any part cannot be enforced, and their matchers
+allow, validate, force and roll back as the guided loop reads them."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+pytest.importorskip("llguidance")
+
+from refusion.runtime.core.contract import mask_bytes
+from refusion.runtime.core.errors import RefusionError
+from refusion.runtime.structured.engine import Guides, Vocabulary
+from refusion.runtime.structured.guide import Guide
+from refusion.runtime.tokenizer import Tokenizer
+from tests.helpers import REPO
+
+ROBOT = {"type": "object", "properties": {"action": {"enum": ["left", "right", "stop"]},
+                                          "speed": {"type": "number", "minimum": 0, "maximum": 2, "multipleOf": 0.1}},
+         "required": ["action", "speed"], "additionalProperties": False}
+
+
+def guides(tokenizer: Tokenizer, size: int) -> Guides:
+    token_bytes, special = tokenizer.token_bytes()
+    return Guides(Vocabulary(token_bytes, special, size, tokenizer.eos_token_id or 0, tokenizer.encode))
+
+
+@pytest.fixture(scope="module")
+def tiny() -> tuple[Tokenizer, Guides]:
+    tok = Tokenizer.from_dir(REPO / "models" / "refusion-tiny")
+    return tok, guides(tok, 104)
+
+
+def allowed(tok: Tokenizer, matcher, size: int = 104) -> list[str]:
+    out = np.zeros(mask_bytes(size), np.uint8)
+    matcher.allowed(out)
+    return [tok.decode([i], skip_special_tokens=False) for i in np.flatnonzero(np.unpackbits(out, bitorder="little"))]
+
+
+def test_a_schema_forces_its_keys_and_separators_and_allows_its_values(tiny):
+    tok, g = tiny
+    m = g.compile(Guide("json_schema", json.dumps(ROBOT), "json_schema")).matcher()
+    assert tok.decode(m.forced()) == '{"action": "'  # strict whitespace, Python's separators: fixed layout
+    m.consume(m.forced())
+    assert allowed(tok, m) == ["l", "r", "s"]
+    m.consume(tok.encode("ri"))
+    assert tok.decode(m.forced()) == 'ght", "speed": '
+    m.consume(m.forced())
+    assert m.valid(tok.encode("0.3}")) == 4 and m.valid(tok.encode("0.35}")) == 3  # multipleOf 0.1
+    m.consume(tok.encode("1.5}"))
+    assert m.finished and allowed(tok, m) == ["<|im_end|>"] and m.forced() == []
+
+
+def test_masks_along_a_draft_are_the_masks_after_each_of_its_prefixes(tiny):
+    tok, g = tiny
+    m = g.compile(Guide("regex", r"[ab]+c", "regex")).matcher()
+    draft = tok.encode("abc")
+    along = np.zeros((4, mask_bytes(104)), np.uint8)
+    m.allowed_along(draft, along)
+    for j in range(4):
+        fresh = g.compile(Guide("regex", r"[ab]+c", "regex")).matcher()
+        fresh.consume(draft[:j])
+        expected = np.zeros(mask_bytes(104), np.uint8)
+        fresh.allowed(expected)
+        assert np.array_equal(along[j], expected), j
+    assert m.valid(draft) == 3  # where it was: nothing consumed
+
+
+def test_rollback_gives_back_what_was_consumed(tiny):
+    tok, g = tiny
+    m = g.compile(Guide("choice", '["left", "right"]', "choice")).matcher()
+    m.consume(tok.encode("le"))
+    m.rollback(2)
+    assert allowed(tok, m) == ["l", "r"]
+
+
+def test_each_guide_compiles_once_per_generator(tiny):
+    _, g = tiny
+    first = g.compile(Guide("regex", r"\d{3}", "regex"))
+    assert g.compile(Guide("regex", r"\d{3}", "regex")) is first  # cached by kind and source
+    assert g.compile(Guide("regex", r"\d{3}", "guided_regex")) is first  # the field names it only
+    assert g.compile(Guide("regex", r"\d{4}", "regex")) is not first
+
+
+@pytest.mark.parametrize("guide, message", [
+    (Guide("json_schema", '{"type": "array", "uniqueItems": true}', "json_schema"),
+     'json_schema is not a guide llguidance can enforce: Unimplemented keys: \\["uniqueItems"\\]'),
+    (Guide("json_schema", '{"type": "object", "not": {"required": ["a"]}}', "response_format.json_schema.schema"),
+     "response_format.json_schema.schema is not a guide"),
+    (Guide("json_schema", '{"type": "string", "minLength": 3, "maxLength": 1}', "json_schema"), "Unsatisfiable"),
+    (Guide("json_schema", '{"type": "wat"}', "json_schema"), "Invalid type: wat"),
+    (Guide("json_schema", '{"$ref": "#/defs/x"}', "json_schema"), "does not exist"),
+    (Guide("regex", "(a|b", "regex"), "(?s)regex is not a guide llguidance can enforce: .*unclosed group"),
+    (Guide("regex", "(?<=a)b", "regex"), "look-around"),
+    (Guide("grammar", "start: x\n", "grammar"), "grammar is not a guide"),
+])
+def test_a_guide_the_engine_cannot_enforce_is_refused_naming_its_field(tiny, guide, message):
+    with pytest.raises(RefusionError, match=message):
+        tiny[1].compile(guide)
+
+
+def test_ids_past_the_tokenizers_are_never_allowed(tiny):
+    tok, _ = tiny
+    g = guides(tok, 160)  # a model vocabulary larger than its tokenizer's, as Qwen3's is
+    m = g.compile(Guide("regex", ".+", "regex")).matcher()
+    out = np.zeros(mask_bytes(160), np.uint8)
+    assert m.allowed(out)
+    bits = np.unpackbits(out, bitorder="little")
+    assert bits[:100].any() and not bits[104:].any()
+
+
+def test_byte_level_vocabularies_read_through_their_alphabet(tmp_path):
+    from refusion.tools.checks.fixtures.tokenizer_files import write_tokenizer
+
+    write_tokenizer(tmp_path)
+    tok = Tokenizer.from_dir(tmp_path)
+    token_bytes, special = tok.token_bytes()
+    text = "Grüße, 日本語 🙂 {\"a\": [1, 2]}\n"
+    assert b"".join(token_bytes[i] for i in tok.encode(text)) == text.encode()
+    assert [token_bytes[i] for i in special] == [b"<|endoftext|>", b"<|im_start|>", b"<|im_end|>", b"<|mask|>"]
+    m = guides(tok, 384).compile(Guide("choice", '["Grüße", "日本語"]', "choice")).matcher()
+    assert m.valid(tok.encode("日本語")) == len(tok.encode("日本語"))

@@ -1,0 +1,52 @@
+"""A request's guide is read from its options: one at most, each form as its field takes it, every refusal naming
+the field (runtime/structured/guide.py; pure, no grammar engine)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from refusion.runtime.core.errors import RefusionError
+from refusion.runtime.options import RequestOptions
+from refusion.runtime.structured.guide import ANY_OBJECT, Guide, guide_of
+
+SCHEMA = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}
+
+
+@pytest.mark.parametrize("options, guide", [
+    (dict(), None),
+    (dict(response_format={"type": "text"}), None),
+    (dict(response_format={"type": "json_object"}), Guide("json_schema", ANY_OBJECT, "response_format")),
+    (dict(response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA, "strict": True}}),
+     Guide("json_schema", json.dumps(SCHEMA, separators=(",", ":")), "response_format.json_schema.schema")),
+    (dict(json_schema=SCHEMA), Guide("json_schema", json.dumps(SCHEMA, separators=(",", ":")), "json_schema")),
+    (dict(json_schema=json.dumps(SCHEMA, indent=2)), Guide("json_schema", json.dumps(SCHEMA, separators=(",", ":")),
+                                                           "json_schema")),
+    (dict(regex=r"\d+"), Guide("regex", r"\d+", "regex")),
+    (dict(choice=["yes", "no"]), Guide("choice", '["yes", "no"]', "choice")),
+    (dict(grammar='start: "a"'), Guide("grammar", 'start: "a"', "grammar")),
+    (dict(response_format={"type": "text"}, regex="a"), Guide("regex", "a", "regex")),  # text is no guide
+])
+def test_each_field_gives_its_guide(options, guide):
+    assert guide_of(RequestOptions(**options)) == guide
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(regex="a", choice=["b"]), "regex and choice both ask for structured output"),
+    (dict(response_format={"type": "json_object"}, json_schema=SCHEMA), "response_format and json_schema both"),
+    (dict(response_format={"type": "xml"}), 'response_format.type is "xml"'),
+    (dict(response_format={"type": "json_object", "schema": {}}), "response_format.type is \"json_object\""),
+    (dict(response_format={"type": "json_schema"}), "response_format.json_schema must be an object"),
+    (dict(response_format={"type": "json_schema", "json_schema": {"schema": SCHEMA, "x": 1}}),
+     "response_format.json_schema.x is not one of"),
+    (dict(json_schema="[1, 2]"), "json_schema='[1, 2]' must be a JSON object"),
+    (dict(json_schema="{"), "json_schema='{' is not JSON text"),
+    (dict(regex=""), "regex='' must be a non-empty string"),
+    (dict(choice=["a", ""]), "choice=['a', ''] holds ''"),
+    (dict(choice=["x" * 40000, "y" * 40000]), "choice holds 80008 bytes as JSON, over the 65536"),
+    (dict(grammar="x" * 70000), "grammar holds 70000 bytes, over the 65536"),
+])
+def test_a_guide_that_is_not_one_is_refused_naming_its_field(options, message):
+    with pytest.raises(RefusionError, match=message.replace("[", r"\[").replace("(", r"\(")):
+        guide_of(RequestOptions(**options))

@@ -1,0 +1,129 @@
+"""Structured output through the Generator: a guide the export, the engine or the strategy cannot enforce is
+refused before any work (never answered unconstrained); tools are offered through the chat template, a required or
+named call is certain, calls come back in the result and results go back in as role tool messages."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("llguidance")
+
+from refusion.runtime.core.errors import RefusionError
+from refusion.runtime.decode.llada import DiffusionParams
+from refusion.runtime.generator import Generator
+from refusion.runtime.options import RequestOptions
+from refusion.tools.bench.guides import TOOLS
+from tests.helpers import as_format_6
+
+RANDOM = dict(gen_length=96, slot_size=4, serial_num_blocks=4, slot_threshold=0.5, token_threshold=0.1)
+ASK = [{"role": "user", "content": "robot, go left"}]
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_export):
+    with Generator.from_dir(tiny_export, backend="ort-cpu", threads=1) as gen:
+        yield gen
+
+
+@pytest.fixture(scope="module")
+def random_model(exports):
+    with Generator.from_dir(exports["fp32"], backend="ort-cpu", threads=1) as gen:
+        yield gen
+
+
+def test_an_export_of_format_6_runs_and_refuses_guides_saying_to_re_export(tiny_export, tmp_path):
+    with Generator.from_dir(as_format_6(tiny_export, tmp_path), backend="ort-cpu", threads=1) as old:
+        assert old.manifest.format_version == 6 and not old.manifest.takes_masks
+        with Generator.from_dir(tiny_export, backend="ort-cpu", threads=1) as new:
+            assert old.generate("sort: 3 1 2", chat=True).token_ids == new.generate("sort: 3 1 2", chat=True).token_ids
+        with pytest.raises(RefusionError, match=r"regex: .* is an export of format 6, whose graphs cannot apply a guide "
+                                                r"\(they take no vocab_mask\); re-export it"):
+            old.submit("sort: 3 1 2", chat=True, regex=r"\d+")
+        assert old.scheduler.in_flight == 0  # refused before any work
+
+
+def test_a_guide_needs_the_tokenizer_and_a_strategy_that_follows_one(tiny):
+    bare = Generator(tiny.manifest, tiny.runner, None, prefix_cache_mb=0)
+    with pytest.raises(RefusionError, match="carries no tokenizer files"):
+        bare.submit(prompt_ids=[1, 2, 3], regex="a")
+    with pytest.raises(RefusionError, match="mode 'llada' follows no guide"):
+        tiny.submit_ids([1, 2, 3], DiffusionParams(gen_length=8, steps=8, block_length=8), RequestOptions(regex="a"))
+
+
+def test_without_llguidance_a_guide_is_refused_naming_the_extra(tiny_export, monkeypatch):
+    monkeypatch.setitem(sys.modules, "llguidance", None)
+    with Generator.from_dir(tiny_export, backend="ort-cpu", threads=1) as gen:
+        assert gen.generate("sort: 3 1 2", chat=True).text  # the rest works without it
+        with pytest.raises(RefusionError, match=r"needs llguidance, which is not installed: pip install "
+                                                r"'refusion-trt\[structured\]'"):
+            gen.generate("sort: 3 1 2", chat=True, choice=["a", "b"])
+
+
+def test_importing_the_runtime_loads_neither_torch_nor_llguidance():
+    code = "import sys, refusion.runtime; print(sorted({'torch', 'llguidance'} & set(sys.modules)))"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "[]\n"
+
+
+def test_tools_need_a_template_with_a_tool_format(tiny):
+    with pytest.raises(RefusionError, match="has no tool format .it never reads `tools`."):
+        tiny.submit(messages=ASK, tools=TOOLS)
+    with pytest.raises(RefusionError, match="tools are offered through the chat template"):
+        tiny.submit("go", tools=TOOLS)
+
+
+@pytest.mark.parametrize("tools, choice, message", [
+    (None, "required", "tool_choice='required' needs tools"),
+    ([], None, "tools must be a non-empty list"),
+    ([{"type": "function", "function": {"name": "a b"}}], None, "tools\\[0\\].function.name='a b' must be"),
+    (TOOLS + TOOLS[:1], None, "tools\\[2\\].function.name='move' is given twice"),
+    (TOOLS, "sometimes", "tool_choice='sometimes' is not one of"),
+    (TOOLS, {"type": "function", "function": {"name": "fly"}}, "names the function 'fly', which is not one of"),
+])
+def test_bad_tools_are_refused_naming_the_field(random_model, tools, choice, message):
+    with pytest.raises(RefusionError, match=message):
+        random_model.submit(messages=ASK, tools=tools, tool_choice=choice)
+
+
+@pytest.mark.parametrize("mode", ["refusion", "ar"])
+def test_a_required_or_named_call_is_certain_and_valid(random_model, mode):
+    import jsonschema
+
+    params = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    for choice, names in (("required", set(params)), ({"type": "function", "function": {"name": "move"}}, {"move"})):
+        result = random_model.generate(messages=ASK, tools=TOOLS, tool_choice=choice, mode=mode, **RANDOM)
+        assert result.finish_reason == "tool_calls" and result.text == "" and len(result.tool_calls) == 1
+        call = result.tool_calls[0]
+        assert call["type"] == "function" and call["id"].startswith("call_") and call["function"]["name"] in names
+        jsonschema.validate(json.loads(call["function"]["arguments"]), params[call["function"]["name"]])
+    with pytest.raises(RefusionError, match="tool_choice='required' and regex both ask for structured output"):
+        random_model.submit(messages=ASK, tools=TOOLS, tool_choice="required", regex="a")
+
+
+def test_auto_reads_calls_out_of_the_answer_and_none_offers_no_tools(random_model):
+    auto = random_model.generate(messages=ASK, tools=TOOLS, **RANDOM)  # a random model calls nothing
+    assert auto.tool_calls == [] and auto.finish_reason in ("eos", "length")
+    plain = random_model.prompt_ids(messages=ASK)
+    offered = random_model.prompt_ids(messages=ASK, tools=random_model_tools("auto"))
+    assert random_model.prompt_ids(messages=ASK, tools=random_model_tools("none")) == plain != offered
+    assert "<tools>" in random_model.tokenizer.decode(offered)
+
+
+def random_model_tools(choice):
+    from refusion.runtime.structured.tools import read_tools
+
+    return read_tools(TOOLS, choice)
+
+
+def test_calls_and_their_results_go_back_into_the_conversation(random_model):
+    call = random_model.generate(messages=ASK, tools=TOOLS, tool_choice="required", **RANDOM).tool_calls[0]
+    conversation = [*ASK, {"role": "assistant", "content": None, "tool_calls": [call]},
+                    {"role": "tool", "tool_call_id": call["id"], "content": '{"ok": true}'}]
+    text = random_model.tokenizer.decode(random_model.prompt_ids(messages=conversation,
+                                                                 tools=random_model_tools("auto")))
+    assert f'<tool_call>\n{{"name": "{call["function"]["name"]}", "arguments": ' in text
+    assert '<tool_response>\n{"ok": true}\n</tool_response>' in text
+    assert random_model.generate(messages=conversation, tools=TOOLS, **RANDOM).finish_reason in ("eos", "length")

@@ -1,0 +1,115 @@
+"""Structured output over the OpenAI server: the openai client's response_format and vLLM's guided fields return
+valid content, streamed and not, what the Generator answers; tools with a required or named call return valid
+tool_calls, in the message and in the stream; LangChain's with_structured_output and bind_tools work against it."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import openai
+import pytest
+
+pytest.importorskip("llguidance")
+jsonschema = pytest.importorskip("jsonschema")
+
+from refusion.runtime.generator import Generator
+from refusion.serve.openai.server import OpenAIServer
+from refusion.tools.bench.guides import ROBOT, TOOLS
+from tests.serve.openai.helpers import wait_idle
+
+ANSWER = {"title": "Answer", "type": "object", "properties": {"answer": {"type": "string", "maxLength": 40}},
+          "required": ["answer"], "additionalProperties": False}
+ASK = [{"role": "user", "content": "sort: 5 2 8 2"}]
+RANDOM = dict(gen_length=96, slot_size=4, serial_num_blocks=4, slot_threshold=0.5, token_threshold=0.1)
+
+
+def _client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def tool_server(exports) -> Iterator[tuple[Generator, OpenAIServer]]:
+    """A server over a random-weight model whose chat template has a tool format (the fixture tokenizer's)."""
+    with Generator.from_dir(exports["fp32"], backend="ort-cpu", threads=1) as gen:
+        server = OpenAIServer(gen, port=0).start()
+        try:
+            yield gen, server
+        finally:
+            wait_idle(server)
+            server.stop()
+
+
+@pytest.mark.parametrize("mode", ["refusion", "ar"])
+def test_response_format_and_the_guided_fields_give_valid_content(serve, gen, mode):
+    client = _client(serve())
+    formats = [({"type": "json_schema", "json_schema": {"name": "robot", "schema": ROBOT, "strict": True}},
+                dict(json_schema=ROBOT)),
+               ({"type": "json_object"}, dict(json_schema={"type": "object"}))]
+    for response_format, same in formats:
+        answer = client.chat.completions.create(model="refusion", messages=ASK, response_format=response_format,
+                                                extra_body={"mode": mode})
+        assert answer.choices[0].message.content == gen.generate(messages=ASK, mode=mode, **same).text
+        assert isinstance(json.loads(answer.choices[0].message.content), dict)
+        streamed = client.chat.completions.create(model="refusion", messages=ASK, response_format=response_format,
+                                                  extra_body={"mode": mode}, stream=True)
+        chunks = list(streamed)
+        assert "".join(c.choices[0].delta.content or "" for c in chunks) == answer.choices[0].message.content
+        assert chunks[-1].choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(answer.choices[0].message.content), {"type": "object"})
+    regex = client.completions.create(model="refusion", prompt="add: 12+34\n", extra_body={"guided_regex": r"\d+\+\d+"})
+    assert regex.choices[0].text == gen.generate("add: 12+34\n", regex=r"\d+\+\d+").text
+    choice = client.chat.completions.create(model="refusion", messages=ASK,
+                                            extra_body={"guided_choice": ["2 2 5 8", "8 5 2 2"], "mode": mode})
+    assert choice.choices[0].message.content in ("2 2 5 8", "8 5 2 2")
+
+
+def test_a_guide_the_engine_cannot_enforce_is_a_400_naming_the_field(serve):
+    client = _client(serve())
+    with pytest.raises(openai.BadRequestError, match="response_format.json_schema.schema is not a guide") as e:
+        client.chat.completions.create(model="refusion", messages=ASK, response_format={
+            "type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "object", "not": {"type": "null"}}}})
+    assert e.value.body["param"] == "response_format.json_schema.schema"
+    with pytest.raises(openai.BadRequestError, match="guided_grammar is not a guide") as e:
+        client.chat.completions.create(model="refusion", messages=ASK, extra_body={"guided_grammar": "start: x"})
+    assert e.value.body["param"] == "guided_grammar"
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "move"}}])
+def test_required_and_named_calls_come_back_as_tool_calls(tool_server, choice):
+    gen, server = tool_server
+    client = _client(server)
+    params = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    answer = client.chat.completions.create(model="refusion", messages=ASK, tools=TOOLS, tool_choice=choice,
+                                            extra_body=RANDOM)
+    message = answer.choices[0].message
+    assert answer.choices[0].finish_reason == "tool_calls" and message.content is None and len(message.tool_calls) == 1
+    call = message.tool_calls[0]
+    jsonschema.validate(json.loads(call.function.arguments), params[call.function.name])
+    expected = gen.generate(messages=ASK, tools=TOOLS, tool_choice=choice, **RANDOM).tool_calls[0]["function"]
+    assert (call.function.name, call.function.arguments) == (expected["name"], expected["arguments"])
+    chunks = list(client.chat.completions.create(model="refusion", messages=ASK, tools=TOOLS, tool_choice=choice,
+                                                 extra_body=RANDOM, stream=True))
+    deltas = [d for c in chunks for d in c.choices[0].delta.tool_calls or []]
+    assert [(d.index, d.function.name, d.function.arguments) for d in deltas] == [(0, *expected.values())]
+    assert not any(c.choices[0].delta.content for c in chunks) and chunks[-1].choices[0].finish_reason == "tool_calls"
+    follow_up = [*ASK, message.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": call.id, "content": '{"done": true}'}]
+    assert client.chat.completions.create(model="refusion", messages=follow_up, tools=TOOLS, max_tokens=8,
+                                          extra_body=RANDOM).choices[0].finish_reason in ("stop", "length")
+
+
+def test_langchain_with_structured_output_and_bind_tools(serve, tool_server):
+    pytest.importorskip("langchain_openai")
+    from langchain_openai import ChatOpenAI
+
+    chat = ChatOpenAI(base_url=f"{serve().url}/v1", api_key="unused", model="refusion", max_retries=0)
+    answer = chat.with_structured_output(ANSWER, method="json_schema").invoke("sort: 5 2 8 2")
+    jsonschema.validate(answer, ANSWER)
+    tools = ChatOpenAI(base_url=f"{tool_server[1].url}/v1", api_key="unused", model="refusion", max_retries=0,
+                       extra_body=RANDOM)
+    move = tools.bind_tools([TOOLS[0]], tool_choice="move").invoke("robot, go left")
+    assert move.tool_calls[0]["name"] == "move"
+    jsonschema.validate(move.tool_calls[0]["args"], TOOLS[0]["function"]["parameters"])
+    robot = tools.with_structured_output({"title": "Robot", **ROBOT}, method="function_calling").invoke("go")
+    jsonschema.validate(robot, ROBOT)
