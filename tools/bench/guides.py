@@ -1,5 +1,5 @@
-"""The fixed set of guides structured output is tested and measured on (tests/runtime/decode/test_guided.py, the
-structured bench): each case's guide, the held-out task whose answer it frames (for accuracy), and its validator
+"""The fixed set of guides structured output is tested and measured on (tests/runtime/decode/test_guided.py,
+results/structured): each case's guide, the held-out task whose answer it frames (for accuracy), and its validator
 (jsonschema, re.fullmatch, membership, a call's arguments against its parameters). Every guide is bounded, so a
 valid answer fits the canvas of every model measured: a constrained answer that ends runs to its EOS."""
 
