@@ -16,23 +16,11 @@ from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.decode.llada import DiffusionParams
 from refusion.runtime.generator import Generator
 from refusion.runtime.options import RequestOptions
+from refusion.tools.bench.guides import RANDOM_SETTINGS as RANDOM
 from refusion.tools.bench.guides import TOOLS
 from tests.helpers import as_format_6
 
-RANDOM = dict(gen_length=96, slot_size=4, serial_num_blocks=4, slot_threshold=0.5, token_threshold=0.1)
 ASK = [{"role": "user", "content": "robot, go left"}]
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_export):
-    with Generator.from_dir(tiny_export, backend="ort-cpu", threads=1) as gen:
-        yield gen
-
-
-@pytest.fixture(scope="module")
-def random_model(exports):
-    with Generator.from_dir(exports["fp32"], backend="ort-cpu", threads=1) as gen:
-        yield gen
 
 
 def test_an_export_of_format_6_runs_and_refuses_guides_saying_to_re_export(tiny_export, tmp_path):

@@ -87,3 +87,6 @@ CASES = (
     GuideCase("tool", {"tools": TOOLS, "tool_choice": "required"}, tools=True),
 )
 BY_NAME = {case.name: case for case in CASES}
+# how a random-weight model is decoded: slots of 4 in blocks of 24, thresholds it can pass (its canvas holds every
+# guide's longest answer)
+RANDOM_SETTINGS = dict(gen_length=96, slot_size=4, serial_num_blocks=4, slot_threshold=0.5, token_threshold=0.1)

@@ -17,30 +17,16 @@ pytest.importorskip("jsonschema")
 from refusion.runtime.core.contract import mask_bytes
 from refusion.runtime.core.export_manifest import ExportManifest
 from refusion.runtime.decode.steps import Tokens
-from refusion.runtime.generator import Generator
 from refusion.runtime.options import RequestOptions
 from refusion.runtime.params import DecodeParams
 from refusion.runtime.runners.onnxruntime import OrtRunner
 from refusion.runtime.structured.engine import Grammar, Matcher
 from refusion.tools.bench.guides import CASES, ROBOT
+from refusion.tools.bench.guides import RANDOM_SETTINGS as RANDOM
 from refusion.tools.tasks import held_out
 from tests.helpers import decode_on
 
-RANDOM = dict(gen_length=96, slot_size=4, serial_num_blocks=4, slot_threshold=0.5, token_threshold=0.1)
 MODES = ("refusion", "ar")
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_export):
-    with Generator.from_dir(tiny_export, backend="ort-cpu", threads=1) as gen:
-        yield gen
-
-
-@pytest.fixture(scope="module")
-def random_model(exports):
-    """A random-weight model with the fixture's byte-level tokenizer, whose chat template has a tool format."""
-    with Generator.from_dir(exports["fp32"], backend="ort-cpu", threads=1, max_requests=4, max_batch=4) as gen:
-        yield gen
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -29,7 +29,7 @@ def guides(tokenizer: Tokenizer, size: int) -> Guides:
 
 
 @pytest.fixture(scope="module")
-def tiny() -> tuple[Tokenizer, Guides]:
+def tiny_guides() -> tuple[Tokenizer, Guides]:
     tok = Tokenizer.from_dir(REPO / "models" / "refusion-tiny")
     return tok, guides(tok, 104)
 
@@ -40,8 +40,8 @@ def allowed(tok: Tokenizer, matcher, size: int = 104) -> list[str]:
     return [tok.decode([i], skip_special_tokens=False) for i in np.flatnonzero(np.unpackbits(out, bitorder="little"))]
 
 
-def test_a_schema_forces_its_keys_and_separators_and_allows_its_values(tiny):
-    tok, g = tiny
+def test_a_schema_forces_its_keys_and_separators_and_allows_its_values(tiny_guides):
+    tok, g = tiny_guides
     m = g.compile(Guide("json_schema", json.dumps(ROBOT), "json_schema")).matcher()
     assert tok.decode(m.forced()) == '{"action": "'  # strict whitespace, Python's separators: fixed layout
     m.consume(m.forced())
@@ -54,8 +54,8 @@ def test_a_schema_forces_its_keys_and_separators_and_allows_its_values(tiny):
     assert m.finished and allowed(tok, m) == ["<|im_end|>"] and m.forced() == []
 
 
-def test_masks_along_a_draft_are_the_masks_after_each_of_its_prefixes(tiny):
-    tok, g = tiny
+def test_masks_along_a_draft_are_the_masks_after_each_of_its_prefixes(tiny_guides):
+    tok, g = tiny_guides
     m = g.compile(Guide("regex", r"[ab]+c", "regex")).matcher()
     draft = tok.encode("abc")
     along = np.zeros((4, mask_bytes(104)), np.uint8)
@@ -69,16 +69,16 @@ def test_masks_along_a_draft_are_the_masks_after_each_of_its_prefixes(tiny):
     assert m.valid(draft) == 3  # where it was: nothing consumed
 
 
-def test_rollback_gives_back_what_was_consumed(tiny):
-    tok, g = tiny
+def test_rollback_gives_back_what_was_consumed(tiny_guides):
+    tok, g = tiny_guides
     m = g.compile(Guide("choice", '["left", "right"]', "choice")).matcher()
     m.consume(tok.encode("le"))
     m.rollback(2)
     assert allowed(tok, m) == ["l", "r"]
 
 
-def test_each_guide_compiles_once_per_generator(tiny):
-    _, g = tiny
+def test_each_guide_compiles_once_per_generator(tiny_guides):
+    _, g = tiny_guides
     first = g.compile(Guide("regex", r"\d{3}", "regex"))
     assert g.compile(Guide("regex", r"\d{3}", "regex")) is first  # cached by kind and source
     assert g.compile(Guide("regex", r"\d{3}", "guided_regex")) is first  # the field names it only
@@ -97,13 +97,13 @@ def test_each_guide_compiles_once_per_generator(tiny):
     (Guide("regex", "(?<=a)b", "regex"), "look-around"),
     (Guide("grammar", "start: x\n", "grammar"), "grammar is not a guide"),
 ])
-def test_a_guide_the_engine_cannot_enforce_is_refused_naming_its_field(tiny, guide, message):
+def test_a_guide_the_engine_cannot_enforce_is_refused_naming_its_field(tiny_guides, guide, message):
     with pytest.raises(RefusionError, match=message):
-        tiny[1].compile(guide)
+        tiny_guides[1].compile(guide)
 
 
-def test_ids_past_the_tokenizers_are_never_allowed(tiny):
-    tok, _ = tiny
+def test_ids_past_the_tokenizers_are_never_allowed(tiny_guides):
+    tok, _ = tiny_guides
     g = guides(tok, 160)  # a model vocabulary larger than its tokenizer's, as Qwen3's is
     m = g.compile(Guide("regex", ".+", "regex")).matcher()
     out = np.zeros(mask_bytes(160), np.uint8)

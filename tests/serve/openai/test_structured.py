@@ -15,13 +15,13 @@ jsonschema = pytest.importorskip("jsonschema")
 
 from refusion.runtime.generator import Generator
 from refusion.serve.openai.server import OpenAIServer
+from refusion.tools.bench.guides import RANDOM_SETTINGS as RANDOM
 from refusion.tools.bench.guides import ROBOT, TOOLS
 from tests.serve.openai.helpers import wait_idle
 
 ANSWER = {"title": "Answer", "type": "object", "properties": {"answer": {"type": "string", "maxLength": 40}},
           "required": ["answer"], "additionalProperties": False}
 ASK = [{"role": "user", "content": "sort: 5 2 8 2"}]
-RANDOM = dict(gen_length=96, slot_size=4, serial_num_blocks=4, slot_threshold=0.5, token_threshold=0.1)
 
 
 def _client(server) -> openai.OpenAI:

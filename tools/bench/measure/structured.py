@@ -31,11 +31,10 @@ from refusion.runtime.request import GenerationResult
 from refusion.runtime.structured.engine import Grammar, GrammarEngine, Matcher
 from refusion.runtime.structured.guide import Guide
 from refusion.tools.bench.common import cpu_model, host_info
-from refusion.tools.bench.guides import CASES, GuideCase
+from refusion.tools.bench.guides import CASES, RANDOM_SETTINGS, GuideCase
 from refusion.tools.tasks import held_out
 
 METHODS = ("refusion", "ar")
-RANDOM_SETTINGS = dict(gen_length=96, slot_size=4, serial_num_blocks=4, slot_threshold=0.5, token_threshold=0.1)
 RANDOM_PROMPTS = ("robot, go left", "stop now", "Grüße 🙂", "turn right slowly", "what next?", "left or right",
                   "the arm", "go", "move it", "hold", "fast", "where?")
 
