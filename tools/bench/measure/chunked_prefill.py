@@ -17,7 +17,6 @@ peak resident set (VmHWM) reported.
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import sys
 import threading
@@ -28,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from refusion.runtime.generator import Generator
-from refusion.tools.bench.common import cpu_model, host_info, percentiles
+from refusion.tools.bench.common import cpu_model, host_info, percentiles, write_report
 from refusion.tools.bench.measure.ar_genai import RANDOM_SPEC
 
 OUT = Path("results/chunked-prefill")  # from the checkout's root
@@ -146,9 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     chunks = [int(c) for c in args.chunks.split(",")]
     report = measure(export(args.work), chunks, args.long, args.short, args.tokens, args.threads)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "chunked-prefill.json").write_text(json.dumps(report, indent=1) + "\n")
-    (args.out / "chunked-prefill.md").write_text(render(report))
+    write_report(args.out, "chunked-prefill", render(report), report, None, lambda line: print(line, file=sys.stderr))
     print(render(report), end="")
     return 0
 
