@@ -195,6 +195,24 @@ def test_attention_has_the_shape_tensorrt_fuses(store, name, dtype):
     assert len(scales) == 2  # the queries' cos and sin tables, once a forward
 
 
+def test_no_gather_picks_single_elements(store):
+    """onnxruntime's CPU Gather copies one row of the axis after `axis` per index: over the last axis, one element.
+    RoPE's rotate-half gathers the two halves of [..., 2, d / 2] instead of d elements (10% of a ReFusion token's
+    instructions on the embedded model): every Gather of the graph reads rows, never along the last axis."""
+    model = onnx.shape_inference.infer_shapes(onnx.load(str(store.export("gqa2", "fp32").path / "infiller.onnx"),
+                                                        load_external_data=False))
+    ranks = {v.name: len(v.type.tensor_type.shape.dim) for v in list(model.graph.value_info) + list(model.graph.input)}
+    ranks |= {i.name: len(i.dims) for i in model.graph.initializer}
+    gathers = [n for n in model.graph.node if n.op_type == "Gather"]
+    rotations = 0
+    for node in gathers:
+        axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
+        rank = ranks[node.input[0]]
+        assert axis % rank != rank - 1, f"{node.name} gathers single elements of a rank-{rank} tensor"
+        rotations += axis == -2
+    assert rotations == 2 * SPECS["gqa2"].num_layers  # the queries' and the keys' rotate-half, each layer
+
+
 def _bf16_export(store, name: str) -> Path:
     """bf16 graphs (onnxruntime's CPU provider runs no bfloat16 MatMul: exported unvalidated)."""
     from refusion.export.exporter import export_onnx
