@@ -14,8 +14,8 @@ requests with the engine's forcing turned off (each forced token then costs the 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -30,7 +30,7 @@ from refusion.runtime.generator import Generator
 from refusion.runtime.request import GenerationResult
 from refusion.runtime.structured.engine import Grammar, GrammarEngine, Matcher
 from refusion.runtime.structured.guide import Guide
-from refusion.tools.bench.common import cpu_model, host_info
+from refusion.tools.bench.common import cpu_model, host_info, write_report
 from refusion.tools.bench.guides import CASES, RANDOM_SETTINGS, GuideCase
 from refusion.tools.tasks import held_out
 
@@ -407,9 +407,7 @@ def main() -> None:
         "embedded model": mask_cost(exports["embedded model (models/refusion-tiny)"][0], args.work, 200 * args.repeats),
         "Qwen3's vocabulary (151936), hidden 256": mask_cost(large_vocabulary_export(args.work), args.work,
                                                              50 * args.repeats)}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "structured.json").write_text(json.dumps(data, indent=1))
-    (args.out / "structured.md").write_text(report(data))
+    write_report(args.out, "structured", report(data), data, None, lambda line: print(line, file=sys.stderr))
     print(report(data))
 
 
