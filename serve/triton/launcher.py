@@ -176,7 +176,7 @@ class TritonServer:
             from refusion.serve.triton.upstream import TritonCalls
 
             assert self.upstream is not None
-            self._calls = TritonCalls(self.upstream)
+            self._calls = TritonCalls(self.upstream.grpc_target)
             for gateway in self._gateways:
                 gateway.start(self._calls)
             self.health.started = True

@@ -15,7 +15,6 @@ import grpc
 import numpy as np
 from tritonclient.grpc import service_pb2
 
-from refusion.serve.triton.gateway import Upstream
 from refusion.serve.triton.tensors import INPUTS
 
 SERVICE = "inference.GRPCInferenceService"
@@ -26,8 +25,8 @@ _SPECS = {spec.name: spec for spec in INPUTS}
 
 
 class TritonCalls:
-    def __init__(self, upstream: Upstream):
-        self.channel = grpc.insecure_channel(upstream.grpc_target, options=[
+    def __init__(self, grpc_target: str):
+        self.channel = grpc.insecure_channel(grpc_target, options=[
             ("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)])
 
     def close(self) -> None:

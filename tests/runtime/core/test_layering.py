@@ -83,8 +83,6 @@ KNOWN_CIRCLES = {
     # guided loop too, issue 36)
     frozenset({"refusion.runtime.params", "refusion.runtime.decode", "refusion.runtime.decode.ar",
                "refusion.runtime.decode.forwards", "refusion.runtime.decode.refusion", "refusion.runtime.decode.guided"}),
-    # the gateway types against the upstream's calls, which type against the gateway's Upstream
-    frozenset({"refusion.serve.triton.gateway", "refusion.serve.triton.upstream"}),
 }
 
 
