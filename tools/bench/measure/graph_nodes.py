@@ -8,9 +8,9 @@ commit can be set beside a new one. Writes nodes.json and nodes.md to --out (def
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
-import sys
 import tempfile
 import time
 from collections import Counter
@@ -61,14 +61,21 @@ def _optimized_nodes(path: Path) -> Counter:
         return Counter(n.op_type for n in onnx.load(options.optimized_model_filepath, load_external_data=False).graph.node)
 
 
+def _labelled(arg: str) -> tuple[str, str]:
+    label, sep, directory = arg.partition("=")
+    if not (sep and label and directory):
+        raise argparse.ArgumentTypeError(f"{arg!r} is not LABEL=EXPORT_DIR (e.g. new=out/refusion-onnx)")
+    return label, directory
+
+
 def main() -> None:
     import onnxruntime as ort
 
-    args = sys.argv[1:]
-    out = OUT
-    if args[:1] == ["--out"]:
-        out, args = Path(args[1]), args[2:]
-    exports = dict(arg.split("=", 1) for arg in args)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("exports", nargs="+", metavar="LABEL=EXPORT_DIR", type=_labelled)
+    parser.add_argument("--out", type=Path, default=OUT)
+    args = parser.parse_args()
+    out, exports = args.out, dict(args.exports)
     result: dict[str, Any] = {"host": host_info(("onnxruntime",)) | {"cpu": cpu_model()}, "past": PAST, "repeats": REPEATS, "exports": {}}
     sessions = {}
     for label, directory in exports.items():
