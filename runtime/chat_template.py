@@ -94,6 +94,8 @@ class _TemplateDict:
         return dict(*args, **kwargs)
 
     def fromkeys(self, iterable: Iterable[Any], value: Any = None) -> dict:
+        if isinstance(iterable, Sized):  # refused from its length, not after millions of keys read one by one
+            _check_size("a sequence", _ITEM_BYTES * len(iterable))
         keys = _materialized(iter(iterable))
         _check_size("a dict", _OBJECT_BYTES * len(keys))
         return dict.fromkeys(keys, value)
