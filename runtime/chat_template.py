@@ -94,9 +94,7 @@ class _TemplateDict:
         return dict(*args, **kwargs)
 
     def fromkeys(self, iterable: Iterable[Any], value: Any = None) -> dict:
-        if isinstance(iterable, Sized):  # refused from its length, not after millions of keys read one by one
-            _check_size("a sequence", _ITEM_BYTES * len(iterable))
-        keys = _materialized(iter(iterable))
+        keys = _listed(iterable)
         _check_size("a dict", _OBJECT_BYTES * len(keys))
         return dict.fromkeys(keys, value)
 
@@ -251,6 +249,14 @@ def _materialized(value: Any) -> Any:
     return items
 
 
+def _listed(iterable: Iterable[Any]) -> list[Any]:
+    """`iterable`'s items as a list, within the size limit; a sized one is refused from its length, not after
+    millions of items read one by one (a 60-million-character string took 9 s, near the time limit)."""
+    if isinstance(iterable, Sized):
+        _check_size("a sequence", _ITEM_BYTES * len(iterable))
+    return _materialized(iter(iterable))
+
+
 def _counted(items: Iterator[Any]) -> Iterator[Any]:
     """A filter's lazy result (map, select, unique, ...), stopped past the items a list may hold."""
     for count, item in enumerate(items, 1):
@@ -291,7 +297,7 @@ def _replaced(s: str, old: str, new: str, count: int = -1) -> int:
 
 
 def _joined(s: str, iterable: Iterable[Any]) -> int:
-    items = _materialized(iter(iterable))
+    items = _listed(iterable)
     return sum(_text_size(item) for item in items) + len(s) * max(len(items) - 1, 0) + _ITEM_BYTES * len(items)
 
 

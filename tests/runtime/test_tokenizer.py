@@ -392,6 +392,7 @@ def _render(tok_dir, tmp_path, template: str) -> str:
     ("{{ (1).to_bytes(60000000, 'big') }}", "called int.to_bytes"),
     ("{{ {}.fromkeys('a' * 60000000) }}", "called dict.fromkeys"),
     ("{{ dict.fromkeys('a' * 60000000) }}", "made a sequence of"),
+    ("{{ 'x'.join('a' * 60000000) }}", "made a sequence of"),  # refused from the length, not char by char
     ("{{ 'a' | urlize }}", "No filter named 'urlize'"),  # markup filters are not there
 ])
 def test_filters_methods_and_globals_are_bounded_before_they_run(tok_dir, tmp_path, template, limit):
