@@ -29,6 +29,7 @@ import numpy as np
 from refusion.runtime.generator import Generator
 from refusion.tools.bench.common import cpu_model, host_info, percentiles, write_report
 from refusion.tools.bench.measure.ar_genai import RANDOM_SPEC
+from refusion.tools.cli_common import progress
 
 OUT = Path("results/chunked-prefill")  # from the checkout's root
 SPEC = {**RANDOM_SPEC, "max_positions": 4096}
@@ -145,8 +146,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     chunks = [int(c) for c in args.chunks.split(",")]
     report = measure(export(args.work), chunks, args.long, args.short, args.tokens, args.threads)
-    write_report(args.out, "chunked-prefill", render(report), report, None, lambda line: print(line, file=sys.stderr))
-    print(render(report), end="")
+    markdown = render(report)
+    write_report(args.out, "chunked-prefill", markdown, report, None, progress)
+    print(markdown, end="")
     return 0
 
 

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from refusion.tools.bench.common import cpu_model, host_info, write_report
+from refusion.tools.cli_common import progress
 
 OUT = Path("results/revisions")  # from the checkout's root
 MODEL = "models/refusion-tiny"
@@ -187,8 +188,9 @@ def main(argv: list[str] | None = None) -> int:
     repo = Path(subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True,
                                check=True).stdout.strip())
     report = measure(repo, args.revs, args.passes, args.prompts, args.instructions)
-    write_report(args.out, "revisions", render(report), report, None, lambda line: print(line, file=sys.stderr))
-    print(render(report), end="")
+    markdown = render(report)
+    write_report(args.out, "revisions", markdown, report, None, progress)
+    print(markdown, end="")
     return 0
 
 

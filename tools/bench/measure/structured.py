@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -32,6 +31,7 @@ from refusion.runtime.structured.engine import Grammar, GrammarEngine, Matcher
 from refusion.runtime.structured.guide import Guide
 from refusion.tools.bench.common import cpu_model, host_info, write_report
 from refusion.tools.bench.guides import CASES, RANDOM_SETTINGS, GuideCase
+from refusion.tools.cli_common import progress
 from refusion.tools.tasks import held_out
 
 METHODS = ("refusion", "ar")
@@ -407,8 +407,9 @@ def main() -> None:
         "embedded model": mask_cost(exports["embedded model (models/refusion-tiny)"][0], args.work, 200 * args.repeats),
         "Qwen3's vocabulary (151936), hidden 256": mask_cost(large_vocabulary_export(args.work), args.work,
                                                              50 * args.repeats)}
-    write_report(args.out, "structured", report(data), data, None, lambda line: print(line, file=sys.stderr))
-    print(report(data))
+    markdown = report(data)
+    write_report(args.out, "structured", markdown, data, None, progress)
+    print(markdown)
 
 
 if __name__ == "__main__":
