@@ -24,7 +24,9 @@ from refusion.runtime.structured.llguidance_engine import JSON_OPTIONS
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 CHOICES = ("auto", "none", "required")  # and {"type": "function", "function": {"name": ...}}
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for a function's name
-_CALL = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.DOTALL)
+_OPENED = re.compile(re.escape(OPEN) + r"\s*")  # a call's opening tag, up to its JSON
+_CLOSED = re.compile(r"\s*" + re.escape(CLOSE))  # from its JSON's end, its closing tag
+_JSON = json.JSONDecoder()
 _READS_TOOLS = re.compile(r"{[{%][^}]*\btools\b")  # `tools` inside a jinja expression or statement
 
 
@@ -117,25 +119,36 @@ def check_template(source: str, where: str) -> None:
 
 def tool_calls(text: str) -> tuple[str, list[dict[str, Any]]]:
     """An answer read for calls: (the text outside them, stripped; each call OpenAI's way, {"id", "type":
-    "function", "function": {"name", "arguments" (JSON text)}}). A block that is not a call (not JSON, no name)
-    stays in the text."""
+    "function", "function": {"name", "arguments" (JSON text)}}). A block that is not a call (not JSON, no name, no
+    `</tool_call>` right after its object) stays in the text."""
     calls: list[dict[str, Any]] = []
     kept: list[str] = []
     last = 0
-    for match in _CALL.finditer(text):
-        try:
-            call = json.loads(match.group(1))
-        except ValueError:
+    for opened in _OPENED.finditer(text):
+        read = _call_at(text, opened.end()) if opened.start() >= last else None  # not one inside a call read
+        if read is None:
             continue
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-            continue
-        kept.append(text[last:match.start()])
-        last = match.end()
+        call, end = read
+        kept.append(text[last:opened.start()])
+        last = end
         arguments = call.get("arguments", {})
         calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
                       "function": {"name": call["name"], "arguments": json.dumps(arguments, ensure_ascii=False)}})
     kept.append(text[last:])
     return "".join(kept).strip(), calls
+
+
+def _call_at(text: str, at: int) -> tuple[dict[str, Any], int] | None:
+    """The call whose JSON begins at `at`, and where its `</tool_call>` ends; None if it is not one. The JSON is
+    decoded, not cut at the first `</tool_call>`: a string argument may hold that tag."""
+    try:
+        call, end = _JSON.raw_decode(text, at)
+    except (ValueError, RecursionError):  # not JSON, or nested deeper than the decoder reads
+        return None
+    closed = _CLOSED.match(text, end)
+    if closed is None or not isinstance(call, dict) or not isinstance(call.get("name"), str):
+        return None
+    return call, closed.end()
 
 
 def before_calls(text: str) -> str:

@@ -360,10 +360,12 @@ async def _events(frontend: Frontend[Arrival], generations: list[Generation], ap
                                           logprobs=logprobs.piece(item) if logprobs else None))
             elif item.result is not None:
                 results[index] = result = item.result
-                if result.tool_calls:
-                    rest = result.text[len(sent[index]):] if result.text.startswith(sent[index]) else ""
-                    yield sse(reply.chunk(rest or None, include_usage=usage, index=index,
-                                          tool_calls=result.tool_calls))
+                if api.tool_calls:  # what was held back: the text after that shown (the answer's is stripped), calls
+                    lead = sent[index].lstrip()
+                    rest = result.text[len(lead):] if result.text.startswith(lead) else ""
+                    if rest or result.tool_calls:
+                        yield sse(reply.chunk(rest or None, include_usage=usage, index=index,
+                                              tool_calls=result.tool_calls))
                 yield sse(reply.chunk(finish_reason=result.finish_reason, include_usage=usage, index=index,
                                       token_ids=result.token_ids if api.token_ids else None,
                                       logprobs=logprobs.rest(result) if logprobs else None))

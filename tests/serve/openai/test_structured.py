@@ -99,6 +99,34 @@ def test_required_and_named_calls_come_back_as_tool_calls(tool_server, choice):
                                           extra_body=RANDOM).choices[0].finish_reason in ("stop", "length")
 
 
+TAG_TOOL = [{"type": "function", "function": {"name": "f", "parameters": {
+    "type": "object", "properties": {"x": {"const": "</tool_call>"}}, "required": ["x"]}}}]
+_TAG_CALL = '<tool_call>\n{"name": "f", "arguments": {"x": "</tool_call>"}}\n</tool_call>'
+
+
+@pytest.mark.parametrize("choice, extra, content, calls", [
+    ("required", {}, None, [("f", '{"x": "</tool_call>"}')]),  # the guide writes the call; its argument is the tag
+    ("auto", {"guided_choice": [f"  Calling.\n{_TAG_CALL}\nDone."]}, "Calling.\n\nDone.",
+     [("f", '{"x": "</tool_call>"}')]),
+    ("auto", {"guided_choice": ["<tool_call>\nnot a call\n</tool_call> then text"]},
+     "<tool_call>\nnot a call\n</tool_call> then text", []),
+])
+def test_streamed_calls_and_text_are_the_answers_own(tool_server, choice, extra, content, calls):
+    """A call whose argument holds `</tool_call>` is read whole, streamed or not; text around calls, and a block
+    that is not a call, reach the stream too (held back while a call may be open, then sent)."""
+    client = _client(tool_server[1])
+    ask = dict(model="refusion", messages=ASK, tools=TAG_TOOL, tool_choice=choice, extra_body={**RANDOM, **extra})
+    message = client.chat.completions.create(**ask).choices[0].message
+    assert message.content == content
+    assert [(c.function.name, c.function.arguments) for c in message.tool_calls or []] == calls
+    chunks = list(client.chat.completions.create(**ask, stream=True))
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert streamed.strip() == (content or "")  # the stream has already sent the spaces the answer begins with
+    deltas = [d for c in chunks for d in c.choices[0].delta.tool_calls or []]
+    assert [(d.index, d.function.name, d.function.arguments) for d in deltas] == [(i, *c) for i, c in enumerate(calls)]
+    assert chunks[-1].choices[0].finish_reason == ("tool_calls" if calls else "stop")
+
+
 def test_langchain_with_structured_output_and_bind_tools(serve, tool_server):
     pytest.importorskip("langchain_openai")
     from langchain_openai import ChatOpenAI
