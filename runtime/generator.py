@@ -26,7 +26,7 @@ from refusion.runtime.request import GenerationResult, GenerationStats, Request
 from refusion.runtime.runners import make_runner
 from refusion.runtime.runners.base import Runner
 from refusion.runtime.scheduler import Scheduler
-from refusion.runtime.structured.engine import Grammar, Guides, Vocabulary
+from refusion.runtime.structured.engine import BUDGET_MS, Grammar, Guides, Vocabulary, check_budget_ms
 from refusion.runtime.structured.guide import guide_of
 from refusion.runtime.structured.tools import Tools, check_template, read_tools
 from refusion.runtime.tokenizer import Tokenizer
@@ -64,8 +64,11 @@ class Generator:
     thread (runtime/scheduler.py), concurrently up to the runner's KV regions, their forwards batched."""
 
     def __init__(self, manifest: ExportManifest, runner: Runner, tokenizer: Tokenizer | None,
-                 prefix_cache_mb: float = DEFAULT_MB, prefill_chunk: int | None = None):
+                 prefix_cache_mb: float = DEFAULT_MB, prefill_chunk: int | None = None,
+                 guide_budget_ms: float = BUDGET_MS):
         check_prefix_cache_mb(prefix_cache_mb)
+        check_budget_ms(guide_budget_ms)
+        self.guide_budget_ms = guide_budget_ms
         self.manifest = manifest
         self.runner = runner
         self.tokenizer = tokenizer
@@ -79,7 +82,8 @@ class Generator:
     @staticmethod
     def from_dir(path: str | Path, backend: str = "auto", threads: int | None = None, verify: bool = False,
                  low_memory: bool = False, max_requests: int | None = None, max_batch: int | None = None,
-                 prefix_cache_mb: float = DEFAULT_MB, prefill_chunk: int | None = None) -> Generator:
+                 prefix_cache_mb: float = DEFAULT_MB, prefill_chunk: int | None = None,
+                 guide_budget_ms: float = BUDGET_MS) -> Generator:
         """Load an export or engines directory; `verify` also checks every file's sha256 (a full read);
         `low_memory` (onnxruntime only): no memory arena, activations are freed after each forward (the
         weights are resident once either way). `max_requests` run at once (more wait), their forwards packed
@@ -87,8 +91,11 @@ class Generator:
         1 and 1 on onnxruntime CUDA). `prefix_cache_mb`: the budget of the prefix cache, the KV of prompt
         prefixes that later requests reuse (0: off). `prefill_chunk`: the most tokens one forward feeds; a longer
         prompt is prefilled in chunks of it, other requests' forwards between them (default: DEFAULT_PREFILL_CHUNK,
-        or the bound TensorRT engines were built with, --prefill-chunk, which they take at most; 0: off)."""
+        or the bound TensorRT engines were built with, --prefill-chunk, which they take at most; 0: off).
+        `guide_budget_ms`: the grammar engine's work a guided request may take a token (docs/serving.md, "Guides");
+        a request over it ends with an error naming its guide."""
         check_prefix_cache_mb(prefix_cache_mb)
+        check_budget_ms(guide_budget_ms)
         resolve_prefill_chunk(prefill_chunk, None)  # a bad value is refused before anything loads
         manifest = ExportManifest.read(Path(path))
         manifest.check_files(verify, manifest.tokenizer_files)
@@ -96,7 +103,7 @@ class Generator:
         tokenizer = Tokenizer.from_dir(manifest.path) if manifest.tokenizer_files else None
         runner.activate()
         try:
-            return Generator(manifest, runner, tokenizer, prefix_cache_mb, prefill_chunk)
+            return Generator(manifest, runner, tokenizer, prefix_cache_mb, prefill_chunk, guide_budget_ms)
         except BaseException:
             runner.deactivate()
             raise
@@ -293,7 +300,8 @@ class Generator:
         if self._guides is None:
             m, tok = self.manifest, self._tokenizer()
             token_bytes, special = tok.token_bytes()
-            self._guides = Guides(Vocabulary(token_bytes, special, m.vocab_size, m.eos_token_id, tok.encode_short))
+            self._guides = Guides(Vocabulary(token_bytes, special, m.vocab_size, m.eos_token_id, tok.encode_short),
+                                  budget_ms=self.guide_budget_ms)
         return self._guides
 
     def submit(self, prompt: str | None = None, *, messages=None, prompt_ids=None, chat: bool = False,

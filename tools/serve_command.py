@@ -75,6 +75,9 @@ _OPENAI_ONLY = ("allowed_host",)
 @click.option("--prefill-chunk", type=int, default=None,
               help=f"The most tokens one forward feeds: a longer prompt is prefilled in chunks, other requests' steps "
                    f"between them [default: {DEFAULT_PREFILL_CHUNK}, or the engines' own]; 0: no bound.")
+@click.option("--guide-budget-ms", type=float, default=ServeSettings.guide_budget_ms, show_default=True,
+              help="The grammar engine's work a guided request may take a token (a mask, a commit); a request over "
+                   "it ends with an error naming its guide, and the others go on.")
 @click.option("--drain-timeout", type=int, default=30, show_default=True,
               help="On SIGTERM or Ctrl-C: seconds for requests in flight to finish before they are cancelled.")
 @click.option("--verbose", is_flag=True, help="The server's info log too (OpenAI: an access log line per request).")
@@ -84,7 +87,7 @@ def serve(ctx: click.Context, model_dir: Path, api: str, model_name: str, http_p
           metrics_port: int, address: str, allowed_host: tuple[str, ...], key: str | None, backend: str,
           threads: int | None,
           max_requests: int | None, max_batch: int | None, max_queue: int, prefix_cache_mb: float,
-          prefill_chunk: int | None, drain_timeout: int, verbose: bool) -> None:
+          prefill_chunk: int | None, guide_budget_ms: float, drain_timeout: int, verbose: bool) -> None:
     """Serve the export or engines in MODEL_DIR: an OpenAI-compatible API in this process (--api openai,
     the default), or NVIDIA Triton (--api triton: HTTP generate and generate_stream, gRPC streaming, health and
     metrics). Requests run concurrently, their forwards batched step by step. It listens on this host only
@@ -92,7 +95,7 @@ def serve(ctx: click.Context, model_dir: Path, api: str, model_name: str, http_p
     and limits"). SIGTERM or Ctrl-C drains and stops; the exit code is 1 (with an error line) if the server
     failed."""
     settings = ServeSettings(str(model_dir.resolve()), backend, threads, max_requests, max_batch, max_queue,
-                             prefix_cache_mb, prefill_chunk)
+                             prefix_cache_mb, prefill_chunk, guide_budget_ms)
     key = api_key(key)
     given = [f"--{name.replace('_', '-')}" for name in (_TRITON_ONLY if api == "openai" else _OPENAI_ONLY)
              if ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT]
@@ -153,7 +156,7 @@ def _serve_openai(model_dir: Path, settings: ServeSettings, model_name: str, htt
     progress(f"loading {model_dir} ({s.backend})")
     with Generator.from_dir(model_dir, backend=s.backend, threads=s.threads, max_requests=s.max_requests,
                             max_batch=s.max_batch, prefix_cache_mb=s.prefix_cache_mb,
-                            prefill_chunk=s.prefill_chunk) as gen:
+                            prefill_chunk=s.prefill_chunk, guide_budget_ms=s.guide_budget_ms) as gen:
         server = OpenAIServer(gen, model_name=model_name, address=address, port=http_port, api_key=key,
                               max_queue=s.max_queue, drain_timeout_s=drain_timeout, allowed_hosts=allowed_hosts,
                               verbose=verbose)

@@ -120,12 +120,14 @@ class _Loop:
             body = run[:-1] if run and run[-1] == eos else run  # after an EOS nothing is read
             matcher.allowed_along(body, along[: len(body) + 1])
             along[len(body) + 1:] = 255
-            if not along[0].any():
-                trace.dead_end = matcher.error or "the guide allows no token here"
+            dead = next((j for j in range(1, len(body) + 1) if not along[j].any()), 0)
+            while dead:  # a draft the guide accepts, after which it allows nothing: verify those before it, and
+                run, along = run[: dead - 1], along[:dead]  # where its last token is read, not that token
+                along[dead - 1][body[dead - 1] // 8] &= ~np.uint8(1 << body[dead - 1] % 8)
+                dead = dead - 1 if dead > 1 and not along[dead - 1].any() else 0
+            if not along[0].any():  # neither a token nor the end may follow: the answer is cut here, not ended
+                trace.dead_end = "the guide allows no token here and the answer is not complete"
                 return
-            blocked = [j for j in range(1, len(body) + 1) if not along[j].any()]
-            if blocked:  # a draft the guide accepts, after which it allows nothing: verify those before it
-                run, along = run[: blocked[0] - 1], along[: blocked[0]]
             frontier, p, r = len(self.sequence), len(pending), len(run)
             window = max(0, min(room - r, self.end - frontier - r)) if self.drafting else 0
             ids = np.array([*pending, *run, *[tokens.mask_id] * window], np.int64)

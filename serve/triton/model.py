@@ -46,7 +46,7 @@ class TritonPythonModel:
         try:
             gen = Generator.from_dir(s.model_dir, backend=s.backend, threads=s.threads, max_requests=s.max_requests,
                                      max_batch=s.max_batch, prefix_cache_mb=s.prefix_cache_mb,
-                                     prefill_chunk=s.prefill_chunk)
+                                     prefill_chunk=s.prefill_chunk, guide_budget_ms=s.guide_budget_ms)
         except RefusionError as e:  # the launcher prints it as one line, in place of Triton's load-failure report
             if s.work_dir is not None:
                 (Path(s.work_dir) / "load-error").write_text(str(e))

@@ -11,6 +11,7 @@ from pathlib import Path
 from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.generator import resolve_prefill_chunk
 from refusion.runtime.prefix_cache import DEFAULT_MB, check_prefix_cache_mb
+from refusion.runtime.structured.engine import BUDGET_MS, check_budget_ms
 
 SETTINGS_FILE = "settings.json"
 
@@ -25,6 +26,7 @@ class ServeSettings:
     max_queue: int = 64  # waiting beyond the running ones; more are rejected at once
     prefix_cache_mb: float = DEFAULT_MB  # the Generator's prefix cache (0: off)
     prefill_chunk: int | None = None  # the most tokens a forward feeds (None: the default; 0: no bound)
+    guide_budget_ms: float = BUDGET_MS  # the grammar engine's work a guided request may take a token
     # Set by the launcher (serve/triton/launcher.py): its work directory (the drain's deadline, a load error)
     # and its process id (the model exits when the launcher is gone).
     work_dir: str | None = None
@@ -35,6 +37,7 @@ class ServeSettings:
             raise RefusionError(f"max_queue={self.max_queue!r} (--max-queue) must be an integer >= 0.")
         check_prefix_cache_mb(self.prefix_cache_mb)
         resolve_prefill_chunk(self.prefill_chunk, None)
+        check_budget_ms(self.guide_budget_ms)
 
     @property
     def drain_file(self) -> Path | None:

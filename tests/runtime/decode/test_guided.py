@@ -121,10 +121,6 @@ class _Blocked(Grammar, Matcher):
     def finished(self) -> bool:
         return False
 
-    @property
-    def error(self) -> str:
-        return "nothing after three tokens" if self.taken >= self.free else ""
-
 
 @pytest.mark.parametrize("mode", MODES)
 def test_a_dead_end_ends_the_answer_with_its_finish_reason(tiny_export, mode):

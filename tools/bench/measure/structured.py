@@ -94,10 +94,6 @@ class _TimedMatcher(Matcher):
     def finished(self) -> bool:
         return self.inner.finished and self.timing.forcing  # without forcing, the EOS too is decoded
 
-    @property
-    def error(self) -> str:
-        return self.inner.error
-
 
 # ----------------------------------------------------------------------------- one model's runs
 @dataclass
