@@ -21,7 +21,7 @@ class RequestOptions:
     response_format: str | None = DEFAULTS["response_format"]  # OpenAI's: json_object, json_schema (text: none)
     json_schema: str | None = DEFAULTS["json_schema"]  # the answer is JSON valid under this schema
     regex: str | None = DEFAULTS["regex"]  # ... matches this regular expression whole
-    choice: tuple[str, ...] = DEFAULTS["choice"]  # ... is one of these strings
+    choice: tuple[str, ...] | None = DEFAULTS["choice"]  # ... is one of these strings (given, at least one)
     grammar: str | None = DEFAULTS["grammar"]  # ... follows this grammar (Lark or GBNF)
 
     def __post_init__(self) -> None:

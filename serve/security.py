@@ -5,7 +5,8 @@ docs/serving.md ("Security and limits") says why each is what it is.
 - The bind address defaults to loopback; binding another interface without an API key earns a warning.
 - The API key comes from --api-key or REFUSION_API_KEY and is compared in constant time.
 - A request body is at most `body_limit(max_prompt_bytes)` bytes and JSON at most MAX_JSON_DEPTH deep, checked
-  before any parser recurses into it; prompts are bounded in bytes by the runtime (Generator.max_prompt_bytes).
+  before any parser recurses into it (runtime/core/nesting.py's scan, which bounds a guide given as JSON text the
+  same way); prompts are bounded in bytes by the runtime (Generator.max_prompt_bytes).
 """
 
 from __future__ import annotations
@@ -14,20 +15,17 @@ import hmac
 import ipaddress
 import json
 import os
-import re
 import resource
 import socket
 from collections.abc import Collection
 from typing import Any
 
-import numpy as np
-
 from refusion.runtime.core.errors import RefusionError
+from refusion.runtime.core.nesting import MAX_JSON_DEPTH, json_depth
 
 DEFAULT_ADDRESS = "127.0.0.1"  # this host only; --address 0.0.0.0 serves every interface
 API_KEY_ENV = "REFUSION_API_KEY"
 MIN_KEY_LENGTH = 16
-MAX_JSON_DEPTH = 32  # a request is a flat object; OpenAI's messages with content parts and tool schemas stay below
 JSON_ESCAPE_BYTES = 6  # JSON may spend 6 bytes (\u00e9) on one byte of text
 BODY_OVERHEAD = 64 << 10  # the request's other fields beside its prompt
 FILES_RESERVED = 256  # open files a server keeps beside its connections: the model's, its threads', its logs'
@@ -116,34 +114,6 @@ def connections_allowed(wanted: int) -> int:
 def body_limit(max_prompt_bytes: int) -> int:
     """The largest request body worth reading: the longest prompt that could fit, JSON-escaped, and the rest."""
     return max_prompt_bytes * JSON_ESCAPE_BYTES + BODY_OVERHEAD
-
-
-_ESCAPE = re.compile(rb"\\.", re.DOTALL)  # a backslash and the byte it escapes: matched or not in O(1) at each byte
-_SCAN_CHUNK = 1 << 18  # bytes scanned per step; other threads get the GIL between steps
-_DEPTH_STEP = np.zeros(256, dtype=np.int8)
-_DEPTH_STEP[[ord("["), ord("{")]] = 1
-_DEPTH_STEP[[ord("]"), ord("}")]] = -1
-_QUOTE = ord('"')
-
-
-def json_depth(body: bytes) -> int:
-    """How deep `body`'s arrays and objects nest, without parsing it: no recursion (any depth is safe) and time
-    linear in its length whatever it holds (no pattern that backtracks), in chunks that let other threads run.
-    Escapes are dropped first; then a quote opens or closes a string, and brackets count outside strings."""
-    depth = peak = 0
-    in_string = escaping = False  # carried from one chunk to the next
-    for start in range(0, len(body), _SCAN_CHUNK):
-        chunk = body[start + escaping:start + _SCAN_CHUNK]
-        plain = _ESCAPE.sub(b"", chunk)
-        escaping = plain.endswith(b"\\")  # only a chunk's last byte can be a backslash left unpaired
-        codes = np.frombuffer(plain[:-1] if escaping else plain, dtype=np.uint8)
-        if not len(codes):
-            continue
-        inside = np.bitwise_xor.accumulate((codes == _QUOTE).view(np.uint8)) ^ in_string
-        in_string = bool(inside[-1])
-        levels = depth + np.cumsum(np.where(inside, 0, _DEPTH_STEP[codes]), dtype=np.int64)
-        peak, depth = max(peak, int(levels.max())), int(levels[-1])
-    return peak
 
 
 def read_json_object(body: bytes, max_depth: int = MAX_JSON_DEPTH) -> dict[str, Any]:

@@ -202,7 +202,7 @@ class ChatSession:
                                     f"{', '.join(_TYPES)}; e.g. /settings slot_size=4 mode=ar.")
             try:
                 unset = value.lower() == "none" and (BY_NAME[name].optional or BY_NAME[name].guide)
-                changed[name] = (() if BY_NAME[name].kind == "strings" else None) if unset else _TYPES[name](value)
+                changed[name] = None if unset else _TYPES[name](value)
                 if BY_NAME[name].guide and not unset:  # a request follows one guide: the new one replaces the other
                     for other in GUIDES:
                         if other.name != name:

@@ -20,6 +20,7 @@ from numbers import Integral, Real
 from typing import Any, Literal
 
 from refusion.runtime.core.errors import RefusionError
+from refusion.runtime.core.nesting import MAX_JSON_DEPTH, json_depth, value_depth
 
 Kind = Literal["int", "number", "bool", "string", "strings", "ints", "text", "json"]
 Role = Literal["decode", "request"]
@@ -137,6 +138,8 @@ class Setting:
         if not isinstance(values, Iterable) or isinstance(values, (bytes, dict)):
             raise self.refusal(value)
         values = tuple(values)
+        if not values and self.guide:  # a guide given holds something: none would leave the answer unguided
+            raise RefusionError(f"{self.name}=[] holds no strings; give at least one ({self.note}).")
         bad = [s for s in values if not isinstance(s, str) or not s]
         if bad:
             raise RefusionError(f"{self.name}={value!r} holds {bad[0]!r}; each must be a non-empty string "
@@ -145,8 +148,10 @@ class Setting:
 
     def _text(self, value: Any) -> str:
         """A text setting as given; a JSON one as its compact JSON text (a dict or list given, or text that parses
-        to one): one spelling, which caches and compares."""
+        to one): one spelling, which caches and compares. A JSON one nests at most MAX_JSON_DEPTH deep, as a
+        server's body does, measured before json.loads or json.dumps recurses into it."""
         if self.kind == "json" and isinstance(value, dict):
+            self._shallow(value_depth(value))
             try:
                 value = json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
             except (TypeError, ValueError) as e:
@@ -154,6 +159,7 @@ class Setting:
         if not isinstance(value, str) or not value:
             raise self.refusal(value)
         if self.kind == "json":
+            self._shallow(json_depth(value.encode("utf-8", "surrogatepass")))
             try:
                 parsed = json.loads(value)
             except ValueError as e:
@@ -166,6 +172,11 @@ class Setting:
             raise RefusionError(f"{self.name} holds {len(value.encode('utf-8', 'surrogatepass'))} bytes, over the "
                                 f"{self.high:g} a request may send ({self.note}).")
         return value
+
+    def _shallow(self, depth: int) -> None:
+        if depth > MAX_JSON_DEPTH:
+            raise RefusionError(f"{self.name} nests {depth} deep, over the limit of {MAX_JSON_DEPTH} ({self.note}); "
+                                "give a flatter one: a schema can name a part once in $defs and use it by $ref.")
 
     def _ints(self, value: Any) -> tuple[int, ...]:
         if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
@@ -242,7 +253,7 @@ SETTINGS = (
     Setting("regex", "text", "the answer matches this regular expression whole", role="request",
             high=GUIDE_BYTES, note="a guide is bounded", openai=("guided_regex",), openai_extra=True, triton="regex",
             guide=True),
-    Setting("choice", "strings", "the answer is one of these strings", (), role="request",
+    Setting("choice", "strings", "the answer is one of these strings", role="request",
             note="e.g. choice=['yes', 'no']", openai=("guided_choice",), openai_extra=True, triton="choice",
             guide=True),
     Setting("grammar", "text", "the answer follows this grammar (Lark, or llama.cpp's GBNF)", role="request",

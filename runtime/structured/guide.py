@@ -39,7 +39,7 @@ def guide_of(options: RequestOptions) -> Guide | None:
         given += _response_format(json.loads(options.response_format))
     for setting in GUIDES:
         value = getattr(options, setting.name)
-        if setting.name == "response_format" or value in (None, ()):
+        if setting.name == "response_format" or value is None:  # left out (a choice given is never empty)
             continue
         if setting.name == "choice":
             given.append(_choice(value))

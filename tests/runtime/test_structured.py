@@ -51,6 +51,22 @@ def test_without_llguidance_a_guide_is_refused_naming_the_extra(tiny_export, mon
             gen.generate("sort: 3 1 2", chat=True, choice=["a", "b"])
 
 
+@pytest.mark.parametrize("mode", ["refusion", "ar"])
+def test_an_empty_choice_or_a_guide_nested_too_deep_is_refused_before_any_work(tiny, mode):
+    """The probe's C03 (choice=[] was answered unconstrained) and J09 (a schema dict 10,000 deep raised
+    RecursionError from json.dumps): each is a RefusionError naming its field, and nothing starts."""
+    deep = schema = {}
+    for _ in range(9_999):
+        schema["items"] = schema = {"type": "array"}
+    for guide, message in [(dict(choice=[]), r"^choice=\[\] holds no strings; give at least one"),
+                           (dict(json_schema=deep), r"^json_schema nests 10000 deep, over the limit of 32"),
+                           (dict(json_schema="[" * 1000 + "]" * 1000), r"^json_schema nests 1000 deep")]:
+        with pytest.raises(RefusionError, match=message):
+            tiny.generate("sort: 3 1 2", chat=True, mode=mode, **guide)
+    assert tiny.scheduler.in_flight == 0
+    assert tiny.generate("sort: 3 1 2", chat=True, mode=mode, choice=["1 2 3", "3 2 1"]).text in ("1 2 3", "3 2 1")
+
+
 def test_importing_the_runtime_loads_neither_torch_nor_llguidance():
     code = "import sys, refusion.runtime; print(sorted({'torch', 'llguidance'} & set(sys.modules)))"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "[]\n"

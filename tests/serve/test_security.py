@@ -8,6 +8,7 @@ import threading
 
 import pytest
 
+from refusion.runtime.core import nesting
 from refusion.runtime.core.errors import RefusionError
 from refusion.serve import security
 from refusion.serve.security import (
@@ -101,10 +102,10 @@ def _depth(value) -> int:
     return 0 if children is None else 1 + max(map(_depth, children), default=0)
 
 
-@pytest.mark.parametrize("chunk", [1, 2, 3, 7, security._SCAN_CHUNK])
+@pytest.mark.parametrize("chunk", [1, 2, 3, 7, nesting._SCAN_CHUNK])
 def test_nesting_agrees_with_the_parser_across_chunk_boundaries(monkeypatch, chunk):
     """Escapes, quotes and brackets in strings, split anywhere between two chunks of the scan."""
-    monkeypatch.setattr(security, "_SCAN_CHUNK", chunk)
+    monkeypatch.setattr(nesting, "_SCAN_CHUNK", chunk)  # the scan lives in the runtime: guides use it too
     rng = random.Random(chunk)
 
     def text() -> str:

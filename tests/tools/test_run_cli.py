@@ -204,3 +204,15 @@ def test_guides_on_the_command_line(tiny_dir, tmp_path):
 def test_a_guide_that_cannot_be_enforced_is_refused(tiny_dir, args, message):
     out = run(tiny_dir, PROMPT, "--chat", *args)
     assert out.exit_code == 1 and message in out.output, out.output
+
+
+def test_a_schema_file_nested_too_deep_is_one_error_line(tiny_dir, tmp_path):
+    """The probe's X9: a --json-schema file 3,000 deep printed a 47-line RecursionError traceback."""
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 3000 + "]" * 3000)
+    out = run(tiny_dir, PROMPT, "--chat", "--json-schema", deep)
+    assert out.exit_code == 1 and isinstance(out.exception, SystemExit), out.exception  # no traceback: a refusal
+    assert out.stderr.splitlines() == [
+        "error: json_schema nests 3000 deep, over the limit of 32 (a guide is bounded); give a flatter one: a schema "
+        "can name a part once in $defs and use it by $ref."], out.output
+    assert out.stdout == ""

@@ -5,6 +5,7 @@ runtime's dataclasses, the strategies, the OpenAI fields, Triton's inputs, the C
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from typing import get_args
 
@@ -12,6 +13,7 @@ import pytest
 
 from refusion.runtime.core.defaults import DecodeDefaults
 from refusion.runtime.core.errors import RefusionError
+from refusion.runtime.core.nesting import MAX_JSON_DEPTH
 from refusion.runtime.core.profiles import DecodeLimits
 from refusion.runtime.core.settings import (
     ALIASES,
@@ -139,3 +141,50 @@ def test_the_docs_tables_name_every_row():
     serving = (REPO / "docs" / "serving.md").read_text()
     inputs = _first_column(serving, "| input | type |")
     assert {s.triton for s in SETTINGS if s.triton} <= inputs
+
+
+def _nested(depth: int) -> dict:
+    """{"a": {"a": ... {}}}, `depth` objects deep, built without recursion."""
+    outer = inner = {}
+    for _ in range(depth - 1):
+        inner["a"] = inner = {}
+    return outer
+
+
+@pytest.mark.parametrize("name", ["json_schema", "response_format"])
+@pytest.mark.parametrize("deep, depth", [("[" * 1000 + "]" * 1000, 1000), ('{"a":' * 3000 + "1" + "}" * 3000, 3000),
+                                         (_nested(10_000), 10_000)], ids=["text-1000", "text-3000", "dict-10000"])
+def test_a_json_guide_nests_no_deeper_than_a_body_may(name, deep, depth):
+    """The probe's J07-J09: a guide's JSON text was parsed, and a dict dumped, by recursion (RecursionError, a 500
+    from a server); now its nesting is measured first, as a server's body is, and refused naming the field."""
+    with pytest.raises(RefusionError, match=rf"^{name} nests {depth} deep, over the limit of {MAX_JSON_DEPTH} "
+                                            r"\(a guide is bounded\); give a flatter one"):
+        BY_NAME[name].check(deep)
+
+
+@pytest.mark.parametrize("name", ["json_schema", "response_format"])
+def test_a_json_guide_at_the_nesting_limit_is_taken(name):
+    setting = BY_NAME[name]
+    at = _nested(MAX_JSON_DEPTH)
+    assert setting.check(at) == setting.check(json.dumps(at)) == json.dumps(at, separators=(",", ":"))
+    for over in (_nested(MAX_JSON_DEPTH + 1), json.dumps(_nested(MAX_JSON_DEPTH + 1))):
+        with pytest.raises(RefusionError, match=f"{name} nests {MAX_JSON_DEPTH + 1} deep"):
+            setting.check(over)
+    assert setting.check('{"a": "[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[["}')  # brackets in strings do not count
+
+
+def test_a_json_guide_that_holds_itself_is_not_json():
+    loop: dict = {}
+    loop["a"] = loop
+    with pytest.raises(RefusionError, match=r"json_schema=\{'a': \{...\}\} is not JSON \(Circular reference"):
+        BY_NAME["json_schema"].check(loop)
+
+
+def test_an_empty_choice_is_refused_and_a_choice_left_out_is_none():
+    """The probe's C03: choice=[] was taken as no guide, and the answer came unconstrained."""
+    for empty in ([], ()):
+        with pytest.raises(RefusionError, match=re.escape("choice=[] holds no strings; give at least one "
+                                                          "(e.g. choice=['yes', 'no'])")):
+            RequestOptions(choice=empty)
+    assert RequestOptions().choice is None and RequestOptions(choice="yes").choice == ("yes",)
+    assert RequestOptions(stop=[]).stop == ()  # no stop sequences is a value of stop

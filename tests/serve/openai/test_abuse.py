@@ -85,6 +85,11 @@ def test_every_field_of_the_wrong_type_is_a_400_naming_it(serve, field):
     ({**HI, "guided_json": {"type": "wat"}}, "guided_json", "guided_json is not a guide llguidance can enforce"),
     ({**HI, "guided_regex": "(a"}, "guided_regex", "unclosed group"),
     ({**HI, "guided_choice": ["a"], "guided_regex": "a"}, None, "both ask for structured output"),
+    # the probe's J07 and C03: a guide's JSON text nested deep was a 500 (RecursionError); an empty choice, no guide
+    ({**HI, "guided_json": "[" * 1000 + "]" * 1000}, "guided_json", "guided_json nests 1000 deep, over the limit of 32"),
+    ({**HI, "response_format": '{"a":' * 1500 + "1" + "}" * 1500}, "response_format",
+     "response_format nests 1500 deep, over the limit of 32"),
+    ({**HI, "guided_choice": []}, "guided_choice", "guided_choice=[] holds no strings; give at least one"),
     ({**HI, "tools": [{"type": "function", "function": {"name": "f"}}]}, None, "has no tool format"),
     ({**HI, "tool_choice": "required"}, "tool_choice", "needs tools"),
     ({**HI, "top_logprobs": 2}, "top_logprobs", "top_logprobs needs logprobs=true"),
