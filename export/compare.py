@@ -4,6 +4,15 @@ A *case* is one forward as explicit feeds; a *runner* maps (graph, feed) to that
 onnxruntime (`OrtSessions`, here), the torch definition (export/validate.py) and TensorRT
 (engines/check.py). Export validation, `refusion-export check` and the GPU check go through
 `compare_runners`, which reports per graph and output the largest difference, NaN and inf as such.
+
+A reference may give, beside an output, that output as its arithmetic in the export's dtype rounds it (`ROUNDED` +
+name). The torch reference of an fp16 export does: it computes in fp32 on the fp16 weights and feeds (exact
+arithmetic on the export's values) and in fp16. The graph is judged against the exact values, each limit widened by
+the reference's own fp16 error on that output (`_rounding`), and ids tie where their exact logits lie closer than its
+error on the logits: what fp16 rounding costs on this model and input, measured per forward, not guessed. Against
+the fp16 run alone, which rounds elsewhere (torch after every op; onnxruntime's CPU provider fuses RMSNorm and runs
+MatMuls in fp32), the graph was charged with both runs' errors: the embedded model's fp16 export failed on 4 top ids
+that torch's fp16 run misorders and onnxruntime orders as exact arithmetic does.
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ Outputs = dict[str, np.ndarray]
 Row = tuple[str, str, float, float]  # graph, output, difference, limit: one per forward
 TIE_MARGIN = 1e-3  # logits closer than this may come in either order between fp32 kernels
 ID_OUTPUTS = ("argmax_ids", "top_ids")  # compared by mismatches the reference decides, not by value
+ROUNDED = "rounded."  # prefix of a reference's outputs in the export's dtype, beside its exact ones (module doc)
 
 
 @dataclass(frozen=True)
@@ -198,7 +208,8 @@ def _run(runner: CaseRunner, todo: list[tuple[Case, GraphName]]) -> list[Outputs
 
 def _difference(name: str, got: np.ndarray, want: Outputs, tol: Tolerance) -> tuple[float, float, str]:
     """(difference, limit, problem): max |got - want| (NaN or inf when either holds them) against
-    abs + rel x max |want|; for argmax and top ids the count of ids the reference decides against (`_misranked`)."""
+    abs + rel x max |want| + the reference's own rounding (`_rounding`); for argmax and top ids the count of ids the
+    reference decides against (`_misranked`), tied within the tolerance or that rounding on the logits."""
     if name not in want:
         return math.inf, 0.0, "missing from the reference"
     expect = want[name]
@@ -208,10 +219,11 @@ def _difference(name: str, got: np.ndarray, want: Outputs, tol: Tolerance) -> tu
         logits = want.get("logits")  # -inf where vocab_mask leaves a token out
         if logits is not None and (np.isnan(logits).any() or np.isposinf(logits).any()):
             return math.nan, 0.0, "non-finite reference logits (NaN or +inf)"
+        tie = max(tol.tie, _rounding("logits", want))
         if name == "top_ids":
-            wrong = _misranked(got, expect, want["top_logprobs"], logits, tol.tie)
+            wrong = _misranked(got, expect, want["top_logprobs"], logits, tie)
         elif logits is not None:  # the argmax is a list of one
-            wrong = _misranked(got[..., None], expect[..., None], None, logits, tol.tie)[..., 0]
+            wrong = _misranked(got[..., None], expect[..., None], None, logits, tie)[..., 0]
         else:  # no logits tell a tie: every mismatch counts
             wrong = got != expect
         return float(np.sum(wrong)), float(math.floor(tol.argmax * got.size)), ""
@@ -221,7 +233,18 @@ def _difference(name: str, got: np.ndarray, want: Outputs, tol: Tolerance) -> tu
     with np.errstate(invalid="ignore"):  # inf - inf: NaN, as it should be, but for -inf on both sides (a masked logit)
         diff = float(np.max(np.where((g == w) & (w == -np.inf), 0.0, np.abs(g - w))))  # NaN, inf never hidden as 0
     scale = float(np.max(np.abs(w[np.isfinite(w)]), initial=0.0))  # of the finite values: a masked logit is -inf
-    return diff, tol.abs + tol.rel * scale, "" if math.isfinite(diff) else "non-finite output"
+    return diff, tol.abs + tol.rel * scale + _rounding(name, want), "" if math.isfinite(diff) else "non-finite output"
+
+
+def _rounding(name: str, want: Outputs) -> float:
+    """The reference's own error on output `name` in the export's dtype: max |rounded - exact| over the values finite
+    in both (0 where it gives no rounded output), so a reference that overflows never widens a limit to inf."""
+    rounded = want.get(ROUNDED + name)
+    if rounded is None:
+        return 0.0
+    r, w = rounded.astype(np.float64), want[name].astype(np.float64)
+    finite = np.isfinite(r) & np.isfinite(w)
+    return float(np.max(np.abs(r[finite] - w[finite]), initial=0.0))
 
 
 def _misranked(got: np.ndarray, want: np.ndarray, want_logprobs: np.ndarray | None, logits: np.ndarray | None,

@@ -19,6 +19,21 @@ from refusion.runtime.core.contract import candidates_for
 from refusion.runtime.core.dims import ModelDims, is_linear_weight
 from refusion.runtime.core.quantization import SCALE_SUFFIX, scale_name
 
+UPCAST_ELEMENTS = 1 << 24  # a linear's weight is cast to a wider arithmetic this many elements (64 MiB fp32) at a time
+
+
+class Linear(nn.Linear):
+    """nn.Linear that computes in its input's dtype: an fp16 weight is cast up for fp32 arithmetic (`Qwen3.forward`'s
+    `dtype`) a slice of output rows at a time, so no wider copy of a whole matrix is held. In the weight's own dtype
+    it is nn.Linear."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        if w.dtype == x.dtype:
+            return super().forward(x)
+        rows = max(1, UPCAST_ELEMENTS // w.shape[1])
+        return torch.cat([nn.functional.linear(x, w[i:i + rows].to(x.dtype)) for i in range(0, w.shape[0], rows)], -1)
+
 
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float):
@@ -52,10 +67,10 @@ class Attention(nn.Module):
         super().__init__()
         self.dims = dims
         self.candidates = candidates or candidates_for(dims.vocab_size)
-        self.q_proj = nn.Linear(dims.hidden_size, dims.q_size, bias=False)
-        self.k_proj = nn.Linear(dims.hidden_size, dims.kv_size, bias=False)
-        self.v_proj = nn.Linear(dims.hidden_size, dims.kv_size, bias=False)
-        self.o_proj = nn.Linear(dims.q_size, dims.hidden_size, bias=False)
+        self.q_proj = Linear(dims.hidden_size, dims.q_size, bias=False)
+        self.k_proj = Linear(dims.hidden_size, dims.kv_size, bias=False)
+        self.v_proj = Linear(dims.hidden_size, dims.kv_size, bias=False)
+        self.o_proj = Linear(dims.q_size, dims.hidden_size, bias=False)
         self.q_norm = RMSNorm(dims.head_dim, dims.rms_norm_eps)
         self.k_norm = RMSNorm(dims.head_dim, dims.rms_norm_eps)
 
@@ -65,8 +80,8 @@ class Attention(nn.Module):
         q = apply_rotary(self.q_norm(self.q_proj(x).view(b, s, dm.num_heads, dm.head_dim)), cos, sin)
         k = apply_rotary(self.k_norm(self.k_proj(x).view(b, s, dm.kv_heads, dm.head_dim)), cos, sin)
         v = self.v_proj(x).view(b, s, dm.kv_heads, dm.head_dim)
-        keys = torch.cat([past_k, k], dim=1).transpose(1, 2)  # [b, kv, total, d]
-        values = torch.cat([past_v, v], dim=1).transpose(1, 2)
+        keys = torch.cat([past_k.to(k.dtype), k], dim=1).transpose(1, 2)  # [b, kv, total, d]
+        values = torch.cat([past_v.to(v.dtype), v], dim=1).transpose(1, 2)
         rep = dm.num_heads // dm.kv_heads
         keys, values = keys.repeat_interleave(rep, dim=1), values.repeat_interleave(rep, dim=1)
         scores = (q.transpose(1, 2) @ keys.transpose(2, 3)).float() / dm.head_dim**0.5 + bias
@@ -77,9 +92,9 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, dims: ModelDims):
         super().__init__()
-        self.gate_proj = nn.Linear(dims.hidden_size, dims.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(dims.hidden_size, dims.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(dims.intermediate_size, dims.hidden_size, bias=False)
+        self.gate_proj = Linear(dims.hidden_size, dims.intermediate_size, bias=False)
+        self.up_proj = Linear(dims.hidden_size, dims.intermediate_size, bias=False)
+        self.down_proj = Linear(dims.intermediate_size, dims.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -110,7 +125,7 @@ class Qwen3(nn.Module):
         self.embed_tokens = nn.Embedding(dims.vocab_size, dims.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(dims) for _ in range(dims.num_layers))
         self.norm = RMSNorm(dims.hidden_size, dims.rms_norm_eps)
-        self.lm_head = nn.Linear(dims.hidden_size, dims.vocab_size, bias=False)
+        self.lm_head = Linear(dims.hidden_size, dims.vocab_size, bias=False)
         if dims.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
@@ -157,10 +172,13 @@ class Qwen3(nn.Module):
         past: list[tuple[torch.Tensor, torch.Tensor]],
         head_positions: torch.Tensor | None = None,
         vocab_mask: torch.Tensor | None = None,
+        dtype: torch.dtype | None = None,
     ) -> dict[str, torch.Tensor]:
         """The contract's outputs; the heads at `head_positions` [b, heads] (None: every position), each reading
-        the logits with the tokens `vocab_mask` [b, 1 or heads, bytes] leaves out at -inf (None: every token)."""
-        x = self.embed_tokens(input_ids)
+        the logits with the tokens `vocab_mask` [b, 1 or heads, bytes] leaves out at -inf (None: every token).
+        `dtype`: the arithmetic's (None: the weights'); float32 on fp16 weights and past evaluates their values
+        without rounding to fp16 on the way (validation's reference for fp16 exports)."""
+        x = self.embed_tokens(input_ids) if dtype is None else self.embed_tokens(input_ids).to(dtype)
         cos, sin = rotary_tables(position_ids, self.dims, x.dtype)
         bias = torch.where(attention_mask[:, None], 0.0, torch.finfo(torch.float32).min)
         out: dict[str, torch.Tensor] = {}

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from refusion.export.compare import CaseRunner, ComparisonReport, Tolerance, cases, compare_runners, feed_shape
+from refusion.export.compare import ROUNDED, CaseRunner, ComparisonReport, Tolerance, cases, compare_runners, feed_shape
 from refusion.runtime.core.contract import GRAPH_NAMES
 from refusion.runtime.core.embeddings import Embeddings
 from refusion.runtime.core.errors import RefusionError
@@ -121,6 +121,28 @@ def test_ids_tied_within_an_fp16_tolerance_may_swap_and_a_wrong_id_still_counts(
     flipped = {"argmax_ids": np.array([[1]])}
     assert _report(("c", flipped, {"argmax_ids": np.array([[2]]), "logits": near}), tol=fp16).ok
     assert not _report(("c", flipped, {"argmax_ids": np.array([[2]]), "logits": near}), tol=fp32).ok
+
+
+def test_a_reference_rounding_of_its_own_widens_limits_and_ties_by_that_much():
+    """An fp16 export's reference is exact arithmetic with its own fp16 outputs beside (ROUNDED): each limit grows by
+    that output's rounding error, ids tie within the logits' one; none given, the limits are the tolerance's; a
+    non-finite rounded value (an overflow) widens nothing."""
+    tol = Tolerance(2e-2)
+    exact = {"top_logprobs": np.array([[[-1.0, -3.0]]], np.float32)}
+    got = {"top_logprobs": exact["top_logprobs"] + 0.05}
+    assert not _report(("c", got, exact), tol=tol).ok
+    rounded = {**exact, ROUNDED + "top_logprobs": exact["top_logprobs"] - 0.04}  # the reference's fp16 run: 0.04 off
+    assert _report(("c", got, rounded), tol=tol).ok  # 0.05 <= 2e-2 + 0.04
+    assert not _report(("c", {"top_logprobs": got["top_logprobs"] + 0.02}, rounded), tol=tol).ok  # 0.07
+    overflowed = {**exact, ROUNDED + "top_logprobs": np.array([[[np.inf, -3.0]]], np.float32)}
+    assert not _report(("c", got, overflowed), tol=tol).ok
+    logits = np.array([[[9.0, 5.0, 4.97, 1.0]]], np.float32)  # ids 1 and 2 0.03 apart: no tie at 2e-2
+    want = {"top_ids": np.array([[[0, 1, 2]]]), "top_logprobs": logits[..., :3] - 10.0, "logits": logits}
+    swapped = {"top_ids": np.array([[[0, 2, 1]]])}
+    assert not _report(("c", swapped, want), tol=tol).ok
+    noisy = {**want, ROUNDED + "logits": logits + np.float32([0.0, 0.0, 0.04, 0.0])}  # fp16 put id 2 above id 1
+    assert _report(("c", swapped, noisy), tol=tol).ok
+    assert not _report(("c", {"top_ids": np.array([[[1, 0, 2]]])}, noisy), tol=tol).ok  # 4 apart: still decided
 
 
 def test_an_empty_report_does_not_pass_and_a_skipped_one_says_why():

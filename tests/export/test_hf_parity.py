@@ -101,3 +101,25 @@ def test_slot_mask_matches_hf_4d_mask(models, name):
         causal = hf(input_ids=ids, position_ids=pos).logits
     assert _max_diff(got["logits"], want) <= TOL
     assert _max_diff(got["logits"][:, p:], causal[:, p:]) > 10 * TOL  # the mask really mattered
+
+
+def test_fp32_arithmetic_on_fp16_weights_is_the_upcast_model(store, monkeypatch):
+    """forward(dtype=float32) on fp16 weights and past (validation's exact reference for fp16 exports) computes what
+    the model cast to fp32 does, its linears' weights cast a slice of rows at a time (here 64 elements: many slices),
+    and its fp16 forward is unchanged."""
+    from refusion.export import model
+
+    ckpt = Checkpoint.open(store.checkpoint("gqa2"))
+    half = Qwen3.from_checkpoint(ckpt, torch.float16)
+    full = Qwen3.from_checkpoint(ckpt, torch.float16).float()
+    d = half.dims
+    past = [(torch.randn(2, 3, d.kv_heads, d.head_dim, generator=torch.Generator().manual_seed(i)).half(),) * 2
+            for i in range(d.num_layers)]
+    ids, pos, mask = _ids(2, 5, d.vocab_size), torch.arange(3, 8).expand(2, 5), _causal(2, 5, past=3)
+    want = full(ids, pos, mask, [(k.float(), v.float()) for k, v in past])
+    monkeypatch.setattr(model, "UPCAST_ELEMENTS", 64)
+    got = half(ids, pos, mask, past, dtype=torch.float32)
+    assert got["logits"].dtype == got["present.0.key"].dtype == torch.float32
+    assert max(_max_diff(got[k], want[k]) for k in want if got[k].is_floating_point()) <= 1e-5
+    assert torch.equal(got["top_ids"], want["top_ids"])
+    assert half(ids, pos, mask, past)["present.0.key"].dtype == torch.float16
