@@ -155,8 +155,8 @@ def create_app(frontend: Frontend[Arrival], metrics: ServerMetrics, config: AppC
         if finals is None:
             return Response(status_code=499)  # nobody reads it
         failed = [final for final in finals if final.result is None]
-        if failed:
-            raise ApiError(failed[0].status.value, failed[0].error)
+        if failed:  # a request that fails alone (a guide over its budget) names its field, as a refusal does
+            raise ApiError(failed[0].status.value, *_as_sent(failed[0].error))
         results = [final.result for final in finals if final.result is not None]
         logprobs = [answer_logprobs(r, token_text, reply.chat) for r in results] if api.logprobs else None
         return JSONResponse(reply.completion(results, logprobs, api.n, api.token_ids))
@@ -370,7 +370,7 @@ async def _events(frontend: Frontend[Arrival], generations: list[Generation], ap
                                       token_ids=result.token_ids if api.token_ids else None,
                                       logprobs=logprobs.rest(result) if logprobs else None))
             else:
-                yield sse(error_body(item.status.value, item.error))
+                yield sse(error_body(item.status.value, *_as_sent(item.error)))
         answered = [r for r in results if r is not None]
         if usage and len(answered) == len(results):
             yield sse(reply.usage_chunk(answered, api.n))
