@@ -8,7 +8,10 @@ pending forwards graph by graph, up to the runner's `max_batch` to a call. With 
 longer forward (a prefill) runs as chunks of at most that many tokens, one a round (runtime/decode/chunks.py),
 and no call feeds more tokens than the bound: other requests' forwards run between two chunks, and a request
 waits behind no forward longer than the bound. A cancelled or expired request ends before its next forward
-(or chunk) and frees its region at once; a request that fails fails alone.
+(or chunk) and frees its region at once; a request that fails fails alone. The thread is shared fairly: a request
+whose steps took more than FAIR_SHARE_S of its CPU in a round (a costly guide's masks) sits out the rounds after,
+while others are active, until they have had as much of it, so one request's guide work cannot slow every other
+request's steps by its own cost.
 (nano-vllm's engine/: scheduler, sequence, block manager, model runner, in one small loop.)
 """
 
@@ -28,6 +31,10 @@ from refusion.runtime.prefix_cache import PrefixCache
 from refusion.runtime.request import FinishReason, Request
 from refusion.runtime.runners.base import Runner
 from refusion.runtime.runners.rows import RowFeed
+
+# CPU seconds of the scheduler thread a request's steps may take a round before it owes the others (its steps
+# between forwards take well under 1 ms without a guide, and an ordinary guide's masks add 0.1 ms or less).
+FAIR_SHARE_S = 0.010
 
 
 @dataclass
@@ -55,6 +62,7 @@ class Scheduler:
         `prefill_chunk`: the most tokens a call feeds (a longer forward runs as chunks; None: no bound)."""
         self.runner, self.prefix_cache, self.prefill_chunk = runner, prefix_cache, prefill_chunk
         self._chunks: dict[Request, _Chunks] = {}  # requests whose forward runs as chunks (this thread's alone)
+        self._owed: dict[Request, float] = {}  # seconds of others' rounds a request sits out (this thread's alone)
         self.stats = SchedulerStats()
         # Rounds run under it while set (cProfile sees only the thread that enables it: this one).
         self.profiler: cProfile.Profile | None = None
@@ -161,13 +169,25 @@ class Scheduler:
     def _round(self) -> None:
         # Forwards of one graph and similar length go together: rows are padded to the longest,
         # so a 30-token prefill beside 1-token AR steps would cost 30 tokens a row.
+        t0, active = time.perf_counter(), list(self._active)
+        resting = [r for r in active if r in self._owed]
+        if len(resting) == len(active):  # nobody else to give the thread to
+            resting = []
         ready: dict[tuple[str, int], list[tuple[Request, Forward]]] = {}
-        for request in list(self._active):
+        for request in active:
+            if request in resting:
+                if request.cancelled or (request.deadline is not None and time.monotonic() > request.deadline):
+                    self._finish(request, "cancelled" if request.cancelled else "timeout")
+                continue
+            cpu = time.thread_time()
             try:
                 forward = self._advance(request)
             except Exception as e:  # noqa: BLE001 - its own error, raised to its caller
                 self._finish(request, None, e)
                 continue
+            over = time.thread_time() - cpu - FAIR_SHARE_S
+            if over > 0 and request in self._active:
+                self._owed[request] = self._owed.get(request, 0.0) + over
             if forward is not None:
                 key = (forward.graph, forward.input_ids.shape[1].bit_length())
                 ready.setdefault(key, []).append((request, forward))
@@ -175,6 +195,12 @@ class Scheduler:
             width = self._width([forward for _, forward in group])
             for start in range(0, len(group), width):
                 self._run(graph, group[start : start + width])
+        elapsed = time.perf_counter() - t0
+        for request in resting:  # repaid by the time the others had
+            if request in self._owed and self._owed[request] <= elapsed:
+                del self._owed[request]
+            elif request in self._owed:
+                self._owed[request] -= elapsed
 
     def _width(self, forwards: list[Forward]) -> int:
         """Rows a call packs: up to the runner's max_batch, and within prefill_chunk tokens in all."""
@@ -248,6 +274,7 @@ class Scheduler:
 
     def _finish(self, request: Request, reason: FinishReason | None, error: BaseException | None = None) -> None:
         self._chunks.pop(request, None)
+        self._owed.pop(request, None)
         with self._lock:
             if request in self._active:
                 self._active.remove(request)

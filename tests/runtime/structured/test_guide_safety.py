@@ -17,7 +17,8 @@ pytest.importorskip("llguidance")
 
 from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.generator import Generator
-from refusion.runtime.structured.engine import BUDGET_MS, Budgeted, Matcher
+from refusion.runtime.structured.engine import BUDGET_MS, Budgeted, Grammar, GrammarEngine, Matcher
+from refusion.runtime.structured.guide import Guide
 
 MODES = ["refusion", "ar"]
 AMBIGUOUS = 'start: s\ns: s s s | s s | "a" | "b"\n'  # the probe's worst: Earley work that grows with every token
@@ -113,6 +114,70 @@ def test_the_budget_counts_the_guides_cpu_time_a_token_and_names_the_field():
         Budgeted(_Spinning(5), "grammar", budget_ms=2).allowed(out[0])
     # masks along a draft of two tokens: three masks, three tokens' budget
     Budgeted(_Spinning(4), "json_schema", budget_ms=5).allowed_along([1, 2], out)
+
+
+class _Costly(Matcher):
+    """A real matcher whose masks each take `ms` more of this thread's CPU: a costly guide, on any machine."""
+
+    def __init__(self, inner: Matcher, ms: float):
+        self.inner, self.spin = inner, _Spinning(ms)
+
+    def allowed(self, out: np.ndarray) -> bool:
+        self.spin.allowed(out.copy())
+        return self.inner.allowed(out)
+
+    def allowed_along(self, draft, out: np.ndarray) -> None:
+        self.spin.allowed(out[0].copy())
+        self.inner.allowed_along(draft, out)
+
+    def valid(self, tokens) -> int:
+        return self.inner.valid(tokens)
+
+    def consume(self, tokens) -> None:
+        self.inner.consume(tokens)
+
+    def rollback(self, count: int) -> None:
+        self.inner.rollback(count)
+
+    def forced(self) -> list[int]:
+        return self.inner.forced()
+
+    @property
+    def finished(self) -> bool:
+        return self.inner.finished
+
+
+class _CostlyEngine(GrammarEngine):
+    def __init__(self, inner: GrammarEngine, ms: float):
+        self.inner, self.ms, self.name = inner, ms, inner.name
+
+    def compile(self, guide: Guide) -> Grammar:
+        grammar, ms = self.inner.compile(guide), self.ms
+
+        class Costly(Grammar):
+            width = grammar.width
+
+            def matcher(self) -> Matcher:
+                return _Costly(grammar.matcher(), ms)
+
+        return Costly()
+
+
+def test_a_costly_guide_shares_the_scheduler_thread_and_does_not_step_in_every_round(exports):
+    """A guided request whose steps each take 30 ms of the thread's CPU sits out the rounds after each, while others
+    run: a neighbour's eight-token answer (nine rounds) meets at most a few of its steps, not one a round."""
+    with Generator.from_dir(exports["fp32"], backend="ort-cpu", threads=1, max_requests=2, max_batch=2,
+                            guide_budget_ms=10_000) as gen:
+        gen.guides.wrap(lambda engine: _CostlyEngine(engine, 30))
+        costly = gen.submit("hi", mode="ar", regex="[ab]{200}")
+        pieces = iter(costly)
+        next(pieces), next(pieces)  # it runs, and owes the thread
+        before = len(costly.commits)
+        neighbour = gen.generate("hello", mode="ar", max_tokens=8)
+        during = len(costly.commits) - before
+        costly.cancel()
+    assert neighbour.finish_reason == "length" and neighbour.stats.forward_count >= 8
+    assert during <= neighbour.stats.forward_count // 2, f"the costly guide stepped {during} times in its neighbour's life"
 
 
 def test_a_budget_is_a_positive_number_of_milliseconds(tiny_export):
