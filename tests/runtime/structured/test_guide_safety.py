@@ -165,7 +165,7 @@ class _CostlyEngine(GrammarEngine):
 
 def test_a_costly_guide_shares_the_scheduler_thread_and_does_not_step_in_every_round(exports):
     """A guided request whose steps each take 30 ms of the thread's CPU sits out the rounds after each, while others
-    run: a neighbour's eight-token answer (nine rounds) meets at most a few of its steps, not one a round."""
+    run: a neighbour's eight-token answer (eight rounds) meets one or two of its steps, not one a round."""
     with Generator.from_dir(exports["fp32"], backend="ort-cpu", threads=1, max_requests=2, max_batch=2,
                             guide_budget_ms=10_000) as gen:
         gen.guides.wrap(lambda engine: _CostlyEngine(engine, 30))
