@@ -277,14 +277,12 @@ class Generator:
         return params, request
 
     def grammar(self, options: RequestOptions, tools: Tools | None = None) -> Grammar | None:
-        """The guide `options` ask for, or the call `tools` makes certain (tool_choice "required" or a named
-        function), compiled (each guide once: the Generator caches them); None without one. A guide this export or
-        the engine cannot enforce is a RefusionError naming its field."""
-        guide, call = guide_of(options), tools.guide() if tools is not None else None
-        if guide is not None and call is not None:
-            raise RefusionError(f"tool_choice={tools.choice!r} and {guide.field} both ask for structured output "  # type: ignore[union-attr]
-                                "(a call, or an answer in that form); give one of them.")
-        guide = guide or call
+        """The guide `options` ask for, as `tools` reads it with theirs (Tools.guide: a certain call, or a call or
+        the typed answer), compiled (each guide once: the Generator caches them); None without one. A guide this
+        export or the engine cannot enforce is a RefusionError naming its field."""
+        guide = guide_of(options)
+        if tools is not None:
+            guide = tools.guide(guide)
         if guide is None:
             return None
         m = self.manifest
@@ -316,7 +314,7 @@ class Generator:
         `tool_calls`. Bad input raises here, before anything runs."""
         calls = read_tools(tools, tool_choice)
         params, request = self.options(**options)
-        self.grammar(request, calls)  # a call and a guide together are refused before the prompt is rendered
+        self.grammar(request, calls)  # a guide refused before the prompt is rendered
         ids = self.prompt_ids(prompt, messages=messages, prompt_ids=prompt_ids, chat=chat, enable_thinking=enable_thinking,
                               tools=calls)
         return self.submit_ids(ids, params, request, calls)

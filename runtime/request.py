@@ -25,7 +25,7 @@ from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.decode import STRATEGIES
 from refusion.runtime.decode.steps import Commit, DecodeTrace, Outputs, Step, StepMachine, Tokens
 from refusion.runtime.options import RequestOptions
-from refusion.runtime.structured.tools import tool_calls
+from refusion.runtime.structured.tools import cut_call, tool_calls
 from refusion.runtime.text import Detokenize, SettledText
 
 if TYPE_CHECKING:
@@ -362,7 +362,10 @@ class Request:
             alternatives = [others[p] for p in returned]
         calls = None
         if self.tools is not None and self.tools.choice != "none":
-            text, calls = tool_calls(text)
+            cut = reason in ("length", "timeout", "cancelled")
+            text, calls = tool_calls(text, cut)
+            if cut and not calls and self.tools.choice not in ("auto", "none"):  # its text can only be the call's
+                text, calls = "", [cut_call(text)]
             if calls and reason == "eos":
                 reason = "tool_calls"
         return GenerationResult(text, token_ids, self.prompt_ids, stats, list(self.commits), reason, logprobs,

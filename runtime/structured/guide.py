@@ -1,7 +1,13 @@
 """A request's guide: the one structure its answer must follow, read from its options (the `guide` rows of
 runtime/core/settings.py): a JSON schema (json_schema, or OpenAI's response_format), a regular expression, a choice
 of strings, or a grammar. Pure: a grammar engine (engine.py) compiles what this names, and every refusal names
-the field the guide came from."""
+the field the guide came from.
+
+A JSON schema's objects that list their `properties` are closed: one that does not say `additionalProperties`
+takes no other key (`closed`), as OpenAI's strict mode and xgrammar read it, where JSON Schema would take any. Every
+Pydantic model's schema leaves it out, and a model that may add keys rarely stops adding them (the answer is then
+cut by max_tokens). An object that wants other keys says so: `"additionalProperties": true` (or a schema for them).
+"""
 
 from __future__ import annotations
 
@@ -43,6 +49,8 @@ def guide_of(options: RequestOptions) -> Guide | None:
             continue
         if setting.name == "choice":
             given.append(_choice(value))
+        elif setting.name == "json_schema":
+            given.append(Guide("json_schema", _closed_text(value), "json_schema"))
         else:
             given.append(Guide(setting.name, value, setting.name))  # type: ignore[arg-type]  # the rows' names
     if len(given) > 1:
@@ -71,7 +79,7 @@ def _response_format(value: dict[str, Any]) -> list[Guide]:
         if unknown:
             raise RefusionError(f"response_format.json_schema.{unknown[0]} is not one of name, description, schema, "
                                 "strict.")
-        schema = json.dumps(spec["schema"], ensure_ascii=False, separators=(",", ":"))
+        schema = json.dumps(closed(spec["schema"]), ensure_ascii=False, separators=(",", ":"))
         return [Guide("json_schema", schema, "response_format.json_schema.schema")]
     shown = json.dumps(kind)[:40] if kind is not None else "missing"
     raise RefusionError(f"response_format.type is {shown}; it must be \"text\", \"json_object\" or \"json_schema\" "
@@ -84,3 +92,33 @@ def _choice(values: tuple[str, ...]) -> Guide:
         raise RefusionError(f"choice holds {len(source.encode('utf-8', 'surrogatepass'))} bytes as JSON, over the "
                             f"{GUIDE_BYTES} a request may send (a guide is bounded).")
     return Guide("choice", source, "choice")
+
+
+# The keywords whose values are schemas (SCHEMA_IN) or hold schemas by name or in a list: where `closed` looks
+# (not under `not` or `if`, where a closed object would let more through, not less).
+_SCHEMA_IN = ("additionalProperties", "items", "then", "else", "contains", "unevaluatedProperties",
+              "unevaluatedItems", "additionalItems")
+_SCHEMAS_BY_NAME = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_LISTS = ("anyOf", "allOf", "oneOf", "prefixItems", "items")
+
+
+def closed(schema: Any) -> Any:
+    """`schema` (parsed JSON) with `"additionalProperties": false` on every object schema that lists `properties`
+    and says nothing of other keys (module doc); a copy, the input unchanged. Walked without recursion."""
+    root = json.loads(json.dumps(schema))
+    todo = [root]
+    while todo:
+        node = todo.pop()
+        if not isinstance(node, dict):
+            continue
+        if isinstance(node.get("properties"), dict) and not any(
+                k in node for k in ("additionalProperties", "patternProperties", "unevaluatedProperties")):
+            node["additionalProperties"] = False
+        todo += [node[k] for k in _SCHEMA_IN if isinstance(node.get(k), dict)]
+        todo += [v for k in _SCHEMAS_BY_NAME if isinstance(node.get(k), dict) for v in node[k].values()]
+        todo += [v for k in _SCHEMA_LISTS if isinstance(node.get(k), list) for v in node[k]]
+    return root
+
+
+def _closed_text(source: str) -> str:
+    return json.dumps(closed(json.loads(source)), ensure_ascii=False, separators=(",", ":"))

@@ -18,7 +18,7 @@ from typing import Any
 
 from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.core.settings import GUIDE_BYTES
-from refusion.runtime.structured.guide import Guide
+from refusion.runtime.structured.guide import Guide, closed
 from refusion.runtime.structured.llguidance_engine import JSON_OPTIONS
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -27,6 +27,8 @@ _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for a function's n
 _OPENED = re.compile(re.escape(OPEN) + r"\s*")  # a call's opening tag, up to its JSON
 _CLOSED = re.compile(r"\s*" + re.escape(CLOSE))  # from its JSON's end, its closing tag
 _JSON = json.JSONDecoder()
+_CUT_NAME = re.compile(r'"name"\s*:\s*"((?:[^"\\]|\\.)*)')  # a cut call's name, as far as it got
+_CUT_ARGUMENTS = re.compile(r'"arguments"\s*:\s*(.*)', re.DOTALL)  # its arguments' text, as far as they got
 _READS_TOOLS = re.compile(r"{[{%][^}]*\btools\b")  # `tools` inside a jinja expression or statement
 
 
@@ -49,17 +51,34 @@ class Tools:
         """What the chat template gets as `tools`: none with tool_choice "none" (the model is not offered them)."""
         return None if self.choice == "none" else list(self.functions)
 
-    def guide(self) -> Guide | None:
-        """A call, certain: one call of the named function, or with "required" of any, its arguments valid
-        under its parameter schema (a grammar: the call's tags around a JSON schema); None otherwise."""
-        if self.choice in ("auto", "none"):
-            return None
+    def guide(self, answer: Guide | None = None) -> Guide | None:
+        """The guide of a request with these tools and `answer`, the guide its text answer follows (response_format,
+        a guided_* field; None: none), as OpenAI reads the two together: with "required" or a named function, a
+        call, certain (its arguments valid under the function's parameters; `answer` shapes no text: a call has
+        none); with "auto" and a JSON schema answer, a call or that answer, one guide; with "none", or "auto" and no
+        answer, `answer`. A grammar: the call's tags around a JSON schema."""
+        if self.choice == "none" or (self.choice == "auto" and answer is None):
+            return answer
         names = [self.choice] if self.named else list(self.parameters)
-        calls = [{"type": "object", "properties": {"name": {"const": name}, "arguments": self.parameters[name]},
+        calls = [{"type": "object", "properties": {"name": {"const": name}, "arguments": closed(self.parameters[name])},
                   "required": ["name", "arguments"], "additionalProperties": False} for name in names]
-        schema = {**(calls[0] if len(calls) == 1 else {"anyOf": calls}), "x-guidance": JSON_OPTIONS}
-        source = f"start: {json.dumps(OPEN + chr(10))} %json {json.dumps(schema)} {json.dumps(chr(10) + CLOSE)}\n"
-        return Guide("grammar", source, "tool_choice")
+        call = (f"{json.dumps(OPEN + chr(10))} %json {_laid_out(calls[0] if len(calls) == 1 else {'anyOf': calls})} "
+                f"{json.dumps(chr(10) + CLOSE)}")
+        if self.choice != "auto":
+            return Guide("grammar", f"start: {call}\n", "tool_choice")
+        assert answer is not None
+        if answer.kind != "json_schema":
+            raise RefusionError(f"tool_choice='auto' and {answer.field}: with tools, the answer may be a call or a JSON "
+                                f"schema's answer, not a {answer.kind}'s; give response_format json_schema, or "
+                                "tool_choice 'none' or 'required'.")
+        return Guide("grammar", f"start: call | answer\ncall: {call}\nanswer: %json {_laid_out(json.loads(answer.source))}\n",
+                     answer.field)
+
+
+def _laid_out(schema: dict[str, Any]) -> str:
+    """A JSON schema for a grammar's %json, with the layout every JSON guide has (llguidance_engine.JSON_OPTIONS)
+    unless it sets its own."""
+    return json.dumps({"x-guidance": JSON_OPTIONS, **schema}, ensure_ascii=False)
 
 
 def read_tools(tools: Any, tool_choice: Any) -> Tools | None:
@@ -117,10 +136,11 @@ def check_template(source: str, where: str) -> None:
                             f"{OPEN}{{\"name\": ..., \"arguments\": ...}}{CLOSE}, the one this runtime reads.")
 
 
-def tool_calls(text: str) -> tuple[str, list[dict[str, Any]]]:
+def tool_calls(text: str, cut: bool = False) -> tuple[str, list[dict[str, Any]]]:
     """An answer read for calls: (the text outside them, stripped; each call OpenAI's way, {"id", "type":
     "function", "function": {"name", "arguments" (JSON text)}}). A block that is not a call (not JSON, no name, no
-    `</tool_call>` right after its object) stays in the text."""
+    `</tool_call>` right after its object) stays in the text. An answer `cut` short (max_tokens, a deadline) that
+    ends inside a call gives that call as far as it got, its arguments cut as OpenAI cuts them, not its markup."""
     calls: list[dict[str, Any]] = []
     kept: list[str] = []
     last = 0
@@ -131,11 +151,25 @@ def tool_calls(text: str) -> tuple[str, list[dict[str, Any]]]:
         call, end = read
         kept.append(text[last:opened.start()])
         last = end
-        arguments = call.get("arguments", {})
-        calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                      "function": {"name": call["name"], "arguments": json.dumps(arguments, ensure_ascii=False)}})
-    kept.append(text[last:])
+        calls.append(_openai(call["name"], json.dumps(call.get("arguments", {}), ensure_ascii=False)))
+    rest = text[last:]
+    if cut and OPEN in rest:
+        calls.append(cut_call(rest[rest.find(OPEN):]))
+        rest = rest[: rest.find(OPEN)]
+    kept.append(rest)
     return "".join(kept).strip(), calls
+
+
+def cut_call(markup: str) -> dict[str, Any]:
+    """A call cut short, from its markup as far as it got (`<tool_call>` or part of it, then part of its JSON): its
+    name and its arguments' text as far as they got ("" where they had not begun)."""
+    name = _CUT_NAME.search(markup)
+    arguments = _CUT_ARGUMENTS.search(markup)
+    return _openai(name[1].replace('\\"', '"') if name else "", arguments[1] if arguments else "")
+
+
+def _openai(name: str, arguments: str) -> dict[str, Any]:
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
 def _call_at(text: str, at: int) -> tuple[dict[str, Any], int] | None:

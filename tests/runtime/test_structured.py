@@ -103,8 +103,49 @@ def test_a_required_or_named_call_is_certain_and_valid(random_model, mode):
         call = result.tool_calls[0]
         assert call["type"] == "function" and call["id"].startswith("call_") and call["function"]["name"] in names
         jsonschema.validate(json.loads(call["function"]["arguments"]), params[call["function"]["name"]])
-    with pytest.raises(RefusionError, match="tool_choice='required' and regex both ask for structured output"):
-        random_model.submit(messages=ASK, tools=TOOLS, tool_choice="required", regex="a")
+
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},  # a Pydantic model's schema:
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 99}},  # no
+          "required": ["name", "age"]}  # additionalProperties, which a guide reads as false
+TYPED = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+
+
+@pytest.mark.parametrize("mode", ["refusion", "ar"])
+def test_tools_and_a_typed_answer_in_one_request_give_a_call_or_that_answer(random_model, mode):
+    """OpenAI's reading, which agents rely on (tools, then a typed final answer): with "auto" the model calls a tool
+    or answers in the response_format; with "required" or a named function it calls one (a call has no text)."""
+    import jsonschema
+
+    seen = set()
+    for seed in range(8):
+        result = random_model.generate(messages=ASK, tools=TOOLS, response_format=TYPED, mode=mode, temperature=1.0,
+                                       seed=seed, max_tokens=96)
+        if result.tool_calls:
+            assert result.finish_reason == "tool_calls" and result.text == ""
+            seen.add("call")
+        else:
+            assert result.finish_reason == "eos"
+            jsonschema.validate(json.loads(result.text), {**PERSON, "additionalProperties": False})
+            seen.add("answer")
+    assert seen == {"call", "answer"}  # both forms are open to it: the first token may be `<tool_call>` or `{`
+    for choice in ("required", {"type": "function", "function": {"name": "move"}}):
+        result = random_model.generate(messages=ASK, tools=TOOLS, tool_choice=choice, response_format=TYPED, mode=mode,
+                                       max_tokens=96)
+        assert result.finish_reason == "tool_calls" and len(result.tool_calls) == 1
+    with pytest.raises(RefusionError, match="tool_choice='auto' and regex: with tools, the answer may be a call or a "
+                                            "JSON schema's answer, not a regex's"):
+        random_model.submit(messages=ASK, tools=TOOLS, regex="a", max_tokens=8)
+
+
+@pytest.mark.parametrize("mode", ["refusion", "ar"])
+def test_a_required_call_cut_by_max_tokens_is_a_cut_call_not_markup(random_model, mode):
+    for cut in (4, 24, 40):
+        result = random_model.generate(messages=ASK, tools=TOOLS, tool_choice="required", mode=mode, max_tokens=cut)
+        assert result.finish_reason == "length" and result.text == "" and len(result.tool_calls) == 1
+        name, arguments = result.tool_calls[0]["function"]["name"], result.tool_calls[0]["function"]["arguments"]
+        assert any(tool.startswith(name) for tool in ("move", "stop")) and "<tool_call>" not in arguments
+        assert ('{"direction": "'.startswith(arguments) or arguments.startswith('{"direction": "') or arguments in "{}")
 
 
 def test_auto_reads_calls_out_of_the_answer_and_none_offers_no_tools(random_model):

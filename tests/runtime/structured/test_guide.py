@@ -12,6 +12,7 @@ from refusion.runtime.options import RequestOptions
 from refusion.runtime.structured.guide import ANY_OBJECT, Guide, guide_of
 
 SCHEMA = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}
+CLOSED = {**SCHEMA, "additionalProperties": False}  # what a guide follows: an object with properties takes no other
 
 
 @pytest.mark.parametrize("options, guide", [
@@ -19,9 +20,9 @@ SCHEMA = {"type": "object", "properties": {"answer": {"type": "string"}}, "requi
     (dict(response_format={"type": "text"}), None),
     (dict(response_format={"type": "json_object"}), Guide("json_schema", ANY_OBJECT, "response_format")),
     (dict(response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA, "strict": True}}),
-     Guide("json_schema", json.dumps(SCHEMA, separators=(",", ":")), "response_format.json_schema.schema")),
-    (dict(json_schema=SCHEMA), Guide("json_schema", json.dumps(SCHEMA, separators=(",", ":")), "json_schema")),
-    (dict(json_schema=json.dumps(SCHEMA, indent=2)), Guide("json_schema", json.dumps(SCHEMA, separators=(",", ":")),
+     Guide("json_schema", json.dumps(CLOSED, separators=(",", ":")), "response_format.json_schema.schema")),
+    (dict(json_schema=SCHEMA), Guide("json_schema", json.dumps(CLOSED, separators=(",", ":")), "json_schema")),
+    (dict(json_schema=json.dumps(SCHEMA, indent=2)), Guide("json_schema", json.dumps(CLOSED, separators=(",", ":")),
                                                            "json_schema")),
     (dict(regex=r"\d+"), Guide("regex", r"\d+", "regex")),
     (dict(choice=["yes", "no"]), Guide("choice", '["yes", "no"]', "choice")),
@@ -50,3 +51,22 @@ def test_each_field_gives_its_guide(options, guide):
 def test_a_guide_that_is_not_one_is_refused_naming_its_field(options, message):
     with pytest.raises(RefusionError, match=message.replace("[", r"\[").replace("(", r"\(")):
         guide_of(RequestOptions(**options))
+
+
+def test_objects_with_properties_are_closed_unless_they_say_otherwise():
+    nested = {"type": "object", "properties": {
+        "a": {"type": "object", "properties": {"x": {"type": "integer"}}},  # closed
+        "b": {"type": "object", "properties": {"y": {}}, "additionalProperties": True},  # as it says
+        "c": {"type": "array", "items": {"$ref": "#/$defs/item"}},
+        "d": {"type": "object"},  # any object: it lists no properties
+        "e": {"not": {"type": "object", "properties": {"z": {}}}},  # negated: closing it would let more through
+        "f": {"type": "object", "properties": {}, "patternProperties": {"^p": {}}}},
+        "$defs": {"item": {"anyOf": [{"properties": {"v": {}}}, {"type": "string"}]}}}
+    got = json.loads(guide_of(RequestOptions(json_schema=nested)).source)
+    assert got["additionalProperties"] is False
+    props = got["properties"]
+    assert props["a"]["additionalProperties"] is False and props["b"]["additionalProperties"] is True
+    assert "additionalProperties" not in props["d"] and "additionalProperties" not in props["e"]["not"]
+    assert "additionalProperties" not in props["f"]
+    assert got["$defs"]["item"]["anyOf"][0]["additionalProperties"] is False
+    assert "additionalProperties" not in nested  # the request's own value is left as it was

@@ -196,3 +196,59 @@ def test_the_ambiguous_grammar_ends_by_its_budget_while_health_and_neighbours_ar
     worker.join()
     assert outcome["error"]["param"] == "guided_grammar" and "budget" in outcome["error"]["message"]
     assert neighbours >= 1
+
+
+def test_tools_with_a_typed_answer_through_the_openai_client_and_langchain(tool_server):
+    """The agent pattern (openai-agents, pydantic-ai's NativeOutput, LangChain's with_structured_output(tools=...)):
+    tools and a response_format in one request. A Pydantic model's schema carries no additionalProperties: the guide
+    reads it as false, so the typed answer closes (was: keys added until max_tokens)."""
+    pydantic = pytest.importorskip("pydantic")
+
+    class Person(pydantic.BaseModel):
+        name: str = pydantic.Field(max_length=8)
+        age: int = pydantic.Field(ge=0, le=99)
+
+    client = _client(tool_server[1])
+    typed = {"type": "json_schema", "json_schema": {"name": "person", "schema": Person.model_json_schema()}}
+    asked = dict(model="refusion", messages=[{"role": "user", "content": "go"}], tools=TOOLS[:1], max_tokens=96,
+                 response_format=typed)
+    forms = set()
+    for seed in range(8):
+        choice = client.chat.completions.create(**asked, temperature=1.0, seed=seed).choices[0]
+        if choice.message.tool_calls:
+            assert choice.finish_reason == "tool_calls" and choice.message.tool_calls[0].function.name == "move"
+            forms.add("call")
+        else:
+            assert choice.finish_reason == "stop"
+            Person.model_validate_json(choice.message.content)
+            forms.add("answer")
+    assert forms == {"call", "answer"}
+    required = client.chat.completions.create(**asked, tool_choice="required").choices[0]
+    assert required.finish_reason == "tool_calls" and required.message.tool_calls[0].function.name == "move"
+    parsed = client.chat.completions.parse(model="refusion", messages=[{"role": "user", "content": "who"}],
+                                           response_format=Person, max_tokens=96).choices[0]
+    assert parsed.finish_reason == "stop" and isinstance(parsed.message.parsed, Person)
+
+    pytest.importorskip("langchain_openai")
+    from langchain_openai import ChatOpenAI
+
+    chat = ChatOpenAI(base_url=f"{tool_server[1].url}/v1", api_key="unused", model="refusion", max_retries=0,
+                      max_tokens=96)
+    strict_move = {**TOOLS[0], "function": {**TOOLS[0]["function"], "strict": True}}  # the SDK parses strict tools only
+    raw = chat.with_structured_output(Person, method="json_schema", tools=[strict_move], include_raw=True, strict=True,
+                                      tool_choice="required").invoke("go")
+    assert raw["raw"].tool_calls[0]["name"] == "move"
+
+
+def test_a_required_call_cut_by_max_tokens_comes_as_a_cut_call_streamed_or_not(tool_server):
+    client = _client(tool_server[1])
+    asked = dict(model="refusion", messages=[{"role": "user", "content": "go"}], tools=TOOLS[:1],
+                 tool_choice="required", max_tokens=24)
+    choice = client.chat.completions.create(**asked).choices[0]
+    assert choice.finish_reason == "length" and not choice.message.content
+    call = choice.message.tool_calls[0].function
+    assert "move".startswith(call.name) and "<tool_call>" not in call.arguments
+    chunks = list(client.chat.completions.create(**asked, stream=True))
+    streamed = [d.function for c in chunks for d in c.choices[0].delta.tool_calls or []]
+    assert [(f.name, f.arguments) for f in streamed] == [(call.name, call.arguments)]
+    assert chunks[-1].choices[0].finish_reason == "length"
