@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from typing import Literal
 
 import openai
 import pytest
@@ -252,3 +253,39 @@ def test_a_required_call_cut_by_max_tokens_comes_as_a_cut_call_streamed_or_not(t
     streamed = [d.function for c in chunks for d in c.choices[0].delta.tool_calls or []]
     assert [(f.name, f.arguments) for f in streamed] == [(call.name, call.arguments)]
     assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_pydantic_ai_with_a_tool_and_native_output_completes(tool_server):
+    """pydantic-ai's agent with a tool and NativeOutput sends tools and a response_format on every request: the
+    model calls the tool or answers in the form, and the run ends with a typed output (was: no call ever made, the
+    answer forced into the JSON). Sampled over a few seeds: the random model may keep calling until its
+    conversation outgrows the 1,024 positions, which is the model's failure, not the server's (a 400 naming it)."""
+    pydantic = pytest.importorskip("pydantic")
+    pytest.importorskip("pydantic_ai")
+    from pydantic_ai import Agent, NativeOutput
+    from pydantic_ai.exceptions import ModelHTTPError
+    from pydantic_ai.models.openai import OpenAIChatModel
+    from pydantic_ai.providers.openai import OpenAIProvider
+    from pydantic_ai.usage import UsageLimits
+
+    class Person(pydantic.BaseModel):
+        name: str = pydantic.Field(max_length=8)
+        age: int = pydantic.Field(ge=0, le=99)
+
+    model = OpenAIChatModel("refusion", provider=OpenAIProvider(base_url=f"{tool_server[1].url}/v1", api_key="unused"))
+    outputs, calls = [], []
+    for seed in range(4):
+        agent = Agent(model, output_type=NativeOutput(Person),
+                      model_settings={"temperature": 1.0, "seed": seed, "max_tokens": 96})
+
+        @agent.tool_plain
+        def move(direction: Literal["left", "right"]) -> str:
+            """Drive the robot."""
+            calls.append(direction)
+            return "moved"
+
+        try:
+            outputs.append(agent.run_sync("go", usage_limits=UsageLimits(request_limit=12)).output)
+        except ModelHTTPError as e:
+            assert e.status_code == 400 and "positions" in str(e.body)  # the conversation outgrew the model
+    assert outputs and all(isinstance(o, Person) for o in outputs) and calls
