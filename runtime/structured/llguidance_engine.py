@@ -121,9 +121,10 @@ class _Matcher(Matcher):
     def __init__(self, matcher: Any, executor: Any, eos: int):
         self.m, self.executor, self.eos = matcher, executor, eos
 
-    def _failed(self, what: str) -> RefusionError:
+    def _failed(self, what: str, matcher: Any = None) -> RefusionError:
         """llguidance's error as one line (its first: the rest is the parser's state and the grammar)."""
-        return RefusionError(f"{what}: {self.m.get_error().strip().splitlines()[0][:200]}")
+        error = (matcher or self.m).get_error().strip()
+        return RefusionError(f"{what}: {error.splitlines()[0][:200] if error else 'no reason given'}")
 
     def _eos_where_complete(self, out: np.ndarray, draft: Sequence[int]) -> None:
         """Clear the EOS bit of `out` (the mask after `draft`) unless the answer is complete there."""
@@ -158,7 +159,7 @@ class _Matcher(Matcher):
                                                                 out.shape[1], len(out))
         if probe.is_error():  # at the draft's end: each token before it is one the guide accepts there
             if not probe.get_error().startswith(DEAD_END):
-                raise RefusionError(f"the grammar engine gave up: {probe.get_error().strip().splitlines()[0][:200]}")
+                raise self._failed("the grammar engine gave up", probe)
             out[-1] = 0
         for j in range(len(out)):
             self._eos_where_complete(out[j], draft[:j])
@@ -175,12 +176,10 @@ class _Matcher(Matcher):
             self.m.rollback(count)
 
     def forced(self) -> list[int]:
-        """llguidance's forced tokens, up to the first it would refuse: text the vocabulary cannot write comes back
-        as its unknown token, which the mask after the run then shows as a dead end."""
         run = list(self.m.compute_ff_tokens())
         if self.m.is_error():
             raise self._failed("the grammar engine gave up")
-        return run[: self.valid(run)] if run else run
+        return run
 
     @property
     def finished(self) -> bool:
