@@ -56,21 +56,17 @@ class Tools:
         a guided_* field; None: none), as OpenAI reads the two together: with "required" or a named function, a
         call, certain (its arguments valid under the function's parameters; `answer` shapes no text: a call has
         none); with "auto" and a JSON schema answer, a call or that answer, one guide; with "none", or "auto" and no
-        answer, `answer`. A grammar: the call's tags around a JSON schema."""
-        if self.choice == "none" or (self.choice == "auto" and answer is None):
+        answer or one of another kind (a regex, a choice, a grammar: it shapes the whole answer, calls read out of
+        it, as vLLM's guided fields do), `answer`. A grammar: the call's tags around a JSON schema."""
+        if self.choice == "none" or (self.choice == "auto" and (answer is None or answer.kind != "json_schema")):
             return answer
         names = [self.choice] if self.named else list(self.parameters)
         calls = [{"type": "object", "properties": {"name": {"const": name}, "arguments": closed(self.parameters[name])},
                   "required": ["name", "arguments"], "additionalProperties": False} for name in names]
         call = (f"{json.dumps(OPEN + chr(10))} %json {_laid_out(calls[0] if len(calls) == 1 else {'anyOf': calls})} "
                 f"{json.dumps(chr(10) + CLOSE)}")
-        if self.choice != "auto":
+        if answer is None or self.choice != "auto":
             return Guide("grammar", f"start: {call}\n", "tool_choice")
-        assert answer is not None
-        if answer.kind != "json_schema":
-            raise RefusionError(f"tool_choice='auto' and {answer.field}: with tools, the answer may be a call or a JSON "
-                                f"schema's answer, not a {answer.kind}'s; give response_format json_schema, or "
-                                "tool_choice 'none' or 'required'.")
         return Guide("grammar", f"start: call | answer\ncall: {call}\nanswer: %json {_laid_out(json.loads(answer.source))}\n",
                      answer.field)
 
