@@ -15,7 +15,7 @@ from numbers import Integral
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from refusion.runtime.core.errors import RefusionError
+from refusion.runtime.core.errors import ContextLengthError, RefusionError
 from refusion.runtime.core.export_manifest import ExportManifest
 from refusion.runtime.decode import strategy
 from refusion.runtime.decode.steps import Tokens
@@ -166,7 +166,7 @@ class Generator:
                     self._check_text(text)  # before a template copies it
             offered = tools.rendered if tools is not None else None
             if offered is not None:
-                check_template(tok.template(tools=True), str(self.manifest.path))
+                check_template(tok.template(tools=True), "this model")  # no path: a server sends it to clients
             text = (tok.apply_chat_template(messages, enable_thinking=enable_thinking, tools=offered) if messages
                     else prompt)
             ids = tok.encode(self._check_text(text or ""))
@@ -203,9 +203,11 @@ class Generator:
             turns.pop(0)
         kept = system + [m for t in turns for m in t]
         if length(kept) > room:
-            raise RefusionError(f"the conversation's last turn takes {length(kept)} prompt tokens with the system "
-                                f"messages, more than the {room} the model's {self.manifest.max_positions} positions "
-                                "leave beside the answer; shorten it, or ask for fewer tokens.")
+            raise ContextLengthError(
+                f"the conversation's last turn takes {length(kept)} prompt tokens with the system messages, more than "
+                f"the {room} the model's {self.manifest.max_positions} positions leave beside the answer; shorten it, "
+                "or ask for fewer tokens.", context=self.manifest.max_positions, prompt=length(kept),
+                completion=self.manifest.max_positions - room)
         return kept, len(messages) - len(kept)
 
     def _token_ids(self, prompt_ids: Iterable[int]) -> list[int]:
@@ -232,10 +234,12 @@ class Generator:
                 f"the prompt is not valid text: character {e.start} is a lone surrogate {text[e.start]!r} (what "
                 "undecodable bytes become: input that is not UTF-8); send UTF-8 text.") from None
         if size > self.max_prompt_bytes:
+            context, longest = self.manifest.max_positions, self._tokenizer().longest_token_bytes
             raise _TooManyBytes(
-                f"the prompt is {size} bytes of UTF-8; no text over {self.max_prompt_bytes} bytes fits the model's "
-                f"{self.manifest.max_positions} positions (at most {self._tokenizer().longest_token_bytes} bytes a "
-                "token); shorten it.")
+                f"This model's maximum context length is {context} tokens. However, the prompt is {size} bytes of "
+                f"UTF-8, at least {-(-size // longest)} tokens (at most {longest} bytes a token). The prompt is too "
+                f"long: no text over {self.max_prompt_bytes} bytes fits the model's positions; shorten it.",
+                context=context, prompt=-(-size // longest), completion=1)
         return text
 
     def _tokenizer(self) -> Tokenizer:
@@ -317,19 +321,21 @@ class Generator:
         self.grammar(request, calls)  # a guide refused before the prompt is rendered
         ids = self.prompt_ids(prompt, messages=messages, prompt_ids=prompt_ids, chat=chat, enable_thinking=enable_thinking,
                               tools=calls)
-        return self.submit_ids(ids, params, request, calls)
+        return self.submit_ids(ids, params, request, calls, shrink=options.get("gen_length") is None)
 
-    def check_fits(self, params: DecodeParams | DiffusionParams, prompt_tokens: int = 1) -> None:
-        """Refuse params this export cannot run with a prompt of `prompt_tokens` (a RefusionError): too many
-        positions, or outside the backend's profiles."""
+    def check_fits(self, params: DecodeParams | DiffusionParams, prompt_tokens: int = 1,
+                   shrink: bool = False) -> DecodeParams | DiffusionParams:
+        """The params a prompt of `prompt_tokens` runs with, or their refusal (a RefusionError): too many positions
+        (a ContextLengthError), or outside the backend's profiles. The one place a canvas is sized: where the one
+        the settings ask for runs past the positions the prompt leaves, it is cut to them when max_tokens is
+        given and fits, or when max_tokens is left out and `shrink` (gen_length is the export's, not the
+        caller's): DecodeParams.sized, docs/decoding.md."""
+        context = self.manifest.max_positions
+        if isinstance(params, DecodeParams):
+            params = params.sized(context - prompt_tokens, shrink)
         positions = strategy(params.mode).positions(params)
-        if prompt_tokens + positions > self.manifest.max_positions:
-            raise RefusionError(
-                f"prompt of {prompt_tokens} tokens + {positions} positions of generation exceeds the model's "
-                f"{self.manifest.max_positions} positions; shorten the prompt or ask for fewer tokens (max_tokens or "
-                f"gen_length; {max(0, self.manifest.max_positions - prompt_tokens)} positions remain after this "
-                "prompt)."
-            )
+        if prompt_tokens + positions > context:
+            raise _too_long(params, prompt_tokens, positions, context)
         needs = strategy(params.mode).profile_needs
         if self.prefill_chunk is not None and needs is not None:
             gen_length, _, blocks = needs(params)
@@ -340,12 +346,15 @@ class Generator:
                     "lower the block (more serial_num_blocks, or a smaller gen_length) or load with a larger "
                     "prefill_chunk (--prefill-chunk).")
         self.runner.check_request(prompt_tokens, params)
+        return params
 
     def submit_ids(self, ids: list[int], params: DecodeParams | DiffusionParams,
-                   options: RequestOptions = RequestOptions(), tools: Tools | None = None) -> Request:
+                   options: RequestOptions = RequestOptions(), tools: Tools | None = None,
+                   shrink: bool = False) -> Request:
         """Start a generation of these token ids with these params (any strategy's: decode.STRATEGIES); `tools`:
-        the functions the prompt offers, whose calls the result reads."""
-        self.check_fits(params, len(ids))
+        the functions the prompt offers, whose calls the result reads; `shrink`: gen_length is the export's, so
+        with max_tokens left out the canvas may shrink to what the prompt leaves (check_fits)."""
+        params = self.check_fits(params, len(ids), shrink)
         m = self.manifest
         detokenize = self.tokenizer.decode if self.tokenizer else None
         grammar = self.grammar(options, tools)
@@ -419,7 +428,40 @@ def resolve_prefill_chunk(asked: int | None, engines: int | None, whole: bool = 
     return bound
 
 
-class _TooManyBytes(RefusionError):
+def _too_long(params: DecodeParams | DiffusionParams, prompt: int, positions: int, context: int) -> ContextLengthError:
+    """The refusal of a prompt and an answer over the model's positions, in OpenAI's words ("This model's maximum
+    context length is N tokens", which litellm matches; "prompt is too long", which LangChain matches where the
+    openai client's error text carries the message alone, not the code), with what remains and what to lower."""
+    room = context - prompt
+    max_tokens = params.max_tokens if isinstance(params, DecodeParams) else None  # the benchmark's llada: none
+    completion = max_tokens if max_tokens is not None else positions
+    said = (f"This model's maximum context length is {context} tokens. However, you requested {prompt + completion} "
+            f"tokens ({prompt} in the prompt, {completion} in the completion).")
+    if room < 1:
+        if max_tokens is None:  # a canvas of the export's would have been cut to fit: the prompt alone is too long
+            completion = 1
+            said = f"This model's maximum context length is {context} tokens. However, the prompt is {prompt} tokens."
+        advice = (f"The prompt is too long: it leaves no position for an answer; shorten it to at most {context - 1} "
+                  "tokens.")
+    elif max_tokens is not None:
+        advice = (f"The prompt is too long for that many: shorten it, or ask for at most {_count(room, 'token')} "
+                  f"(max_tokens); {_count(room, 'position')} {'remains' if room == 1 else 'remain'} after it.")
+    elif isinstance(params, DecodeParams):
+        advice = (f"The prompt is too long for the canvas of {positions} positions the gen_length given asks for: "
+                  f"shorten it, lower gen_length, ask for at most {_count(room, 'token')} (max_tokens: the canvas is "
+                  f"then cut to fit) or leave gen_length out (the export's canvas is then cut to fit); "
+                  f"{_count(room, 'position')} {'remains' if room == 1 else 'remain'} after this prompt.")
+    else:
+        advice = (f"The prompt is too long for gen_length {positions}: shorten it or lower gen_length; "
+                  f"{_count(room, 'position')} {'remains' if room == 1 else 'remain'} after this prompt.")
+    return ContextLengthError(f"{said} {advice}", context=context, prompt=prompt, completion=completion)
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
+class _TooManyBytes(ContextLengthError):
     """A prompt over max_prompt_bytes (fit_messages takes it for a conversation too long, not an error)."""
 
 

@@ -56,6 +56,20 @@ class DecodeParams:
         """Positions the generation takes after the prompt (its strategy's count)."""
         return STRATEGIES[self.mode].positions(self)
 
+    def sized(self, room: int, shrink: bool = True) -> DecodeParams:
+        """These settings for a prompt that leaves `room` positions of the model's: where the canvas the settings
+        ask for (`positions`) runs past them and may be cut, the same settings with the canvas cut to the room
+        (SizedParams); else these (Generator.check_fits refuses what does not fit). It may be cut when max_tokens
+        is given and at most the room (any N that fits is taken), or when max_tokens is left out and `shrink`
+        (gen_length is the export's, not the caller's: an answer may use what the context leaves). Cut, the
+        canvas keeps its blocks of `block_length` while they fit and ends at the room (docs/decoding.md); it is
+        cut to the room, not to max_tokens, so that a capped answer is still the uncapped one's first tokens."""
+        if self.positions <= room or room < 1:
+            return self
+        if (self.max_tokens is None and not shrink) or (self.max_tokens is not None and self.max_tokens > room):
+            return self
+        return SizedParams(**{f.name: getattr(self, f.name) for f in fields(DecodeParams)}, canvas=room)
+
     @property
     def padded_gen_length(self) -> int:
         """gen_length rounded up to whole slots, as upstream pads it."""
@@ -75,6 +89,19 @@ class DecodeParams:
                 f"gen_length as a multiple of slot_size x serial_num_blocks = {k * blocks}."
             )
         return gen // blocks
+
+
+@dataclass(frozen=True)
+class SizedParams(DecodeParams):
+    """DecodeParams with the canvas sized to one prompt (DecodeParams.sized): `canvas` positions after it, which
+    the strategies take as their count. Not a setting: the Generator makes it from the prompt's length."""
+
+    canvas: int = 1
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if isinstance(self.canvas, bool) or not isinstance(self.canvas, int) or self.canvas < 1:
+            raise RefusionError(f"canvas={self.canvas!r} must be a positive number of positions.")
 
 
 DECODE_SETTINGS = tuple(f.name for f in fields(DecodeParams))

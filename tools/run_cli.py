@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -89,19 +88,19 @@ def generate(model_dir: Path, prompt: str | None, chat: bool, no_thinking: bool,
                             "without the chat template; drop --chat, or give the PROMPT text instead.")
     given = given_settings(options)
     asked = {name: given.pop(name) for name in RequestOptions.names() if name in given} | {"logprobs": logprobs}
-    params = DecodeParams.with_defaults(ExportManifest.read(model_dir).defaults, **given)  # before loading anything
+    DecodeParams.with_defaults(ExportManifest.read(model_dir).defaults, **given)  # checked before loading anything
     RequestOptions(**asked)  # the stop options too are checked before loading
     prompt_kwargs = dict(prompt_ids=_prompt_ids(prompt_ids), chat=chat, enable_thinking=not no_thinking)
     prompt = read_prompt(prompt)
     with Generator.from_dir(model_dir, **load_settings(options)) as gen:
         progress(f"{gen.runner.name}: {gen.manifest.path} ({gen.manifest.precision})")
         if stream:
-            for piece in gen.stream(prompt, **prompt_kwargs, **asdict(params), **asked):
+            for piece in gen.stream(prompt, **prompt_kwargs, **given, **asked):  # left out: the export's
                 click.echo(piece, nl=False)
                 sys.stdout.flush()
             click.echo()
             return
-        result = gen.generate(prompt, **prompt_kwargs, **asdict(params), **asked)
+        result = gen.generate(prompt, **prompt_kwargs, **given, **asked)
     if as_json:
         extra = {"logprobs": result.logprobs} if logprobs else {}
         click.echo(json.dumps({"text": result.text, "token_ids": result.token_ids, "prompt_ids": result.prompt_ids,

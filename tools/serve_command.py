@@ -168,7 +168,7 @@ def _serve_openai(model_dir: Path, settings: ServeSettings, model_name: str, htt
 
         previous = {signum: signal.signal(signum, stop) for signum in _STOP_SIGNALS}
         try:
-            progress(f"ready: {server.url}/v1 (chat/completions, completions, models; model {model_name!r}), "
+            progress(f"ready: {server.url}/v1 (chat/completions, completions, responses, models; model {model_name!r}), "
                      f"{server.url}/health, {server.url}/metrics; {gen.runner.name}, {gen.runner.max_requests} "
                      f"running + {s.max_queue} queued at most")
             server.run()

@@ -21,7 +21,11 @@ def kv_capacity(prompt_length: int, params: DecodeParams) -> int:
 
 
 def positions(params: DecodeParams) -> int:
-    """Tokens it generates at most: max_tokens when given, else gen_length (unpadded: AR has no slots)."""
+    """Tokens it generates at most: max_tokens when given, else gen_length (unpadded: AR has no slots), or a
+    canvas cut to what the context leaves (SizedParams)."""
+    canvas = getattr(params, "canvas", None)  # SizedParams' (runtime/params.py imports this module)
+    if canvas is not None:
+        return canvas
     return params.max_tokens if params.max_tokens is not None else params.gen_length
 
 

@@ -27,6 +27,7 @@ class Forwards:
 
     def __init__(self, cache: KVCache, trace: DecodeTrace, params: DecodeParams, top_logprobs: int = 0):
         self.cache, self.trace, self.params, self.top_logprobs = cache, trace, params, top_logprobs
+        self.slot_size = params.slot_size  # the infill rows' length (ReFusion's loop sets it for a short last slot)
         self.rng = np.random.default_rng(params.seed) if params.temperature > 0 else None
 
     def run(self, kind: str, graph: GraphName, ids: np.ndarray, pos: np.ndarray, mask: np.ndarray, past: int,
@@ -87,7 +88,7 @@ class Forwards:
     def infill_draft(self, rows: np.ndarray, pos: np.ndarray, a: int, scratch_rows: int) -> Calls[Drafts]:
         """Every row's window [a, k) drafted (planner): ids and their probabilities, [n, k - a] each (greedy, as
         upstream's infill), and their alternatives."""
-        n, window = rows.shape[0], self.params.slot_size - a
+        n, window = rows.shape[0], self.slot_size - a
         mask, past = self._rows_mask(a, scratch_rows, n, window)
         out = yield from self.run("infill_draft", "planner", rows.reshape(-1), pos.reshape(-1), mask, past)
         ids, probs, alternatives = self.draft(out, sample=False)
@@ -95,16 +96,16 @@ class Forwards:
 
     def infill_verify(self, rows: np.ndarray, pos: np.ndarray, a: int, scratch_rows: int) -> Calls[np.ndarray]:
         """Every row's window [a, k) verified (infiller): each token's AR probability, [n, k - a]."""
-        n, window = rows.shape[0], self.params.slot_size - a
+        n, window = rows.shape[0], self.slot_size - a
         mask, past = self._rows_mask(a, scratch_rows, n, window)
         # First pass: the windows are whole rows, written in place; later: staged, then moved.
-        write_at = self.cache.length if a == 0 else self.cache.staging(scratch_rows, self.params.slot_size)
+        write_at = self.cache.length if a == 0 else self.cache.staging(scratch_rows, self.slot_size)
         probs = yield from self.verified("infill_verify", rows.reshape(-1), pos.reshape(-1), mask, past, write_at)
         if a:
-            yield from self.cache.place_windows(scratch_rows, n, self.params.slot_size, a, window)
+            yield from self.cache.place_windows(scratch_rows, n, self.slot_size, a, window)
         return probs.reshape(n, window)
 
     def _rows_mask(self, a: int, scratch_rows: int, n: int, window: int) -> tuple[np.ndarray, int]:
         """The parallel infill mask of n rows' windows over the prefix (and the rows' scratch), and its past."""
-        mask = masks.rows_over_prefix(self.cache.length, scratch_rows, self.params.slot_size, a, n, window)
+        mask = masks.rows_over_prefix(self.cache.length, scratch_rows, self.slot_size, a, n, window)
         return mask, mask.shape[2] - n * window

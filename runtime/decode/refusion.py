@@ -21,15 +21,35 @@ if TYPE_CHECKING:
 def block_count(params: DecodeParams) -> int:
     """Blocks decoded in turn, each `params.block_length` long: upstream's serial_num_blocks; with max_tokens, as
     many as cover it. Whole blocks either way, so a cap only cuts the answer: the plan chooses among the same
-    slots as without it, and the tokens before the cap are the uncapped answer's."""
+    slots as without it, and the tokens before the cap are the uncapped answer's. A canvas cut to what the
+    context leaves (SizedParams) counts its last block, cut, as one."""
+    canvas = getattr(params, "canvas", None)  # SizedParams' (runtime/params.py imports this module)
+    if canvas is not None:
+        return -(-canvas // params.block_length)
     if params.max_tokens is None:
         return params.serial_num_blocks
     return -(-params.max_tokens // params.block_length)
 
 
 def positions(params: DecodeParams) -> int:
-    """Positions the generation takes after the prompt: its blocks (upstream pads gen_length to whole slots)."""
-    return block_count(params) * params.block_length
+    """Positions the generation takes after the prompt: its blocks (upstream pads gen_length to whole slots), or
+    a canvas cut to what the context leaves."""
+    canvas = getattr(params, "canvas", None)
+    return canvas if canvas is not None else block_count(params) * params.block_length
+
+
+def layout(params: DecodeParams) -> list[tuple[int, int, int]]:
+    """The blocks decoded in turn, as (offset after the prompt, length, slot size): `block_count` blocks of
+    `block_length` in slots of `slot_size`. A canvas cut to what the context leaves ends with its last block cut
+    there: the whole slots that fit, then, where the room ends inside a slot, that slot cut, decoded after them
+    as a block of its own (one slot of the tokens left)."""
+    b, k, end = params.block_length, params.slot_size, positions(params)
+    blocks = [(start, min(b, end - start), k) for start in range(0, end, b)]
+    start, length, _ = blocks[-1]
+    if length % k:
+        blocks[-1:] = [(start, length - length % k, k)] if length >= k else []
+        blocks.append((start + length - length % k, length % k, length % k))
+    return blocks
 
 
 def kv_capacity(prompt_length: int, params: DecodeParams) -> int:
@@ -38,8 +58,9 @@ def kv_capacity(prompt_length: int, params: DecodeParams) -> int:
 
 
 def profile_needs(params: DecodeParams) -> tuple[int, int, int]:
-    """(gen_length, slot size, serial blocks) the engines' limits must hold."""
-    return positions(params), params.slot_size, block_count(params)
+    """(gen_length, slot size, serial blocks) the engines' limits must hold: whole blocks (a cut canvas's last
+    block is no longer than a whole one)."""
+    return block_count(params) * params.block_length, params.slot_size, block_count(params)
 
 
 def check(params: DecodeParams) -> None:
@@ -50,9 +71,9 @@ def check(params: DecodeParams) -> None:
 def refusion_steps(tokens: Tokens, params: DecodeParams, trace: DecodeTrace) -> StepMachine:
     """upstream `generate_refusion` (default mode), as a step machine; its EOS drop only with
     `params.upstream_eos_drop` (docs/decoding.md)."""
-    k, thr_slot, thr_tok = params.slot_size, params.slot_threshold, params.token_threshold
+    thr_slot, thr_tok = params.slot_threshold, params.token_threshold
     prompt = np.asarray(tokens.prompt, dtype=np.int64)
-    p0, block_len = len(prompt), params.block_length
+    p0 = len(prompt)
     answer = params.max_tokens if params.max_tokens is not None else positions(params)
     cap, unsettled = p0 + answer, answer  # no token at or past the cap is returned; once all before it are, it ends
     cache = KVCache(kv_capacity(p0, params), tokens.cached)
@@ -70,8 +91,9 @@ def refusion_steps(tokens: Tokens, params: DecodeParams, trace: DecodeTrace) -> 
             yield Commit(step, tuple(int(t) for t in ids[kept]), tuple(int(p) for p in pos[kept]), how,
                          *policy.commit_logprobs(probs[kept], alternatives[kept]))
 
-    for block in range(block_count(params)):
-        start = p0 + block * block_len
+    for offset, block_len, k in layout(params):
+        start = p0 + offset
+        fwd.slot_size = k  # the slot size, but in the short slot a canvas cut inside a slot ends with
         remaining = [start + j * k for j in range(block_len // k)]  # R: slot start positions, in order
         while remaining:
             slot_pos = np.add.outer(np.array(remaining, dtype=np.int64), np.arange(k))

@@ -2,6 +2,7 @@
 
     GET  /v1/models, /v1/models/{model}
     POST /v1/chat/completions, /v1/completions     (stream: server-sent events ending in `data: [DONE]`)
+    POST /v1/responses                             (OpenAI's Responses API on the chat path: responses_route.py)
     GET  /health                                   (200 ready / 503 draining, with queue and KV state)
     GET  /metrics                                  (Prometheus text)
 
@@ -17,46 +18,34 @@ A request is read whole within the body limits before anything runs, and its cli
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
-import re
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, replace
 from typing import Any
 
 from fastapi import FastAPI
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from refusion.runtime.core.errors import RefusionError
+from refusion.runtime.core.errors import ContextLengthError, RefusionError
 from refusion.runtime.core.export_manifest import MANIFEST_NAME
-from refusion.runtime.core.settings import SETTINGS
 from refusion.runtime.request import GenerationResult
 from refusion.runtime.request import Request as Generation
 from refusion.runtime.structured.tools import before_calls
 from refusion.runtime.text import covering
-from refusion.serve.frontend import Final, Frontend, ServeRequest, Status
+from refusion.serve.frontend import Final, Frontend
+from refusion.serve.openai.exchange import AppConfig, admit, as_sent, check_json, read_body, submit, until_end_or_gone
 from refusion.serve.openai.metrics import CONTENT_TYPE, Arrival, ServerMetrics
-from refusion.serve.openai.responses import ApiError, Reply, answer_logprobs, error_body, sse, token_logprobs
+from refusion.serve.openai.responses import ApiError, Reply, TokenText, answer_logprobs, error_body, sse, token_logprobs
+from refusion.serve.openai.responses_route import create_response
 from refusion.serve.openai.schema import CHAT, COMPLETIONS, ApiRequest, parse_json, read_request
 from refusion.serve.security import authorized, host_allowed
 
 log = logging.getLogger("refusion.serve.openai")
-DISCARD_FACTOR = 8  # a body over the limit is read and dropped up to this many times it, so its client sees the 413
 
-
-@dataclass(frozen=True)
-class AppConfig:
-    model: str  # the name clients send as "model"
-    max_body: int  # bytes of a request body
-    body_timeout_s: float  # for the whole body to arrive after the headers
-    api_key: str | None = None  # every path but /health needs `Authorization: Bearer KEY`
-    allowed_hosts: frozenset[str] = frozenset()  # Host names taken beside IP addresses and localhost ("*": any)
-    retry_after_s: int = 1  # what a 429 tells its client
 
 
 def create_app(frontend: Frontend[Arrival], metrics: ServerMetrics, config: AppConfig) -> FastAPI:
@@ -67,8 +56,7 @@ def create_app(frontend: Frontend[Arrival], metrics: ServerMetrics, config: AppC
     app.add_middleware(_HostCheck, allowed=config.allowed_hosts, refused=lambda: metrics.refused.labels("400").inc())
     tokenizer = gen.tokenizer
 
-    def token_text(token_id: int) -> str:
-        return tokenizer.decode([token_id]) if tokenizer is not None else str(token_id)
+    token_text = TokenText(tokenizer)  # an id's text, and its true bytes (chat logprobs' `bytes`)
 
     def detokenize(ids: list[int]) -> str:
         return tokenizer.decode(ids) if tokenizer is not None else ""  # the server refuses exports without one
@@ -82,14 +70,17 @@ def create_app(frontend: Frontend[Arrival], metrics: ServerMetrics, config: AppC
         return refused(e.status, e.body(), e.headers)
 
     @app.exception_handler(RefusionError)
-    async def refusion_error(_: Request, e: RefusionError) -> Response:  # the runtime's refusal of a setting
-        message, param = _as_sent(str(e))
+    async def refusion_error(http: Request, e: RefusionError) -> Response:  # the runtime's refusal of a setting
+        if isinstance(e, ContextLengthError):  # as OpenAI sends it: clients classify it by this code (and phrase)
+            prompt = "messages" if http.url.path.endswith("/chat/completions") else "prompt"
+            return refused(400, error_body(400, str(e), prompt, "context_length_exceeded"))
+        message, param = as_sent(str(e))
         return refused(400, error_body(400, message, param))
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, e: HTTPException) -> Response:
         message = (f"no route {request.method} {request.url.path}; the API is /v1/models, /v1/chat/completions, "
-                   "/v1/completions, /health, /metrics." if e.status_code in (404, 405) else str(e.detail))
+                   "/v1/completions, /v1/responses, /health, /metrics." if e.status_code in (404, 405) else str(e.detail))
         return refused(e.status_code, error_body(e.status_code, message), getattr(e, "headers", None))
 
     @app.exception_handler(Exception)
@@ -132,31 +123,27 @@ def create_app(frontend: Frontend[Arrival], metrics: ServerMetrics, config: AppC
 
     async def complete(endpoint: str, http: Request) -> Response:
         arrival = Arrival(endpoint)
-        _check_json(http.headers.get("content-type"))
-        body = await _read_body(http, config)
+        check_json(http.headers.get("content-type"))
+        body = await read_body(http, config)
         # Parsed and checked off the event loop: linear in the body's size, which the limit bounds, but not free.
         api = await run_in_threadpool(lambda: read_request(endpoint, parse_json(body), config.model))
         if api.choices > frontend.limit:
             raise ApiError(400, f"the request asks for {api.choices} choices ({len(api.jobs)} prompt(s) x n={api.n}), "
                                 f"more than the {frontend.limit} requests this server holds at once; ask for fewer.",
                            "n" if api.n > 1 else "prompt")
-        refusal = frontend.admit(api.choices)
-        if refusal is not None:
-            full = refusal.status is Status.RESOURCE_EXHAUSTED
-            raise ApiError(refusal.status.value, refusal.error, code="server_full" if full else "server_unavailable",
-                           headers={"Retry-After": str(config.retry_after_s)} if full else {})
-        generations = await _submit(frontend, api, arrival)
+        admit(frontend, api.choices, config)
+        generations = await submit(frontend, api, arrival)
         reply = Reply(endpoint, config.model, gen.manifest.fingerprint)
         if api.stream:
             return StreamingResponse(_events(frontend, generations, api, reply, detokenize, token_text),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        finals = await _until_end_or_gone(frontend, generations, http.receive)
+        finals = await until_end_or_gone(frontend, generations, http.receive)
         if finals is None:
             return Response(status_code=499)  # nobody reads it
         failed = [final for final in finals if final.result is None]
         if failed:  # a request that fails alone (a guide over its budget) names its field, as a refusal does
-            raise ApiError(failed[0].status.value, *_as_sent(failed[0].error))
+            raise ApiError(failed[0].status.value, *as_sent(failed[0].error))
         results = [final.result for final in finals if final.result is not None]
         logprobs = [answer_logprobs(r, token_text, reply.chat) for r in results] if api.logprobs else None
         return JSONResponse(reply.completion(results, logprobs, api.n, api.token_ids))
@@ -168,6 +155,10 @@ def create_app(frontend: Frontend[Arrival], metrics: ServerMetrics, config: AppC
     @app.post("/v1/completions")
     async def completions(http: Request) -> Response:
         return await complete(COMPLETIONS, http)
+
+    @app.post("/v1/responses")
+    async def responses(http: Request) -> Response:
+        return await create_response(http, frontend, config, gen.manifest.fingerprint)
 
     return app
 
@@ -208,114 +199,6 @@ class _HostCheck:
                    "addresses, localhost and the names its --address and --allowed-host give (a web page reaches "
                    "a local server under a name of its own; the server refuses it).")
         await JSONResponse(error_body(400, message, code="invalid_host"), 400)(scope, receive, send)
-
-
-def _check_json(content_type: str | None) -> None:
-    """A body declared JSON, or a 415: a web page can send a form or text/plain to any address without asking,
-    but not application/json."""
-    if (content_type or "").split(";", 1)[0].strip().lower() != "application/json":
-        given = f"Content-Type {content_type!r}" if content_type else "no Content-Type"
-        raise ApiError(415, f"the request has {given}; send the body as JSON with Content-Type: application/json "
-                            "(curl: -H 'Content-Type: application/json').", code="unsupported_media_type")
-
-
-async def _read_body(http: Request, config: AppConfig) -> bytes:
-    """The whole body, within the size limit (413) and the time limit (408)."""
-    limit = config.max_body
-    too_large = ApiError(413, f"the body is over {limit} bytes, the limit of this server (the longest prompt that fits "
-                              "the model's positions, JSON-escaped, and the rest); send a shorter prompt.",
-                         code="request_too_large")
-    declared = http.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit * DISCARD_FACTOR:
-        raise too_large  # not read at all: the connection closes after the answer
-
-    async def read() -> bytes:
-        chunks, size = [], 0
-        async for chunk in http.stream():
-            size += len(chunk)
-            if size <= limit:
-                chunks.append(chunk)
-            elif size > limit * DISCARD_FACTOR:
-                break
-        if size > limit:
-            raise too_large
-        return b"".join(chunks)
-
-    try:
-        return await asyncio.wait_for(read(), config.body_timeout_s)
-    except asyncio.TimeoutError:
-        raise ApiError(408, f"the body did not arrive within {config.body_timeout_s:g} s of the headers; send it "
-                            "whole.", code="request_timeout") from None
-    except ClientDisconnect:
-        raise ApiError(400, "the client went away before its body arrived.") from None
-
-
-async def _submit(frontend: Frontend[Arrival], api: ApiRequest, arrival: Arrival) -> list[Generation]:
-    """Each job's n choices, in choice order, from the places `frontend.admit` took for them. Tokenized off the
-    event loop, so that a long prompt holds up no other request. With n > 1 a job's first choice runs alone until
-    its first commit (its prompt's KV is in the prefix cache by then) and the others copy that KV instead of
-    prefilling it. If one fails to start, those started are cancelled and every place left is given back."""
-    generations: list[Generation] = []
-    places = api.choices
-    try:
-        for job in api.jobs:
-            for choice in range(api.n):
-                places -= 1  # a submit gives its place back itself if it fails
-                generations.append(await run_in_threadpool(frontend.submit, _nth(job, choice), arrival))
-                if choice == 0 and api.n > 1 and frontend.gen.prefix_cache is not None:
-                    await _first_commit(generations[-1])
-    except BaseException:
-        frontend.give_back(places)
-        for generation in generations:
-            frontend.abandon(generation)
-        raise
-    return generations
-
-
-def _nth(job: ServeRequest, choice: int) -> ServeRequest:
-    """A job's choice-th choice: with a seed, seed + choice, so that sampled choices differ yet repeat."""
-    seed = job.settings.get("seed")
-    if not choice or seed is None:
-        return job
-    return replace(job, settings={**job.settings, "seed": (seed + choice) % 2**64})
-
-
-async def _first_commit(generation: Generation) -> None:
-    """Until the request's first commit, or its end."""
-    events = generation.aevents()
-    try:
-        await anext(events, None)
-    finally:
-        await events.aclose()
-
-
-async def _until_end_or_gone(frontend: Frontend[Arrival], generations: list[Generation],
-                             receive: Receive) -> list[Final] | None:
-    """Each request's Final, or None once their client has disconnected (the requests are cancelled then)."""
-    answers = [frontend.answer(generation, stream=False) for generation in generations]
-    endings = asyncio.gather(*(anext(answer) for answer in answers))
-    gone = asyncio.ensure_future(_disconnect(receive))
-    waited: list[asyncio.Future[Any]] = [endings, gone]
-    try:
-        await asyncio.wait(waited, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-    if not endings.done():
-        endings.cancel()  # each answer's iterator cancels its request as it closes
-        with contextlib.suppress(asyncio.CancelledError):
-            await endings
-    for answer in answers:
-        await answer.aclose()
-    if endings.cancelled():
-        return None
-    finals = [final for final in endings.result() if isinstance(final, Final)]
-    assert len(finals) == len(answers), "a non-streaming answer yields only its Final"
-    return finals
-
-
-async def _disconnect(receive: Receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
 
 
 async def _events(frontend: Frontend[Arrival], generations: list[Generation], api: ApiRequest, reply: Reply,
@@ -370,7 +253,7 @@ async def _events(frontend: Frontend[Arrival], generations: list[Generation], ap
                                       token_ids=result.token_ids if api.token_ids else None,
                                       logprobs=logprobs.rest(result) if logprobs else None))
             else:
-                yield sse(error_body(item.status.value, *_as_sent(item.error)))
+                yield sse(error_body(item.status.value, *as_sent(item.error)))
         answered = [r for r in results if r is not None]
         if usage and len(answered) == len(results):
             yield sse(reply.usage_chunk(answered, api.n))
@@ -410,17 +293,3 @@ class _StreamLogprobs:
         logprobs = answer_logprobs(result, self.token_text, self.chat, self.sent)
         self.sent = len(result.token_ids)
         return logprobs
-
-
-_FIELDS = {setting.name: setting.openai[0] for setting in SETTINGS if setting.openai}  # a setting's OpenAI name
-_NAMED = re.compile(r"([a-z_]+)((?:\.[a-z_]+)*)([ =:])")  # a message's first word: `name=...`, `name.sub is ...`
-
-
-def _as_sent(message: str) -> tuple[str, str | None]:
-    """A runtime message and the field it names first (`temperature=-1.0 must be ...`, a guide's `json_schema is not
-    ...`, `tools must be ...`), both by the name the client sent it as (json_schema: guided_json)."""
-    named = _NAMED.match(message)
-    if named is None or named[1] not in (*_FIELDS, "tools", "tool_choice"):
-        return message, None
-    field = _FIELDS.get(named[1], named[1])
-    return field + message[len(named[1]):], field + named[2]

@@ -12,10 +12,13 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.request import GenerationResult
+
+if TYPE_CHECKING:
+    from refusion.runtime.tokenizer import Tokenizer
 
 # Our finish reasons as OpenAI's: an answer that ended by itself "stop", one cut before its end "length"
 # (its max_tokens, its timeout_s, or the drain's deadline), one that called a function "tool_calls"; a guide that
@@ -73,12 +76,12 @@ class Reply:
         for index, result in enumerate(results):
             choice: dict[str, Any] = {"index": index}
             shown = logprobs[index] if logprobs is not None else None
-            if self.chat:
-                choice["message"] = {"role": "assistant", "content": result.text}
+            if self.chat:  # refusal: OpenAI's, always null here (the model has no refusals of its own)
+                choice["message"] = {"role": "assistant", "content": result.text, "refusal": None}
                 if result.tool_calls:
-                    choice["message"] = {"role": "assistant", "content": result.text or None,
+                    choice["message"] = {"role": "assistant", "content": result.text or None, "refusal": None,
                                          "tool_calls": result.tool_calls}
-                choice["logprobs"] = {"content": shown} if shown is not None else None
+                choice["logprobs"] = {"content": shown, "refusal": None} if shown is not None else None
             else:
                 choice["text"] = result.text
                 choice["logprobs"] = shown
@@ -96,11 +99,11 @@ class Reply:
         whole, with its index), or its closing chunk (with `token_ids`, when asked for)."""
         choice: dict[str, Any] = {"index": index}
         if self.chat:
-            choice["delta"] = ({"role": "assistant", "content": ""} if first
+            choice["delta"] = ({"role": "assistant", "content": "", "refusal": None} if first
                                else {"content": text} if text is not None else {})
             if tool_calls:
                 choice["delta"]["tool_calls"] = [{"index": i, **call} for i, call in enumerate(tool_calls)]
-            choice["logprobs"] = {"content": logprobs} if logprobs is not None else None
+            choice["logprobs"] = {"content": logprobs, "refusal": None} if logprobs is not None else None
         else:
             choice["text"] = text or ""
             choice["logprobs"] = logprobs
@@ -116,12 +119,47 @@ class Reply:
 
 def usage(results: list[GenerationResult], n: int = 1) -> dict[str, Any]:
     """Tokens of the answers (each result i of prompt i // n): each prompt counted once (and those of its tokens
-    the prefix cache gave), the tokens every choice returned."""
+    the prefix cache gave), the tokens every choice returned (OpenAI's details of them: none is reasoning, audio
+    or a prediction's)."""
     prompts = results[::n]
     prompt = sum(r.stats.prompt_tokens for r in prompts)
     completion = sum(len(r.token_ids) for r in results)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(r.stats.cached_prompt_tokens for r in prompts)}}
+            "prompt_tokens_details": {"cached_tokens": sum(r.stats.cached_prompt_tokens for r in prompts)},
+            "completion_tokens_details": {"reasoning_tokens": 0, "audio_tokens": 0, "accepted_prediction_tokens": 0,
+                                          "rejected_prediction_tokens": 0}}
+
+
+class TokenText:
+    """Each token id's text, as logprobs name the token (the id decoded alone: a piece of a character reads U+FFFD),
+    and its true bytes (`bytes_of`: the piece's own, so that a character spread over tokens is whole again in their
+    bytes), from the tokenizer's vocabulary, read on first use. Without a tokenizer an id is its number."""
+
+    def __init__(self, tokenizer: Tokenizer | None):
+        self.tokenizer = tokenizer
+        self._vocabulary: tuple[list[bytes], frozenset[int]] | None = None
+
+    def __call__(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id]) if self.tokenizer is not None else str(token_id)
+
+    def bytes_of(self, token_id: int) -> bytes:
+        """The id's bytes; a special token's (or an id outside the vocabulary's) are those of its text, which
+        the answer's text holds (nothing, where decoding skips it)."""
+        if self.tokenizer is None:
+            return self(token_id).encode()
+        if self._vocabulary is None:
+            pieces, specials = self.tokenizer.token_bytes()
+            self._vocabulary = pieces, frozenset(specials)
+        vocabulary, special = self._vocabulary
+        if token_id in special or not 0 <= token_id < len(vocabulary):
+            return self(token_id).encode()
+        return vocabulary[token_id]
+
+
+def _token_bytes(token_text: Callable[[int], str], token_id: int) -> list[int]:
+    """`bytes` of a token in chat logprobs: its true bytes where `token_text` knows them (a TokenText), else its
+    text's UTF-8."""
+    return list(token_text.bytes_of(token_id) if isinstance(token_text, TokenText) else token_text(token_id).encode())
 
 
 def answer_logprobs(result: GenerationResult, token_text: Callable[[int], str], chat: bool,
@@ -139,16 +177,17 @@ def answer_logprobs(result: GenerationResult, token_text: Callable[[int], str], 
 def token_logprobs(ids: list[int], logprobs: list[float], alternatives: list[tuple[tuple[int, float], ...]] | None,
                    token_text: Callable[[int], str], chat: bool, offset: int = 0) -> list[dict[str, Any]] | dict[str, Any]:
     """Tokens' log-probabilities (and `alternatives`, (id, log-probability) each, the most likely first; None: not
-    asked for) as OpenAI shows them: chat's `content` list, or the completions endpoint's tokens /
-    token_logprobs / top_logprobs / text_offset (the text before the first token: `offset` characters)."""
+    asked for) as OpenAI shows them: chat's `content` list (each token's text, and its true bytes where
+    `token_text` is a TokenText), or the completions endpoint's tokens / token_logprobs / top_logprobs /
+    text_offset (the text before the first token: `offset` characters)."""
     texts = [token_text(t) for t in ids]
     values = [_finite(v) for v in logprobs]
     others = alternatives if alternatives is not None else [()] * len(ids)
     if chat:
-        return [{"token": text, "logprob": value, "bytes": list(text.encode()),
-                 "top_logprobs": [{"token": token_text(t), "logprob": _finite(lp),
-                                   "bytes": list(token_text(t).encode())} for t, lp in alts]}
-                for text, value, alts in zip(texts, values, others, strict=True)]
+        return [{"token": text, "logprob": value, "bytes": _token_bytes(token_text, t),
+                 "top_logprobs": [{"token": token_text(a), "logprob": _finite(lp),
+                                   "bytes": _token_bytes(token_text, a)} for a, lp in alts]}
+                for t, text, value, alts in zip(ids, texts, values, others, strict=True)]
     offsets = [offset + sum(len(t) for t in texts[:i]) for i in range(len(texts))]
     top = [{token_text(t): _finite(lp) for t, lp in alts} for alts in others] if alternatives is not None else None
     return {"tokens": texts, "token_logprobs": values, "top_logprobs": top, "text_offset": offsets}

@@ -21,7 +21,8 @@ from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from refusion.runtime.core.errors import RefusionError
-from refusion.runtime.core.settings import SETTINGS
+from refusion.runtime.core.settings import BY_NAME, GUIDES, SETTINGS
+from refusion.runtime.structured.guide import ANY_OBJECT
 from refusion.serve.frontend import ServeRequest
 from refusion.serve.openai.responses import ApiError
 from refusion.serve.security import read_json_object
@@ -72,17 +73,25 @@ FIELDS = (
     ApiField("user", "string", "the end user's id: taken and not used"),
     ApiField("tools", "object", "functions the model may call, offered through its chat template (one whose template "
              "has a tool format)", "tools", endpoints=(CHAT,)),
-    ApiField("tool_choice", "json", "auto (the default with tools), none, required, or {\"type\": \"function\", "
-             "\"function\": {\"name\": ...}}: required and named calls follow the functions' parameter schemas",
-             "tool_choice", endpoints=(CHAT,)),
+    ApiField("tool_choice", "json", "auto (the default with tools), none, required, {\"type\": \"function\", "
+             "\"function\": {\"name\": ...}}, or {\"type\": \"allowed_tools\", \"allowed_tools\": {\"mode\": "
+             "\"auto\" or \"required\", \"tools\": [...]}} (only the functions listed offered): required and named "
+             "calls follow the functions' parameter schemas", "tool_choice", endpoints=(CHAT,)),
     ApiField("parallel_tool_calls", "bool", "taken: a required or named call is one call", endpoints=(CHAT,)),
     ApiField("presence_penalty", "number", "no penalties: 0 only", only=(0,)),
     ApiField("frequency_penalty", "number", "no penalties: 0 only", only=(0,)),
     ApiField("echo", "bool", "the prompt is not repeated: false only", endpoints=(COMPLETIONS,), only=(False,)),
     ApiField("best_of", "int", "1 only", endpoints=(COMPLETIONS,), only=(1,)),
+    ApiField("structured_outputs", "object", "vLLM's guide field: {\"json\": schema} or regex, choice, grammar, "
+             "json_object (true: any JSON object), the same guides as the guided_* fields; one guide a request",
+             refusion=True),
     ApiField("return_token_ids", "bool", "the answer's token ids in choices[i].token_ids (the last chunk's, "
              "streaming)", refusion=True),
 )
+
+# vLLM's structured_outputs keys: each the guide setting it gives (json_object: true gives any JSON object).
+STRUCTURED_OUTPUTS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar",
+                      "json_object": "json_schema"}
 
 # OpenAI's fields this server does not do, with why: refused by name rather than as unknown.
 UNSUPPORTED = {
@@ -153,6 +162,9 @@ def read_request(endpoint: str, body: Mapping[str, Any], model: str) -> ApiReque
     stream = values.get("stream", False)
     include_usage = _stream_options(values.get("stream_options"), stream)
     settings = {f.keyword: values[f.name] for f in fields.values() if f.keyword and f.name in values}
+    settings.update(_structured_outputs(values))
+    if isinstance(settings.get("tool_choice"), dict) and settings["tool_choice"].get("type") == "allowed_tools":
+        settings["tools"], settings["tool_choice"] = _allowed_tools(settings["tool_choice"], settings.get("tools"))
     if endpoint == COMPLETIONS and "logprobs" in settings:  # logprobs N: the tokens' own, and N alternatives
         settings["top_logprobs"], settings["logprobs"] = settings["logprobs"], True
     if settings.get("top_logprobs") and not settings.get("logprobs"):
@@ -235,7 +247,104 @@ def _stream_options(options: Any, stream: bool) -> bool:
     return include
 
 
-_MESSAGE_KEYS = {"tool": ("role", "content", "name", "tool_call_id"), "assistant": ("role", "content", "name", "tool_calls")}
+def _structured_outputs(values: Mapping[str, Any]) -> dict[str, Any]:
+    """vLLM's structured_outputs as the guide settings it gives ({"json": schema}: json_schema, as guided_json
+    gives it); a key unknown, of the wrong type, or a second guide beside it is a 400 naming it."""
+    given = values.get("structured_outputs")
+    if given is None:
+        return {}
+    if not isinstance(given, dict):
+        raise ApiError(400, 'structured_outputs must be an object, e.g. {"json": {...}} or {"regex": "..."}.',
+                       "structured_outputs")
+    settings: dict[str, Any] = {}
+    sent: list[str] = []  # the guides given, by the names they were sent as
+    for key, value in given.items():
+        name = f"structured_outputs.{key}"
+        if key not in STRUCTURED_OUTPUTS:
+            raise ApiError(400, f"{name} is not supported; structured_outputs takes {', '.join(STRUCTURED_OUTPUTS)} "
+                                "(one of them).", name)
+        if value is None or (key == "json_object" and value is False):  # left out
+            continue
+        setting = BY_NAME[STRUCTURED_OUTPUTS[key]]
+        if key == "json_object":
+            _checked(ApiField(name, "bool", "true asks for any JSON object"), value)
+            value = ANY_OBJECT
+        else:
+            value = _checked(ApiField(name, setting.kind, setting.help, setting.name), value)
+        settings[setting.name] = value
+        sent.append(name)
+    others = [name for setting in GUIDES for name in setting.openai if values.get(name) is not None
+              and not (name == "response_format" and values[name] == {"type": "text"})]
+    if len(sent + others) > 1:
+        first, second = (sent + others)[:2]
+        raise ApiError(400, f"{first} and {second} both ask for structured output; a request follows one guide: give "
+                            "one of them.", sent[0])
+    return settings
+
+
+def _allowed_tools(choice: dict[str, Any], tools: Any) -> tuple[Any, str]:
+    """OpenAI's tool_choice {"type": "allowed_tools", "allowed_tools": {"mode", "tools"}} as the runtime takes it:
+    the tools cut to the functions listed (in the order given), and the mode (auto or required) as tool_choice. A
+    function listed that the tools do not give is a 400 naming it; tools that are not functions are left to the
+    runtime, which refuses them by their index."""
+    where = "tool_choice.allowed_tools"
+    shape = ('{"type": "allowed_tools", "allowed_tools": {"mode": "auto" or "required", "tools": [{"type": "function", '
+             '"function": {"name": ...}}]}}')
+    allowed = choice.get("allowed_tools")
+    extra = [f"tool_choice.{k}" for k in choice if k not in ("type", "allowed_tools")]
+    extra += [f"{where}.{k}" for k in (allowed if isinstance(allowed, dict) else ()) if k not in ("mode", "tools")]
+    if extra:
+        raise ApiError(400, f"{extra[0]} is not a field of an allowed_tools tool_choice: {shape}.", extra[0])
+    if not isinstance(allowed, dict):
+        raise ApiError(400, f"{where} must be an object: {shape}.", where)
+    choice_mode = allowed.get("mode")
+    if choice_mode not in ("auto", "required"):
+        raise ApiError(400, f"{where}.mode is {json.dumps(choice_mode)[:40]}; it must be \"auto\" or \"required\".",
+                       f"{where}.mode")
+    listed = allowed.get("tools")
+    if not isinstance(listed, list) or not listed:
+        raise ApiError(400, f"{where}.tools must be a non-empty list of the functions offered: {shape}.",
+                       f"{where}.tools")
+    offered = _function_names(tools)
+    if tools is not None and offered is None:
+        return tools, choice_mode  # not a list of functions: the runtime's refusal names the entry at fault
+    offered = offered or []
+    names = []
+    for j, entry in enumerate(listed):
+        name = _function_name(entry)
+        if name is None:
+            raise ApiError(400, f'{where}.tools[{j}] is not {{"type": "function", "function": {{"name": ...}}}}.',
+                           f"{where}.tools[{j}]")
+        if name not in offered:
+            raise ApiError(400, f"{where}.tools[{j}] names the function {name!r}, which is not one of the tools "
+                                f"({', '.join(offered) or 'none given'}).", f"{where}.tools[{j}]")
+        names.append(name)
+    return [tool for tool in tools if _function_name(tool) in names], choice_mode
+
+
+def _function_name(tool: Any) -> str | None:
+    """The name of a {"type": "function", "function": {"name": ...}} entry; None if it is not one."""
+    fn = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
+    name = fn.get("name") if isinstance(fn, dict) else None
+    return name if isinstance(name, str) else None
+
+
+def _function_names(tools: Any) -> list[str] | None:
+    """The functions' names of a tools list; None if it is not a list of function entries."""
+    if not isinstance(tools, list):
+        return None
+    names = [_function_name(tool) for tool in tools]
+    return None if None in names else [name for name in names if name is not None]
+
+
+# Each role's fields, OpenAI's (openai/types/chat/*_message_param.py); any other is refused. One given as null, or
+# as an empty list, counts as left out: the openai client's message.model_dump() sends an answer's refusal, audio,
+# function_call and annotations back as null. An assistant's refusal (text) is its content.
+_MESSAGE_KEYS = {"tool": ("role", "content", "name", "tool_call_id"),
+                 "assistant": ("role", "content", "name", "tool_calls", "refusal", "audio", "function_call",
+                               "annotations")}
+_NOT_IN_MESSAGES = {"audio": "audio", "function_call": "function calling: send tool_calls",
+                    "annotations": "URL citations"}  # an assistant's fields this server takes only as null or empty
 
 
 def _messages(value: Any) -> list[dict[str, Any]]:
@@ -258,12 +367,25 @@ def _messages(value: Any) -> list[dict[str, Any]]:
         if extra:
             raise ApiError(400, f"{where}.{extra[0]} is not supported; a {role} message has {', '.join(keys)}.",
                            f"{where}.{extra[0]}")
+        message = {k: v for k, v in message.items() if v is not None and v != []}  # null or empty: left out
+        taken = [k for k in _NOT_IN_MESSAGES if k in message]
+        if taken:
+            raise ApiError(400, f"{where}.{taken[0]} is not supported ({_NOT_IN_MESSAGES[taken[0]]}); leave it out, or "
+                                "send null.", f"{where}.{taken[0]}")
         calls = message.get("tool_calls")
         content = message.get("content")
+        refusal = message.get("refusal")  # an assistant's refusal: what it said
+        if refusal is not None and not isinstance(refusal, str):
+            raise ApiError(400, f"{where}.refusal must be a string.", f"{where}.refusal")
+        if refusal:
+            if content not in (None, ""):
+                raise ApiError(400, f"{where} has both content and refusal; an assistant message that refused has "
+                                    "its refusal alone.", f"{where}.refusal")
+            content = refusal
         if calls is not None:
             _check_calls(calls, f"{where}.tool_calls")
-        out.append({"role": ROLES[role],
-                    "content": "" if content is None and calls else _content(content, f"{where}.content")})
+        out.append({"role": ROLES[role], "content": "" if content is None and calls
+                    else _content(content, f"{where}.content", refusals=role == "assistant")})
         if calls:
             out[-1]["tool_calls"] = calls
         if role == "tool" and message.get("tool_call_id") is not None:
@@ -288,15 +410,18 @@ def _check_calls(calls: Any, where: str) -> None:
                             '"arguments": "{...}"}}}}.', where)
 
 
-def _content(content: Any, where: str) -> str:
-    """A message's text: a string, or text parts joined."""
+def _content(content: Any, where: str, refusals: bool = False) -> str:
+    """A message's text: a string, or text parts joined (`refusals`: an assistant's, whose refusal parts are
+    text too)."""
     if isinstance(content, str):
         return content
     if isinstance(content, list) and content:
         texts = []
         for j, part in enumerate(content):
-            if not (isinstance(part, dict) and set(part) == {"type", "text"} and part["type"] == "text"
-                    and isinstance(part["text"], str)):
+            if refusals and _is_part(part, "refusal"):
+                texts.append(part["refusal"])
+                continue
+            if not _is_part(part, "text"):
                 kind = part.get("type") if isinstance(part, dict) else None
                 raise ApiError(400, f"{where}[{j}] is not a text part ({{\"type\": \"text\", \"text\": \"...\"}})"
                                     + (f"; {kind} content is not supported" if kind and kind != "text" else "") + ".",
@@ -304,6 +429,12 @@ def _content(content: Any, where: str) -> str:
             texts.append(part["text"])
         return "".join(texts)
     raise ApiError(400, f"{where} must be a string, or a list of text parts.", where)
+
+
+def _is_part(part: Any, kind: str) -> bool:
+    """A content part of this kind: {"type": "text", "text": "..."}, or an assistant's {"type": "refusal",
+    "refusal": "..."}."""
+    return isinstance(part, dict) and set(part) == {"type", kind} and part["type"] == kind and isinstance(part[kind], str)
 
 
 def _prompts(value: Any) -> list[tuple[str | None, list[int] | None]]:

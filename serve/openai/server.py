@@ -26,8 +26,9 @@ import uvicorn
 from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.generator import Generator
 from refusion.serve.frontend import Frontend
-from refusion.serve.openai.app import AppConfig, create_app
+from refusion.serve.openai.app import create_app
 from refusion.serve.openai.connections import ConnectionLimits, guarded_protocol
+from refusion.serve.openai.exchange import AppConfig
 from refusion.serve.openai.metrics import Arrival, ServerMetrics
 from refusion.serve.security import DEFAULT_ADDRESS, bind_address, body_limit, connections_allowed
 

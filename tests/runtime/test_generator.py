@@ -12,7 +12,7 @@ from click.testing import CliRunner
 
 from refusion.export.exporter import export_onnx
 from refusion.models import EMBEDDED_MODEL
-from refusion.runtime.core.errors import RefusionError
+from refusion.runtime.core.errors import ContextLengthError, RefusionError
 from refusion.runtime.generator import Generator
 from refusion.runtime.params import DecodeParams
 from refusion.runtime.tokenizer import Tokenizer
@@ -81,7 +81,8 @@ def test_generate_reports_truthful_stats(gen):
 def test_ar_mode_checks_its_own_length_without_slot_padding(gen):
     ar = dict(gen_length=30, slot_size=32, serial_num_blocks=3, mode="ar")  # slot layout irrelevant to AR
     assert len(gen.generate(prompt_ids=[5] * 482, **ar).token_ids) == 30  # 482 + 30 = 512 positions
-    with pytest.raises(RefusionError, match="prompt of 483 tokens \\+ 30 positions of generation exceeds the model's 512 positions"):
+    with pytest.raises(RefusionError, match=r"maximum context length is 512 tokens\. However, you requested 513 tokens "
+                                            r"\(483 in the prompt, 30 in the completion\)"):
         gen.generate(prompt_ids=[5] * 483, **ar)
 
 
@@ -134,7 +135,7 @@ def test_kv_memory_is_prefix_plus_slots_never_a_copy_per_slot(gen):
 @pytest.mark.parametrize("call, fragment", [
     (lambda g: g.generate(prompt_ids=[], **SMALL), "prompt is empty"),
     (lambda g: g.generate("", **SMALL), "prompt is empty"),
-    (lambda g: g.generate(prompt_ids=[1] * 500, **SMALL), "exceeds the model's 512 positions"),
+    (lambda g: g.generate(prompt_ids=[1] * 500, **SMALL), "maximum context length is 512 tokens"),
     (lambda g: g.generate(prompt_ids=[1, 2], **{**SMALL, "serial_num_blocks": 3}), "serial_num_blocks may be one of"),
     (lambda g: g.generate(prompt_ids=[1, 2], **{**SMALL, "token_threshold": 2.0}), "outside [0, 1]"),
     (lambda g: g.generate(prompt_ids=[1, 99999], **SMALL), "outside the vocabulary"),
@@ -258,8 +259,9 @@ def test_a_prompt_too_long_in_bytes_is_refused_before_it_is_tokenized(export_dir
         over = "ab" * (g.max_prompt_bytes // 2 + 1)
         for call in (lambda: g.generate(over, **SMALL), lambda: g.generate(over, chat=True, **SMALL),
                      lambda: g.generate(messages=[{"role": "user", "content": over}], **SMALL)):
-            with pytest.raises(RefusionError, match=rf"the prompt is {len(over)} bytes of UTF-8; no text over "
-                                                    rf"{g.max_prompt_bytes} bytes fits the model's"):
+            with pytest.raises(ContextLengthError, match=rf"maximum context length is {g.manifest.max_positions} "
+                                                         rf"tokens\. However, the prompt is {len(over)} bytes of UTF-8.*"
+                                                         rf"no text over {g.max_prompt_bytes} bytes fits the model's"):
                 call()
 
 

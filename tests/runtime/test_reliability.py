@@ -223,7 +223,8 @@ def _as_expected(plan: Plan, outcome: tuple, alone: GenerationResult) -> bool:
     if plan.kind == "bad_setting":
         return outcome[:2] == ("error", "submit") and f"slot_threshold={plan.value!r} is outside [0, 1]" in outcome[2]
     if plan.kind == "too_long":
-        return outcome[:2] == ("error", "submit") and f"prompt of {plan.length} tokens" in outcome[2]
+        return outcome[:2] == ("error", "submit") and (f"({plan.length} in the prompt" in outcome[2]
+                                                       or f"the prompt is {plan.length} tokens" in outcome[2])
     if plan.kind == "broken":
         return outcome == ("error", "result", f"request {plan.index} broke")
     kind, reason, tokens = outcome

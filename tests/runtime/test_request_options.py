@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from refusion.runtime.core.errors import RefusionError
+from refusion.runtime.core.errors import ContextLengthError
 from refusion.runtime.decode import masks
 from refusion.runtime.generator import Generator
 from refusion.runtime.runners.onnxruntime import OrtRunner
@@ -71,11 +71,18 @@ def test_max_tokens_of_whole_blocks_is_upstreams_layout(gen, prompt):
     assert len(padded.token_ids) == 12 or gen.manifest.eos_token_id in padded.token_ids
 
 
-def test_max_tokens_past_the_positions_is_refused_naming_the_room(gen, prompt):
+@pytest.mark.parametrize("mode", ["refusion", "ar"])
+def test_max_tokens_past_the_positions_is_refused_naming_the_room(gen, prompt, mode):
+    """clients-5, failure 4: OpenAI's words and the numbers on the error; its advice, followed, is answered."""
     room = gen.manifest.max_positions - len(prompt)
-    with pytest.raises(RefusionError, match=f"{room + 1} positions of generation exceeds the model's 256 positions.*"
-                                            f"{room} positions remain after this prompt"):
-        gen.generate(prompt_ids=prompt, max_tokens=room + 1, mode="ar")
+    with pytest.raises(ContextLengthError, match=rf"^This model's maximum context length is 256 tokens\. However, you "
+                                                 rf"requested 257 tokens \({len(prompt)} in the prompt, {room + 1} in "
+                                                 rf"the completion\)\. .*ask for at most {room} tokens") as refused:
+        gen.generate(prompt_ids=prompt, max_tokens=room + 1, mode=mode)
+    e = refused.value
+    assert (e.context, e.prompt, e.completion, e.room) == (256, len(prompt), room + 1, room)
+    res = gen.generate(prompt_ids=prompt, max_tokens=e.room, mode=mode)  # the advice, followed
+    assert len(res.token_ids) <= room and res.finish_reason in ("eos", "length")
 
 
 @pytest.mark.parametrize("mode", ["refusion", "ar"])

@@ -161,7 +161,8 @@ def test_settings_no_turn_could_run_with_are_refused_and_change_nothing(tiny_dir
     out = chat(tiny_dir, f"/settings gen_length=100000\n{SORT}\n", "--no-stats")
     assert out.exit_code == 0, out.output
     assert out.stdout == f"{answer(gen, SORT)}\n"  # the turn after the refusal runs with the settings before it
-    assert "error: prompt of 1 tokens + 100000 positions of generation exceeds the model's 256 positions" in out.stderr
+    assert ("error: This model's maximum context length is 256 tokens. However, you requested 100001 tokens (1 in the "
+            "prompt, 100000 in the completion)." in out.stderr)
 
 
 def test_ctrl_c_cancels_the_answer_and_keeps_the_session(gen, monkeypatch):

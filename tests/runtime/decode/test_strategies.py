@@ -4,12 +4,15 @@ branching on a mode's name anywhere else in the product."""
 from __future__ import annotations
 
 import ast
+from dataclasses import replace
 
 import pytest
 
 from refusion.runtime import DecodeParams, RefusionError
+from refusion.runtime.core.settings import DECODE
 from refusion.runtime.decode import MODES, STRATEGIES, refusion, strategy
 from refusion.runtime.decode.llada import DiffusionParams
+from refusion.runtime.params import DECODE_SETTINGS, SizedParams
 from tests.helpers import REPO
 
 PACKAGES = ("runtime", "export", "engines", "serve", "tools")
@@ -40,6 +43,42 @@ def test_max_tokens_decodes_whole_blocks_of_the_canvas_length_that_cover_it(max_
     assert params.positions == 16 * blocks
     assert STRATEGIES["refusion"].kv_capacity(10, params) == 10 + 16 * blocks + 16
     assert STRATEGIES["refusion"].profile_needs(params) == (16 * blocks, 4, blocks)
+
+
+@pytest.mark.parametrize("room, blocks", [
+    (40, [(0, 16, 4), (16, 16, 4), (32, 8, 4)]),  # the last block cut to its whole slots that fit
+    (42, [(0, 16, 4), (16, 16, 4), (32, 8, 4), (40, 2, 2)]),  # ... then the slot the room ends in, cut
+    (18, [(0, 16, 4), (16, 2, 2)]),
+    (3, [(0, 3, 3)]),  # less than a slot: one slot of what is left
+])
+def test_a_canvas_cut_to_the_room_keeps_its_blocks_and_ends_there(room, blocks):
+    """clients-5, failure 5: where the canvas runs past what the context leaves, its blocks of gen_length /
+    serial_num_blocks stay while they fit and the last is cut to the room, in whole slots but the last."""
+    for max_tokens in (None, room):
+        params = DecodeParams(gen_length=64, slot_size=4, serial_num_blocks=4, max_tokens=max_tokens).sized(room)
+        assert isinstance(params, SizedParams) and params.canvas == room  # the room, not max_tokens: a cap only cuts
+        assert refusion.layout(params) == blocks and params.positions == room
+        assert all(length % k == 0 and (k == 4 or (length, k) == blocks[-1][1:]) for _, length, k in blocks)
+        assert STRATEGIES["refusion"].kv_capacity(10, params) == 10 + room + 16  # a block of scratch, as before
+        assert STRATEGIES["refusion"].profile_needs(params) == (16 * -(-room // 16), 4, -(-room // 16))  # whole blocks
+    whole = DecodeParams(gen_length=64, slot_size=4, serial_num_blocks=4)
+    assert refusion.layout(whole) == [(16 * b, 16, 4) for b in range(4)]  # upstream's, as it was
+
+
+def test_a_canvas_is_cut_only_where_it_runs_past_the_room_and_may_be():
+    refusion_ = DecodeParams(gen_length=64, slot_size=4, serial_num_blocks=4)
+    ar = DecodeParams(gen_length=64, mode="ar")
+    for params in (refusion_, ar, replace(refusion_, max_tokens=40), replace(ar, max_tokens=40)):
+        assert params.sized(64) is params and params.sized(100) is params  # it fits: as the settings ask
+        assert params.sized(0) is params  # no room at all: refused (check_fits)
+    assert refusion_.sized(40, shrink=False) is refusion_  # a gen_length given is kept: refused where it runs past
+    assert replace(refusion_, max_tokens=41).sized(40) == replace(refusion_, max_tokens=41)  # over the room: refused
+    assert replace(refusion_, max_tokens=40).sized(40, shrink=False).positions == 40  # max_tokens is taken
+    assert ar.sized(40).positions == 40 and replace(ar, max_tokens=30).sized(40).positions == 30  # AR: its count
+    assert replace(refusion_, max_tokens=20).sized(40).positions == 32  # 2 whole blocks fit: upstream's layout
+    assert DECODE_SETTINGS == tuple(s.name for s in DECODE)  # the canvas is not a setting
+    with pytest.raises(RefusionError, match="canvas=0 must be a positive number of positions"):
+        SizedParams(canvas=0)
 
 
 def test_a_huge_max_tokens_or_gen_length_is_sized_by_arithmetic_not_by_a_list():

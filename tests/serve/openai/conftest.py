@@ -34,3 +34,15 @@ def serve(gen) -> Iterator[Callable[..., OpenAIServer]]:
     for server in servers:
         wait_idle(server)
         server.stop()
+
+
+@pytest.fixture(scope="module")
+def tool_server(exports) -> Iterator[tuple[Generator, OpenAIServer]]:
+    """A server over a random-weight model whose chat template has a tool format (the fixture tokenizer's)."""
+    with Generator.from_dir(exports["fp32"], backend="ort-cpu", threads=1) as gen:
+        server = OpenAIServer(gen, port=0).start()
+        try:
+            yield gen, server
+        finally:
+            wait_idle(server)
+            server.stop()

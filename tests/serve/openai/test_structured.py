@@ -5,7 +5,6 @@ tool_calls, in the message and in the stream; LangChain's with_structured_output
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Literal
 
 import openai
@@ -14,11 +13,8 @@ import pytest
 pytest.importorskip("llguidance")
 jsonschema = pytest.importorskip("jsonschema")
 
-from refusion.runtime.generator import Generator
-from refusion.serve.openai.server import OpenAIServer
 from refusion.tools.bench.guides import RANDOM_SETTINGS as RANDOM
 from refusion.tools.bench.guides import ROBOT, TOOLS
-from tests.serve.openai.helpers import wait_idle
 
 ANSWER = {"title": "Answer", "type": "object", "properties": {"answer": {"type": "string", "maxLength": 40}},
           "required": ["answer"], "additionalProperties": False}
@@ -27,18 +23,6 @@ ASK = [{"role": "user", "content": "sort: 5 2 8 2"}]
 
 def _client(server) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def tool_server(exports) -> Iterator[tuple[Generator, OpenAIServer]]:
-    """A server over a random-weight model whose chat template has a tool format (the fixture tokenizer's)."""
-    with Generator.from_dir(exports["fp32"], backend="ort-cpu", threads=1) as gen:
-        server = OpenAIServer(gen, port=0).start()
-        try:
-            yield gen, server
-        finally:
-            wait_idle(server)
-            server.stop()
 
 
 @pytest.mark.parametrize("mode", ["refusion", "ar"])
