@@ -4,12 +4,16 @@ answering what the Generator answers (greedy)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 pytest.importorskip("langchain_openai", reason="the LangChain tests need the dev extra (langchain-openai)")
 
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
 from langchain_openai import ChatOpenAI, OpenAI
+
+from refusion.tools.bench.guides import TOOLS
 
 QUESTIONS = ["sort: 5 2 8 2", "reverse: robotics", "list: 4,8,15,16,23,42"]
 
@@ -69,3 +73,19 @@ def test_litellm_completion_and_stream(serve, gen, monkeypatch):
     streamed = litellm.completion(model="openai/refusion", api_base=base, api_key="unused", messages=messages,
                                   max_tokens=24, stream=True, num_retries=0)
     assert "".join(chunk.choices[0].delta.content or "" for chunk in streamed) == _answer(gen, QUESTIONS[0])
+
+
+def test_litellm_tools_with_a_typed_answer(tool_server, monkeypatch):
+    """litellm's completion with tools, tool_choice required and a response_format in one request (the review's
+    failure 1 through litellm: a 400 before): the call comes back, its arguments valid."""
+    monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+    litellm = pytest.importorskip("litellm")
+    jsonschema = pytest.importorskip("jsonschema")
+    person = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}}, "required": ["name"]}
+    answer = litellm.completion(model="openai/refusion", api_base=f"{tool_server[1].url}/v1", api_key="unused",
+                                messages=[{"role": "user", "content": "go"}], tools=TOOLS[:1], tool_choice="required",
+                                response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": person}},
+                                max_tokens=96, num_retries=0)
+    call = answer.choices[0].message.tool_calls[0]
+    assert answer.choices[0].finish_reason == "tool_calls" and call.function.name == "move"
+    jsonschema.validate(json.loads(call.function.arguments), TOOLS[0]["function"]["parameters"])
