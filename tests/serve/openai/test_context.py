@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
 
 import openai
 import pytest
@@ -16,20 +15,15 @@ import pytest
 from refusion.runtime.generator import Generator
 from refusion.serve.openai.server import OpenAIServer
 from tests.runtime.test_context import NAMED, TOOLS, WEATHER
-from tests.serve.openai.helpers import post, wait_idle
+from tests.serve.openai.helpers import post
 
 LONG = "word " * 100  # 400-odd tokens of text: with max_tokens 700, over the 1024 positions
 
 
 @pytest.fixture(scope="module")
-def server(exports) -> Iterator[tuple[Generator, OpenAIServer]]:
-    with Generator.from_dir(exports["fp32"], backend="ort-cpu", threads=1) as gen:
-        server = OpenAIServer(gen, port=0).start()
-        try:
-            yield gen, server
-        finally:
-            wait_idle(server)
-            server.stop()
+def server(tool_server) -> tuple[Generator, OpenAIServer]:
+    """The random-weight model's server (1,024 positions, a template with a tool format): conftest's."""
+    return tool_server
 
 
 def _client(server: OpenAIServer) -> openai.OpenAI:
