@@ -291,7 +291,7 @@ class Generator:
             return None
         m = self.manifest
         if not m.takes_masks:
-            raise RefusionError(f"{guide.field}: {m.path} is an export of format {m.format_version}, whose graphs "
+            raise RefusionError(f"{guide.field}: this model is an export of format {m.format_version}, whose graphs "
                                 "cannot apply a guide (they take no vocab_mask); re-export it with this version: "
                                 "`refusion-export onnx CHECKPOINT --output DIR --force` (engines: then rebuild them).")
         return self.guides.compile(guide)
