@@ -15,6 +15,7 @@ opening, or whose language holds no answer the vocabulary can write, is refused 
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import math
 import threading
@@ -22,6 +23,7 @@ import time
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from numbers import Real
 from typing import Any
@@ -183,8 +185,9 @@ class GrammarEngine(ABC):
 
 class Guides:
     """The guides of one Generator's requests: compiled by the engine over the export's vocabulary, which it reads
-    once, on the first guide; each compiled and tried once (CACHED of them, by kind and source), then followed by
-    each request under `budget_ms` a token (Budgeted). Thread-safe."""
+    once, on the first guide; each compiled and tried once (CACHED of them, by kind and source; requests that ask
+    for a guide while it compiles wait for that compile), then followed by each request under `budget_ms` a token
+    (Budgeted). Thread-safe."""
 
     def __init__(self, vocabulary: Vocabulary, engine: str = "llguidance", budget_ms: float = BUDGET_MS):
         if engine not in ENGINES:
@@ -193,6 +196,7 @@ class Guides:
         self.vocabulary, self.engine_name, self.budget_ms = vocabulary, engine, budget_ms
         self._engine: GrammarEngine | None = None
         self._compiled: OrderedDict[tuple[str, str], Grammar] = OrderedDict()
+        self._compiling: dict[tuple[str, str], Future[Grammar]] = {}  # a compile in flight, which others wait on
         self._lock = threading.Lock()
 
     @property
@@ -214,19 +218,34 @@ class Guides:
         """`guide` compiled, as a request follows it (its refusals name `guide.field`); a RefusionError when the
         engine cannot enforce it, or when it can hold no answer (`_try`)."""
         engine = self.engine
+        while True:
+            with self._lock:
+                grammar = self._compiled.get(guide.key)
+                if grammar is not None:
+                    self._compiled.move_to_end(guide.key)
+                    return _Bound(grammar, guide.field, self.budget_ms)
+                pending = self._compiling.get(guide.key)
+                if pending is None:
+                    compiling = self._compiling[guide.key] = Future()
+                    break
+            with contextlib.suppress(RefusionError):  # refused: compiled again, so that its refusal names this field
+                return _Bound(pending.result(), guide.field, self.budget_ms)
+        try:
+            t0 = time.perf_counter()
+            grammar = engine.compile(guide)  # outside the lock: another request's cached guide need not wait
+            grammar.compile_seconds = time.perf_counter() - t0
+            self._try(grammar, guide)
+        except BaseException as e:
+            with self._lock:
+                del self._compiling[guide.key]
+            compiling.set_exception(e)
+            raise
         with self._lock:
-            grammar = self._compiled.get(guide.key)
-            if grammar is not None:
-                self._compiled.move_to_end(guide.key)
-                return _Bound(grammar, guide.field, self.budget_ms)
-        t0 = time.perf_counter()
-        grammar = engine.compile(guide)  # outside the lock: another request's cached guide need not wait
-        grammar.compile_seconds = time.perf_counter() - t0
-        self._try(grammar, guide)
-        with self._lock:
+            del self._compiling[guide.key]
             self._compiled[guide.key] = grammar
             if len(self._compiled) > CACHED:
                 self._compiled.popitem(last=False)
+        compiling.set_result(grammar)
         return _Bound(grammar, guide.field, self.budget_ms)
 
     def _try(self, grammar: Grammar, guide: Guide) -> None:

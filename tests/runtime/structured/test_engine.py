@@ -5,6 +5,7 @@ allow, validate, force and roll back as the guided loop reads them."""
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -124,3 +125,51 @@ def test_byte_level_vocabularies_read_through_their_alphabet(tmp_path):
     assert [token_bytes[i] for i in special] == [b"<|endoftext|>", b"<|im_start|>", b"<|im_end|>", b"<|mask|>"]
     m = guides(tok, 384).compile(Guide("choice", '["Grüße", "日本語"]', "choice")).matcher()
     assert m.valid(tok.encode("日本語")) == len(tok.encode("日本語"))
+
+
+def test_requests_asking_for_a_guide_while_it_compiles_wait_for_that_compile(tiny_guides, monkeypatch):
+    """Concurrent compiles of one guide are merged (what SGLang does with its cache entry): the engine compiles it
+    once, and every request gets it; a refusal is each request's own, naming its field."""
+    import threading
+    from concurrent.futures import Future
+
+    from refusion.runtime.structured import engine as engine_module
+    from refusion.runtime.structured.engine import GrammarEngine
+
+    tok, _ = tiny_guides
+    g = guides(tok, 104)
+    release, asked, calls = threading.Event(), threading.Event(), []  # asked: a second request waits, or compiles
+
+    class Held(GrammarEngine):
+        def __init__(self, inner: GrammarEngine):
+            self.inner, self.name = inner, inner.name
+
+        def compile(self, guide: Guide):
+            calls.append(guide.field)
+            if len(calls) > 1:
+                asked.set()
+            release.wait(timeout=30)  # held until the second request has asked (the timeout only guards a hang)
+            return self.inner.compile(guide)
+
+    class Watched(Future):
+        def result(self, timeout=None):
+            asked.set()
+            return super().result(timeout)
+
+    monkeypatch.setattr(engine_module, "Future", Watched, raising=False)
+    g.wrap(Held)
+    got: dict[str, object] = {}
+    first = threading.Thread(target=lambda: got.update(a=g.compile(Guide("regex", r"\d{2}", "regex"))))
+    first.start()
+    while not calls:  # the first compile has begun
+        first.join(timeout=0.01)
+    second = threading.Thread(target=lambda: got.update(b=g.compile(Guide("regex", r"\d{2}", "guided_regex"))))
+    second.start()
+    asked.wait(timeout=30)
+    release.set()
+    first.join(timeout=30)
+    second.join(timeout=30)
+    assert calls == ["regex"] and got["a"].grammar is got["b"].grammar and got["b"].field == "guided_regex"
+    for field in ("json_schema", "response_format.json_schema.schema"):  # refused: each names its own field
+        with pytest.raises(RefusionError, match=f"^{re.escape(field)} is not a guide"):
+            g.compile(Guide("json_schema", '{"type": "array", "uniqueItems": true}', field))
