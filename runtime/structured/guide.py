@@ -21,7 +21,7 @@ from refusion.runtime.core.settings import GUIDE_BYTES, GUIDES
 if TYPE_CHECKING:
     from refusion.runtime.options import RequestOptions
 
-GuideKind = Literal["json_schema", "regex", "choice", "grammar"]
+GuideKind = Literal["json_schema", "regex", "choice", "grammar", "tool_call"]
 ANY_OBJECT = '{"type":"object"}'  # response_format json_object: any JSON object
 
 
@@ -35,6 +35,25 @@ class Guide:
     def key(self) -> tuple[str, str]:
         """What a compiled grammar is cached by."""
         return self.kind, self.source
+
+
+@dataclass(frozen=True)
+class ToolCallGuide:
+    """A tool_call guide's source, as data every grammar engine reads (runtime/structured/tools.py writes it): one
+    call, its JSON valid under `call` between the `opening` and `closing` tags, or, where `answer` is given, that
+    JSON schema's answer instead."""
+
+    opening: str
+    call: dict[str, Any]  # a JSON schema of the call's object ({"name": ..., "arguments": ...})
+    closing: str
+    answer: dict[str, Any] | None = None
+
+    def source(self) -> dict[str, Any]:
+        return {"opening": self.opening, "call": self.call, "closing": self.closing, "answer": self.answer}
+
+    @staticmethod
+    def read(source: str) -> ToolCallGuide:
+        return ToolCallGuide(**json.loads(source))
 
 
 def guide_of(options: RequestOptions) -> Guide | None:

@@ -27,7 +27,7 @@ import numpy as np
 from refusion.runtime.core.contract import mask_bytes
 from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.structured.engine import Grammar, GrammarEngine, Matcher, Vocabulary
-from refusion.runtime.structured.guide import Guide
+from refusion.runtime.structured.guide import Guide, ToolCallGuide
 
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 INSTALL = "pip install 'refusion-trt[structured]'"
@@ -89,6 +89,8 @@ class LLGuidance(GrammarEngine):
                 text = llg.LLMatcher.grammar_from_regex(guide.source)
             elif guide.kind == "choice":
                 text = llg.LLMatcher.grammar_from_regex(_alternation(json.loads(guide.source)))
+            elif guide.kind == "tool_call":
+                text = llg.grammar_from("grammar", _tool_call_lark(ToolCallGuide.read(guide.source)))
             else:
                 text = llg.grammar_from("grammar", guide.source)  # Lark, or GBNF converted to Lark
         except ValueError as e:
@@ -110,6 +112,19 @@ class _Grammar(Grammar):
         engine = self.engine
         matcher = llg.LLMatcher(engine.tokenizer, self.text, log_level=0, limits=engine.limits)
         return _Matcher(matcher, engine.executor, engine.eos)
+
+
+def _tool_call_lark(guide: ToolCallGuide) -> str:
+    """The call as Lark: its tags around %json (with JSON_OPTIONS' layout, unless its schema sets its own), or,
+    with an answer, that or the answer's %json."""
+    call = f"{json.dumps(guide.opening)} %json {_laid_out(guide.call)} {json.dumps(guide.closing)}"
+    if guide.answer is None:
+        return f"start: {call}\n"
+    return f"start: call | answer\ncall: {call}\nanswer: %json {_laid_out(guide.answer)}\n"
+
+
+def _laid_out(schema: dict[str, Any]) -> str:
+    return json.dumps({"x-guidance": JSON_OPTIONS, **schema}, ensure_ascii=False)
 
 
 def _alternation(choices: list[str]) -> str:

@@ -18,8 +18,7 @@ from typing import Any
 
 from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.core.settings import GUIDE_BYTES
-from refusion.runtime.structured.guide import Guide, closed
-from refusion.runtime.structured.llguidance_engine import JSON_OPTIONS
+from refusion.runtime.structured.guide import Guide, ToolCallGuide, closed
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 CHOICES = ("auto", "none", "required")  # and {"type": "function", "function": {"name": ...}}
@@ -57,24 +56,17 @@ class Tools:
         call, certain (its arguments valid under the function's parameters; `answer` shapes no text: a call has
         none); with "auto" and a JSON schema answer, a call or that answer, one guide; with "none", or "auto" and no
         answer or one of another kind (a regex, a choice, a grammar: it shapes the whole answer, calls read out of
-        it, as vLLM's guided fields do), `answer`. A grammar: the call's tags around a JSON schema."""
+        it, as vLLM's guided fields do), `answer`. A tool_call guide: data each grammar engine compiles its way."""
         if self.choice == "none" or (self.choice == "auto" and (answer is None or answer.kind != "json_schema")):
             return answer
         names = [self.choice] if self.named else list(self.parameters)
         calls = [{"type": "object", "properties": {"name": {"const": name}, "arguments": closed(self.parameters[name])},
                   "required": ["name", "arguments"], "additionalProperties": False} for name in names]
-        call = (f"{json.dumps(OPEN + chr(10))} %json {_laid_out(calls[0] if len(calls) == 1 else {'anyOf': calls})} "
-                f"{json.dumps(chr(10) + CLOSE)}")
+        call = calls[0] if len(calls) == 1 else {"anyOf": calls}
         if answer is None or self.choice != "auto":
-            return Guide("grammar", f"start: {call}\n", "tool_choice")
-        return Guide("grammar", f"start: call | answer\ncall: {call}\nanswer: %json {_laid_out(json.loads(answer.source))}\n",
-                     answer.field)
-
-
-def _laid_out(schema: dict[str, Any]) -> str:
-    """A JSON schema for a grammar's %json, with the layout every JSON guide has (llguidance_engine.JSON_OPTIONS)
-    unless it sets its own."""
-    return json.dumps({"x-guidance": JSON_OPTIONS, **schema}, ensure_ascii=False)
+            return Guide("tool_call", json.dumps(ToolCallGuide(OPEN + "\n", call, "\n" + CLOSE).source()), "tool_choice")
+        return Guide("tool_call", json.dumps(ToolCallGuide(OPEN + "\n", call, "\n" + CLOSE,
+                                                           json.loads(answer.source)).source()), answer.field)
 
 
 def read_tools(tools: Any, tool_choice: Any) -> Tools | None:
