@@ -38,6 +38,9 @@ CACHED = 64  # compiled grammars a Generator keeps, the least recently used drop
 # it reads): over 100x what a mask of an ordinary JSON schema, regex or enum of 7,400 strings takes on a 2-core CPU
 # (0.1 ms or less, docs/serving.md "Guides").
 BUDGET_MS = 20.0
+# The most CPU seconds a guide's compile (and its try) may take: llguidance's own limits bound it first (a schema of
+# 64 KiB compiles in 15-35 ms here); this refuses what still runs long, as vLLM's regex compile timeout does.
+COMPILE_LIMIT_S = 2.0
 ENGINES = {"llguidance": "refusion.runtime.structured.llguidance_engine"}  # name -> module with `make_engine`
 
 
@@ -231,10 +234,15 @@ class Guides:
             with contextlib.suppress(RefusionError):  # refused: compiled again, so that its refusal names this field
                 return _Bound(pending.result(), guide.field, self.budget_ms)
         try:
-            t0 = time.perf_counter()
+            t0, cpu = time.perf_counter(), time.thread_time()
             grammar = engine.compile(guide)  # outside the lock: another request's cached guide need not wait
             grammar.compile_seconds = time.perf_counter() - t0
             self._try(grammar, guide)
+            spent = time.thread_time() - cpu
+            if spent > COMPILE_LIMIT_S:
+                raise RefusionError(f"{guide.field} took {spent:.1f} s of the grammar engine's work to compile, over "
+                                    f"the {COMPILE_LIMIT_S:g} s a guide may take; simplify it (fewer alternatives, "
+                                    "a smaller schema).")
         except BaseException as e:
             with self._lock:
                 del self._compiling[guide.key]

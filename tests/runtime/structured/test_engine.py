@@ -173,3 +173,31 @@ def test_requests_asking_for_a_guide_while_it_compiles_wait_for_that_compile(tin
     for field in ("json_schema", "response_format.json_schema.schema"):  # refused: each names its own field
         with pytest.raises(RefusionError, match=f"^{re.escape(field)} is not a guide"):
             g.compile(Guide("json_schema", '{"type": "array", "uniqueItems": true}', field))
+
+
+def test_a_compile_past_its_limit_is_refused_as_the_fields_error(tiny_guides, monkeypatch):
+    import time
+
+    from refusion.runtime.structured import engine as engine_module
+    from refusion.runtime.structured.engine import GrammarEngine
+
+    tok, _ = tiny_guides
+    g = guides(tok, 104)
+
+    class Slow(GrammarEngine):
+        def __init__(self, inner: GrammarEngine):
+            self.inner, self.name = inner, inner.name
+
+        def compile(self, guide: Guide):
+            t0 = time.thread_time()
+            while time.thread_time() - t0 < 0.05:  # 50 ms of this thread's CPU, on any machine
+                pass
+            return self.inner.compile(guide)
+
+    monkeypatch.setattr(engine_module, "COMPILE_LIMIT_S", 0.02)
+    g.wrap(Slow)
+    with pytest.raises(RefusionError, match=r"^regex took 0\.\d s of the grammar engine's work to compile, over the "
+                                            r"0\.02 s a guide may take"):
+        g.compile(Guide("regex", "[0-9]+", "regex"))
+    monkeypatch.setattr(engine_module, "COMPILE_LIMIT_S", 2.0)
+    assert g.compile(Guide("regex", "[0-9]+", "regex")).field == "regex"  # refused, not cached: compiled again
