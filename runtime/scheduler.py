@@ -176,8 +176,7 @@ class Scheduler:
         ready: dict[tuple[str, int], list[tuple[Request, Forward]]] = {}
         for request in active:
             if request in resting:
-                if request.cancelled or (request.deadline is not None and time.monotonic() > request.deadline):
-                    self._finish(request, "cancelled" if request.cancelled else "timeout")
+                self._ended(request)
                 continue
             cpu = time.thread_time()
             try:
@@ -196,11 +195,10 @@ class Scheduler:
             for start in range(0, len(group), width):
                 self._run(graph, group[start : start + width])
         elapsed = time.perf_counter() - t0
-        for request in resting:  # repaid by the time the others had
-            if request in self._owed and self._owed[request] <= elapsed:
-                del self._owed[request]
-            elif request in self._owed:
-                self._owed[request] -= elapsed
+        for request in resting:  # repaid by the time the others had (gone once it ended)
+            owed = self._owed.pop(request, None)
+            if owed is not None and owed > elapsed:
+                self._owed[request] = owed - elapsed
 
     def _width(self, forwards: list[Forward]) -> int:
         """Rows a call packs: up to the runner's max_batch, and within prefill_chunk tokens in all."""
@@ -211,8 +209,7 @@ class Scheduler:
 
     def _advance(self, request: Request) -> Forward | None:
         """Run the request's steps up to its next forward (None when it has ended)."""
-        if request.cancelled or (request.deadline is not None and time.monotonic() > request.deadline):
-            self._finish(request, "cancelled" if request.cancelled else "timeout")
+        if self._ended(request):
             return None
         chunks = self._chunks.get(request)
         if chunks is not None:  # its step machine waits for the whole forward's outputs
@@ -239,6 +236,13 @@ class Scheduler:
                 if request.stop_reached:  # its answer ends at a stop sequence: nothing more to decode
                     self._finish(request, "stop")
                     return None
+
+    def _ended(self, request: Request) -> bool:
+        """Finish the request if it was cancelled or its deadline has passed."""
+        if request.cancelled or (request.deadline is not None and time.monotonic() > request.deadline):
+            self._finish(request, "cancelled" if request.cancelled else "timeout")
+            return True
+        return False
 
     def _bounded(self, request: Request, forward: Forward) -> Forward:
         """`forward`, or its first chunk when it feeds more than prefill_chunk tokens."""
