@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from refusion.engines.build import BuildPlan
-from refusion.runtime.core.contract import DEFAULT_CANDIDATES, GraphName, candidates_for, graph_specs
+from refusion.runtime.core.contract import DEFAULT_CANDIDATES, GraphName, candidates_for, graph_specs, mask_bytes
 from refusion.runtime.core.defaults import DecodeDefaults
 from refusion.runtime.core.dims import ModelDims
 from refusion.runtime.core.engines_manifest import ENGINE_GRAPH
@@ -43,6 +43,7 @@ from refusion.runtime.runners.base import Runner
 from refusion.runtime.runners.kv_pool import HostKVPool
 from refusion.runtime.runners.onnxruntime import OrtCudaRunner
 from refusion.runtime.runners.rows import RowFeed
+from refusion.runtime.structured.engine import Grammar, Matcher
 from refusion.runtime.tokenizer import TOKENIZER_FILES
 
 
@@ -590,9 +591,14 @@ class FakeRunner(Runner):
         heads = row.heads_at[0]
         states = np.where(row.attention_mask[0, heads], mixed[None, :], 0).sum(-1) % 1_000_003
         k = self.manifest.candidates
-        top = np.array([[self._candidate(int(state), j) for j in range(k)] for state in states], np.int64)
+        allowed = (np.unpackbits(row.vocab_mask[0], axis=-1, bitorder="little").astype(bool)
+                   if row.vocab_mask is not None else None)
+        top = np.array([self._candidates(int(state), k, None if allowed is None else allowed[h])
+                        for h, state in enumerate(states)], np.int64)
         first = 0.3 + 0.7 * (states // 7 % 1000) / 1000
         probs = np.concatenate([first[:, None], (1 - first)[:, None] / 4.0 ** np.arange(1, k)[None]], axis=1)
+        if allowed is not None:  # a candidate the mask leaves out has probability 0, as a masked graph's has
+            probs = np.where(allowed[np.arange(len(top))[:, None], top], probs, 0.0)
         out = {"argmax_ids": top[None, :, 0], "argmax_probs": first[None].astype(np.float32), "top_ids": top[None],
                "top_logprobs": np.log(probs)[None].astype(np.float32)}
         if graph == "infiller":
@@ -602,9 +608,81 @@ class FakeRunner(Runner):
             cache[0, row.write_at : row.write_at + len(ids), 0, 0] = ids * 1024 + pos
         return out
 
+    def _candidates(self, state: int, k: int, allowed: np.ndarray | None) -> list[int]:
+        """The k most likely tokens at a head in this state; under a vocab_mask, the first k it allows, in the same
+        order (padded with the last, at probability 0, where it allows fewer)."""
+        if allowed is None:
+            return [self._candidate(state, j) for j in range(k)]
+        found: list[int] = []
+        for j in range(len(self._vocab) + 1):
+            token = self._candidate(state, j)
+            if allowed[token] and token not in found:
+                found.append(token)
+                if len(found) == k:
+                    break
+        eos = self.manifest.eos_token_id  # first where this state reads it unmasked, or where it alone is allowed
+        found = found or ([eos] if allowed[eos] else [self._candidate(state, 0)])
+        return found + found[-1:] * (k - len(found))
+
     def _candidate(self, state: int, j: int) -> int:
         """The j-th most likely token at a head in this state, distinct for every j < K (37 is prime to the
         vocabulary left); EOS only ever first."""
         if j == 0 and state % self.eos_every == 0:
             return self.manifest.eos_token_id
         return self._vocab[(state + 37 * j) % len(self._vocab)]
+
+
+class FakeChoice(Grammar):
+    """A guide of a few answers, as token ids: a trie. What guided decoding needs of a grammar engine, without one,
+    so its loop runs on the FakeRunner (tests/runtime/decode/test_guided_fake.py)."""
+
+    def __init__(self, answers: list[list[int]], vocab_size: int, eos: int):
+        self.answers, self.eos, self.width = [tuple(a) for a in answers], eos, mask_bytes(vocab_size)
+
+    def matcher(self) -> Matcher:
+        return _ChoiceMatcher(self)
+
+
+class _ChoiceMatcher(Matcher):
+    def __init__(self, guide: FakeChoice):
+        self.guide, self.taken = guide, []  # the tokens consumed
+
+    def _next(self, prefix: tuple[int, ...]) -> set[int]:
+        """The tokens that may follow `prefix`, the EOS where it is an answer."""
+        n = len(prefix)
+        tokens = {a[n] for a in self.guide.answers if len(a) > n and a[:n] == prefix}
+        return tokens | ({self.guide.eos} if prefix in self.guide.answers else set())
+
+    def allowed(self, out: np.ndarray) -> bool:
+        bits = np.zeros(out.size * 8, np.uint8)
+        bits[list(self._next(tuple(self.taken)))] = 1
+        out[:] = np.packbits(bits, bitorder="little")
+        return bool(out.any())
+
+    def valid(self, tokens) -> int:
+        prefix = tuple(self.taken)
+        for n, token in enumerate(tokens):
+            if token not in self._next(prefix):
+                return n
+            if token == self.guide.eos:
+                return n + 1
+            prefix += (token,)
+        return len(tokens)
+
+    def consume(self, tokens) -> None:
+        assert self.valid(tokens) == len(tokens), "consumed what the guide does not allow"
+        self.taken += list(tokens)
+
+    def rollback(self, count: int) -> None:
+        del self.taken[len(self.taken) - count:]
+
+    def forced(self) -> list[int]:
+        run, prefix = [], tuple(self.taken)
+        while len(following := self._next(prefix)) == 1 and self.guide.eos not in following:
+            run.append(following.pop())
+            prefix += (run[-1],)
+        return run
+
+    @property
+    def finished(self) -> bool:
+        return self._next(tuple(self.taken)) == {self.guide.eos}
