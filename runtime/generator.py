@@ -151,7 +151,7 @@ class Generator:
                                 "assistant's may carry tool_calls instead of content); pass e.g. "
                                 "messages=[{'role': 'user', 'content': 'hi'}].")
         if tools is not None and messages is None and not chat:
-            raise RefusionError("tools are offered through the chat template: pass messages=[...] (or chat=True).")
+            raise RefusionError("tools are offered through the chat template: pass messages=[...] (or chat=True).", "tools")
         if prompt_ids is not None:
             if chat:
                 raise RefusionError("chat=True does not combine with prompt_ids: token ids are fed exactly as given, "
@@ -265,18 +265,18 @@ class Generator:
         if request.top_logprobs > self.manifest.candidates:
             raise RefusionError(f"top_logprobs={request.top_logprobs} exceeds the {self.manifest.candidates} candidates "
                                 "this export's graphs emit; ask for fewer, or re-export with `refusion-export onnx ... "
-                                f"--candidates {request.top_logprobs}`.")
+                                f"--candidates {request.top_logprobs}`.", "top_logprobs")
         bad = [t for t in request.stop_token_ids if t >= self.manifest.vocab_size]
         if bad:
-            raise RefusionError(f"stop token id {bad[0]} is outside the vocabulary [0, {self.manifest.vocab_size}).")
+            raise RefusionError(f"stop token id {bad[0]} is outside the vocabulary [0, {self.manifest.vocab_size}).", "stop_token_ids")
         params = self.params(**options)
         if params.top_k > self.manifest.candidates:
             raise RefusionError(f"top_k={params.top_k} exceeds the {self.manifest.candidates} candidates this export's "
                                 f"graphs emit; lower top_k, or re-export with `refusion-export onnx ... --candidates "
-                                f"{params.top_k}`.")
+                                f"{params.top_k}`.", "top_k")
         if request.stop and self.tokenizer is None:
             raise RefusionError(f"stop={list(request.stop)!r} needs the tokenizer to read the answer's text, and "
-                                f"{self.manifest.path} carries none; stop at token ids (stop_token_ids) instead.")
+                                f"{self.manifest.path} carries none; stop at token ids (stop_token_ids) instead.", "stop")
         self.grammar(request)
         return params, request
 
@@ -293,7 +293,7 @@ class Generator:
         if not m.takes_masks:
             raise RefusionError(f"{guide.field}: this model is an export of format {m.format_version}, whose graphs "
                                 "cannot apply a guide (they take no vocab_mask); re-export it with this version: "
-                                "`refusion-export onnx CHECKPOINT --output DIR --force` (engines: then rebuild them).")
+                                "`refusion-export onnx CHECKPOINT --output DIR --force` (engines: then rebuild them).", guide.field)
         return self.guides.compile(guide)
 
     @property
@@ -359,7 +359,7 @@ class Generator:
         detokenize = self.tokenizer.decode if self.tokenizer else None
         grammar = self.grammar(options, tools)
         if grammar is not None and strategy(params.mode).guided is None:
-            raise RefusionError(f"mode {params.mode!r} follows no guide (structured output); use mode refusion or ar.")
+            raise RefusionError(f"mode {params.mode!r} follows no guide (structured output); use mode refusion or ar.", "mode")
         tokens = Tokens(ids, m.mask_token_id, m.eos_token_id, top_logprobs=options.top_logprobs, guide=grammar)
         request = Request(tokens, params, detokenize, self.runner.name, options, tools)
         return self.scheduler.submit(request)

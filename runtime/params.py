@@ -86,8 +86,7 @@ class DecodeParams:
             raise RefusionError(
                 f"gen_length {gen} (padded to slot_size {k}) cannot be cut into serial_num_blocks={blocks} "
                 f"blocks of whole slots; with these values serial_num_blocks may be one of {fits}{more}, or choose "
-                f"gen_length as a multiple of slot_size x serial_num_blocks = {k * blocks}."
-            )
+                f"gen_length as a multiple of slot_size x serial_num_blocks = {k * blocks}.", "gen_length")
         return gen // blocks
 
 

@@ -276,7 +276,7 @@ class Request:
         self.cached_tokens = cached
         steps = self._strategy.steps if self.tokens.guide is None else self._strategy.guided
         if steps is None:
-            raise RefusionError(f"mode {self.params.mode!r} follows no guide (structured output); use refusion or ar.")
+            raise RefusionError(f"mode {self.params.mode!r} follows no guide (structured output); use refusion or ar.", "mode")
         self._steps = steps(replace(self.tokens, cached=cached), self.params, self.trace)
 
     def send(self, outputs: Outputs | None) -> Step | None:

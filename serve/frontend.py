@@ -59,6 +59,7 @@ class Final:
     result: GenerationResult | None = None
     error: str = ""
     status: Status = Status.INVALID_ARGUMENT
+    field: str | None = None  # the request's field the error refuses (RefusionError.field), where it refuses one
 
     @property
     def internal(self) -> bool:  # a bug, not the request's fault
@@ -230,5 +231,5 @@ _GONE: Any = object()  # a request no longer live
 
 def _failed(error: Exception) -> Final:
     if isinstance(error, RefusionError):  # it failed alone (e.g. over a runner's limit), with its own error
-        return Final(error=str(error))
+        return Final(error=str(error), field=error.field)
     return Final(error=f"internal error: {type(error).__name__}: {error}", status=Status.INTERNAL)  # a bug

@@ -5,9 +5,30 @@ the offending value, what was expected, and what to do about it. The CLIs turn i
 a one-line error and a non-zero exit; nothing else is caught.
 """
 
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 
 class RefusionError(Exception):
-    """A failure the user can act on; the message says how."""
+    """A failure the user can act on; the message says how. `field`: the request's field it refuses, by the
+    runtime's name (a setting's row, a guide's field, `tools[0].function.name`), where it refuses one: a frontend
+    names it to its client from here (OpenAI's `param`), never by reading the message."""
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
+
+
+@contextmanager
+def refusing(field: str) -> Iterator[None]:
+    """A RefusionError raised inside refuses `field`, unless it names a field of its own."""
+    try:
+        yield
+    except RefusionError as e:
+        e.field = e.field or field
+        raise
 
 
 class ContextLengthError(RefusionError):

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from numbers import Integral, Real
 from typing import Any, Literal
 
-from refusion.runtime.core.errors import RefusionError
+from refusion.runtime.core.errors import RefusionError, refusing
 from refusion.runtime.core.nesting import MAX_JSON_DEPTH, json_depth, value_depth
 
 Kind = Literal["int", "number", "bool", "string", "strings", "ints", "text", "json"]
@@ -99,11 +99,15 @@ class Setting:
         """The error for `value`: of the right kind but `outside` a range of two bounds, or not what it must be."""
         note = f" ({self.note})" if self.note else ""
         if outside:
-            return RefusionError(f"{self.name}={value!r} is outside {self._range()}{note}.")
-        return RefusionError(f"{self.name}={value!r} must be {self.expected()}{note}.")
+            return RefusionError(f"{self.name}={value!r} is outside {self._range()}{note}.", self.name)
+        return RefusionError(f"{self.name}={value!r} must be {self.expected()}{note}.", self.name)
 
     def check(self, value: Any) -> Any:
         """`value` as this setting holds it (plain Python, tuples for lists), or its refusal naming it."""
+        with refusing(self.name):
+            return self._checked(value)
+
+    def _checked(self, value: Any) -> Any:
         if value is None and self.optional:
             return None
         if self.choices is not None:

@@ -53,5 +53,5 @@ MODES = tuple(name for name, s in STRATEGIES.items() if s.public)  # DecodeParam
 
 def strategy(mode: str) -> Strategy:
     if mode not in STRATEGIES:
-        raise RefusionError(f"mode={mode!r} is not one of {', '.join(map(repr, STRATEGIES))}.")
+        raise RefusionError(f"mode={mode!r} is not one of {', '.join(map(repr, STRATEGIES))}.", "mode")
     return STRATEGIES[mode]

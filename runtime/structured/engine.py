@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from refusion.runtime.core.errors import RefusionError
+from refusion.runtime.core.errors import RefusionError, refusing
 from refusion.runtime.structured.guide import Guide
 
 CACHED = 64  # compiled grammars a Generator keeps, the least recently used dropped first
@@ -134,13 +134,13 @@ class Budgeted(Matcher):
         try:
             result = call(*args)
         except RefusionError as e:
-            raise RefusionError(f"{self.field} could not be followed: {e}") from None
+            raise RefusionError(f"{self.field} could not be followed: {e}", self.field) from None
         spent, tokens = (time.thread_time() - t0) * 1e3, max(1, len(result) if tokens is None else tokens)
         if spent > self.budget_ms * tokens:
             raise RefusionError(
                 f"{self.field} took {spent:.1f} ms of the grammar engine's work for {tokens} token(s) ({what}), over "
                 f"this server's budget of {self.budget_ms:g} ms a token; simplify the guide (an ambiguous grammar's "
-                "work grows with every token: make its rules unambiguous, or use a regex or a JSON schema).")
+                "work grows with every token: make its rules unambiguous, or use a regex or a JSON schema).", self.field)
         return result
 
     def allowed(self, out: np.ndarray) -> bool:
@@ -234,15 +234,16 @@ class Guides:
             with contextlib.suppress(RefusionError):  # refused: compiled again, so that its refusal names this field
                 return _Bound(pending.result(), guide.field, self.budget_ms)
         try:
-            t0, cpu = time.perf_counter(), time.thread_time()
-            grammar = engine.compile(guide)  # outside the lock: another request's cached guide need not wait
-            grammar.compile_seconds = time.perf_counter() - t0
-            self._try(grammar, guide)
-            spent = time.thread_time() - cpu
-            if spent > COMPILE_LIMIT_S:
-                raise RefusionError(f"{guide.field} took {spent:.1f} s of the grammar engine's work to compile, over "
-                                    f"the {COMPILE_LIMIT_S:g} s a guide may take; simplify it (fewer alternatives, "
-                                    "a smaller schema).")
+            with refusing(guide.field):  # every refusal of the compile names the guide's field
+                t0, cpu = time.perf_counter(), time.thread_time()
+                grammar = engine.compile(guide)  # outside the lock: another request's cached guide need not wait
+                grammar.compile_seconds = time.perf_counter() - t0
+                self._try(grammar, guide)
+                spent = time.thread_time() - cpu
+                if spent > COMPILE_LIMIT_S:
+                    raise RefusionError(f"{guide.field} took {spent:.1f} s of the grammar engine's work to compile, "
+                                        f"over the {COMPILE_LIMIT_S:g} s a guide may take; simplify it (fewer "
+                                        "alternatives, a smaller schema).")
         except BaseException as e:
             with self._lock:
                 del self._compiling[guide.key]

@@ -74,7 +74,7 @@ def guide_of(options: RequestOptions) -> Guide | None:
             given.append(Guide(setting.name, value, setting.name))  # type: ignore[arg-type]  # the rows' names
     if len(given) > 1:
         raise RefusionError(f"{given[0].field} and {given[1].field} both ask for structured output; a request "
-                            "follows one guide: give one of them.")
+                            "follows one guide: give one of them.", given[0].field)
     return given[0] if given else None
 
 
@@ -90,26 +90,27 @@ def _response_format(value: dict[str, Any]) -> list[Guide]:
         extra = [k for k in value if k not in ("type", "json_schema")]
         if extra:
             raise RefusionError(f"response_format.{extra[0]} is not a field of a json_schema response_format; it "
-                                "takes type and json_schema.")
+                                "takes type and json_schema.", f"response_format.{extra[0]}")
         if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
             raise RefusionError('response_format.json_schema must be an object with the schema in "schema": '
-                                '{"type": "json_schema", "json_schema": {"name": "answer", "schema": {...}}}.')
+                                '{"type": "json_schema", "json_schema": {"name": "answer", "schema": {...}}}.',
+                                "response_format.json_schema")
         unknown = [k for k in spec if k not in ("name", "schema", "strict", "description")]
         if unknown:
             raise RefusionError(f"response_format.json_schema.{unknown[0]} is not one of name, description, schema, "
-                                "strict.")
+                                "strict.", f"response_format.json_schema.{unknown[0]}")
         schema = json.dumps(closed(spec["schema"]), ensure_ascii=False, separators=(",", ":"))
         return [Guide("json_schema", schema, "response_format.json_schema.schema")]
     shown = json.dumps(kind)[:40] if kind is not None else "missing"
     raise RefusionError(f"response_format.type is {shown}; it must be \"text\", \"json_object\" or \"json_schema\" "
-                        "(with json_schema.schema), and nothing else beside type.")
+                        "(with json_schema.schema), and nothing else beside type.", "response_format.type")
 
 
 def _choice(values: tuple[str, ...]) -> Guide:
     source = json.dumps(list(values), ensure_ascii=False)
     if len(source.encode("utf-8", "surrogatepass")) > GUIDE_BYTES:
         raise RefusionError(f"choice holds {len(source.encode('utf-8', 'surrogatepass'))} bytes as JSON, over the "
-                            f"{GUIDE_BYTES} a request may send (a guide is bounded).")
+                            f"{GUIDE_BYTES} a request may send (a guide is bounded).", "choice")
     return Guide("choice", source, "choice")
 
 

@@ -73,42 +73,42 @@ def read_tools(tools: Any, tool_choice: Any) -> Tools | None:
     """OpenAI's `tools` and `tool_choice` checked (None: no tools); a RefusionError names the bad field."""
     if tools is None:
         if tool_choice not in (None, "none"):
-            raise RefusionError(f"tool_choice={tool_choice!r} needs tools: give the functions in tools=[...].")
+            raise RefusionError(f"tool_choice={tool_choice!r} needs tools: give the functions in tools=[...].", "tool_choice")
         return None
     if not isinstance(tools, Sequence) or isinstance(tools, (str, bytes)) or not tools:
         raise RefusionError("tools must be a non-empty list of {\"type\": \"function\", \"function\": {\"name\": ..., "
-                            "\"parameters\": {...}}}.")
+                            "\"parameters\": {...}}}.", "tools")
     names: list[str] = []
     for i, tool in enumerate(tools):
         fn = tool.get("function") if isinstance(tool, Mapping) else None
         if not isinstance(tool, Mapping) or tool.get("type") != "function" or not isinstance(fn, Mapping):
-            raise RefusionError(f"tools[{i}] is not {{\"type\": \"function\", \"function\": {{...}}}}.")
+            raise RefusionError(f"tools[{i}] is not {{\"type\": \"function\", \"function\": {{...}}}}.", f"tools[{i}]")
         name = fn.get("name")
         if not isinstance(name, str) or not _NAME.match(name):
-            raise RefusionError(f"tools[{i}].function.name={name!r} must be 1-64 letters, digits, _ or -.")
+            raise RefusionError(f"tools[{i}].function.name={name!r} must be 1-64 letters, digits, _ or -.", f"tools[{i}].function.name")
         if name in names:
-            raise RefusionError(f"tools[{i}].function.name={name!r} is given twice; names must be unique.")
+            raise RefusionError(f"tools[{i}].function.name={name!r} is given twice; names must be unique.", f"tools[{i}].function.name")
         names.append(name)
         parameters = fn.get("parameters")
         if parameters is not None and (not isinstance(parameters, Mapping) or parameters.get("type", "object") != "object"):
-            raise RefusionError(f"tools[{i}].function.parameters must be a JSON schema of an object.")
+            raise RefusionError(f"tools[{i}].function.parameters must be a JSON schema of an object.", f"tools[{i}].function.parameters")
     try:
         size = len(json.dumps(list(tools), ensure_ascii=False).encode("utf-8", "surrogatepass"))
     except (TypeError, ValueError) as e:
-        raise RefusionError(f"tools is not JSON ({e}).") from None
+        raise RefusionError(f"tools is not JSON ({e}).", "tools") from None
     if size > GUIDE_BYTES:
-        raise RefusionError(f"tools holds {size} bytes as JSON, over the {GUIDE_BYTES} a request may send.")
+        raise RefusionError(f"tools holds {size} bytes as JSON, over the {GUIDE_BYTES} a request may send.", "tools")
     choice = "auto" if tool_choice is None else tool_choice
     if isinstance(choice, Mapping):
         fn = choice.get("function")
         name = fn.get("name") if choice.get("type") == "function" and isinstance(fn, Mapping) else None
         if name not in names:
             raise RefusionError(f"tool_choice names the function {name!r}, which is not one of the tools "
-                                f"({', '.join(names)}); send {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}.")
+                                f"({', '.join(names)}); send {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}.", "tool_choice")
         return Tools(tuple(dict(t) for t in tools), name, named=True)
     if choice not in CHOICES:
         raise RefusionError(f"tool_choice={choice!r} is not one of {', '.join(map(repr, CHOICES))} or "
-                            "{\"type\": \"function\", \"function\": {\"name\": ...}}.")
+                            "{\"type\": \"function\", \"function\": {\"name\": ...}}.", "tool_choice")
     return Tools(tuple(dict(t) for t in tools), choice)
 
 

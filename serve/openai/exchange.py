@@ -153,14 +153,15 @@ async def _disconnect(receive: Receive) -> None:
 
 
 _FIELDS = {setting.name: setting.openai[0] for setting in SETTINGS if setting.openai}  # a setting's OpenAI name
-_NAMED = re.compile(r"([a-z_]+)((?:\.[a-z_]+)*)([ =:])")  # a message's first word: `name=...`, `name.sub is ...`
+_ROW = re.compile(r"[a-z_]+")  # a field's first name: the setting's row, before a `.sub` or an `[index]`
 
 
-def as_sent(message: str) -> tuple[str, str | None]:
-    """A runtime message and the field it names first (`temperature=-1.0 must be ...`, a guide's `json_schema is not
-    ...`, `tools must be ...`), both by the name the client sent it as (json_schema: guided_json)."""
-    named = _NAMED.match(message)
-    if named is None or named[1] not in (*_FIELDS, "tools", "tool_choice"):
+def as_sent(message: str, field: str | None) -> tuple[str, str | None]:
+    """A runtime refusal's message and `param`, the field it refuses (RefusionError.field), both by the name the
+    client sent it as (json_schema: guided_json); no param where it refuses no field."""
+    if field is None:
         return message, None
-    field = _FIELDS.get(named[1], named[1])
-    return field + message[len(named[1]):], field + named[2]
+    row = _ROW.match(field)
+    name = row[0] if row else field
+    sent = _FIELDS.get(name, name)
+    return (sent + message[len(name):] if message.startswith(name) else message), sent + field[len(name):]

@@ -40,7 +40,7 @@ async def create_response(http: Request, frontend: Frontend[Arrival], config: Ap
     except ContextLengthError as e:  # as OpenAI sends it: clients classify it by this code
         raise renamed(ApiError(400, str(e), "input", "context_length_exceeded")) from None
     except RefusionError as e:  # the runtime's refusal of a setting, named as the client sent it
-        raise _failure(Final(error=str(e)), wanted) from None
+        raise _failure(Final(error=str(e), field=e.field), wanted) from None
     reply = ResponseReply(Reply(RESPONSES, config.model, fingerprint), wanted.echo)
     if wanted.stream:
         return StreamingResponse(_events(frontend, generations[0], wanted, reply), media_type="text/event-stream",
@@ -55,8 +55,7 @@ async def create_response(http: Request, frontend: Frontend[Arrival], config: Ap
 
 def _failure(final: Final, wanted: ResponsesRequest) -> ApiError:
     """A runtime error as the ApiError its client gets, naming the field by its Responses name."""
-
-    return renamed(ApiError(final.status.value, *as_sent(final.error)), wanted.sources)
+    return renamed(ApiError(final.status.value, *as_sent(final.error, final.field)), wanted.sources)
 
 
 async def _events(frontend: Frontend[Arrival], generation: Generation, wanted: ResponsesRequest,

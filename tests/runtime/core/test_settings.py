@@ -188,3 +188,14 @@ def test_an_empty_choice_is_refused_and_a_choice_left_out_is_none():
             RequestOptions(choice=empty)
     assert RequestOptions().choice is None and RequestOptions(choice="yes").choice == ("yes",)
     assert RequestOptions(stop=[]).stop == ()  # no stop sequences is a value of stop
+
+
+_BAD = {"int": "5", "number": "x", "bool": 1, "string": 5, "strings": 5, "ints": ["2"], "text": 5, "json": 5}
+
+
+@pytest.mark.parametrize("setting", SETTINGS, ids=lambda s: s.name)
+def test_every_rows_refusal_carries_its_field(setting):
+    """A frontend names the refused field from the error (OpenAI's param), never by reading its message."""
+    with pytest.raises(RefusionError) as refused:
+        setting.check(_BAD[setting.kind] if setting.choices is None else "not-a-choice")
+    assert refused.value.field == setting.name and str(refused.value).startswith(setting.name)
