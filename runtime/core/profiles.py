@@ -278,7 +278,7 @@ def check_request(limits: DecodeLimits, prompt_len: int, gen_length: int, slot_s
     if gen > limits.gen_length:
         raise RefusionError(
             f"gen_length {gen} (padded to slot_size {slot_size}) exceeds the engines' --gen-length "
-            f"{limits.gen_length}; lower gen_length or {rebuild} --gen-length {gen}`."
+            f"{limits.gen_length}; lower gen_length or {rebuild} --gen-length {gen}`.", "gen_length"
         )
     if block > limits.block_length:
         fewest = math.ceil(gen / limits.block_length)

@@ -42,10 +42,11 @@ class DiffusionParams:
         for name in ("gen_length", "steps", "block_length"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
-                raise RefusionError(f"{name}={value!r} must be a positive integer.")
+                raise RefusionError(f"{name}={value!r} must be a positive integer.", name)
         if self.gen_length % self.block_length:
             raise RefusionError(
-                f"gen_length {self.gen_length} is not a multiple of block_length {self.block_length} (LLaDA needs whole blocks)."
+                f"gen_length {self.gen_length} is not a multiple of block_length {self.block_length} (LLaDA needs whole blocks).",
+                "gen_length"
             )
         if self.steps % self.num_blocks:
             raise RefusionError(
