@@ -31,6 +31,18 @@ def wait_idle(server: OpenAIServer) -> None:
                == (0, 0) and not server.frontend._releasing, "requests or KV regions still held")
 
 
+def hang_up(server: OpenAIServer, gen: Any, gate: Any, sock: socket.socket) -> Any:
+    """With the request's first forward held at `gate`: close the client's socket, see the disconnect cancel the
+    request, release the forward, and see it end with its KV region free. Returns the request."""
+    (request,) = live(server)
+    sock.close()
+    wait_until(lambda: request.cancelled, "the disconnect cancels the request")
+    gate.allow(1)  # the forward held when it went: the request ends at its next step, without another
+    wait_until(lambda: request.done, "the cancelled request ends")
+    assert gen.scheduler.regions_in_use == 0
+    return request
+
+
 def connect(server: OpenAIServer) -> socket.socket:
     return socket.create_connection(("127.0.0.1", server.port), timeout=HANG_GUARD_S)
 

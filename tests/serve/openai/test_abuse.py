@@ -13,16 +13,7 @@ import pytest
 
 from refusion.serve.openai.schema import CHAT, FIELDS
 from tests.gate import ForwardGate
-from tests.serve.openai.helpers import (
-    connect,
-    live,
-    post,
-    read_event,
-    read_response,
-    request_bytes,
-    wait_idle,
-    wait_until,
-)
+from tests.serve.openai.helpers import connect, hang_up, live, post, read_event, read_response, request_bytes, wait_idle, wait_until
 
 CHAT_PATH, COMPLETIONS_PATH = "/v1/chat/completions", "/v1/completions"
 HI = {"model": "refusion", "messages": [{"role": "user", "content": "sort: 3 1 2"}], "max_tokens": 8}
@@ -168,14 +159,8 @@ def test_a_client_gone_mid_stream_cancels_its_request_and_frees_its_kv_within_a_
         assert reader.readline().startswith(b"HTTP/1.1 200")
         assert json.loads(read_event(reader))["choices"][0]["delta"]["role"] == "assistant"
         gate.wait_held()  # its first forward waits at the gate
-        (request,) = live(server)
         reader.close()
-        sock.close()
-        wait_until(lambda: request.cancelled, "the disconnect cancels the request")
-        gate.allow(1)  # the forward held when it went: the request ends at its next step, without another
-        wait_until(lambda: request.done, "the cancelled request ends")
-        assert request.result().finish_reason == "cancelled"
-        assert gen.scheduler.regions_in_use == 0
+        assert hang_up(server, gen, gate, sock).result().finish_reason == "cancelled"
     wait_idle(server)
     ended = server.metrics.registry.get_sample_value
     assert ended("refusion_requests_total", {"endpoint": "chat", "finish_reason": "cancelled"}) == 1
@@ -188,12 +173,7 @@ def test_a_non_streaming_client_gone_cancels_its_request(serve, gen):
         sock = connect(server)
         sock.sendall(request_bytes(CHAT_PATH, json.dumps({**HI, "max_tokens": 64, "mode": "ar"}).encode()))
         gate.wait_held()
-        (request,) = live(server)
-        sock.close()
-        wait_until(lambda: request.cancelled, "the disconnect cancels the request")
-        gate.allow(1)
-        wait_until(lambda: request.done, "the cancelled request ends")
-        assert gen.scheduler.regions_in_use == 0
+        hang_up(server, gen, gate, sock)
     wait_idle(server)
     _ready(server)
 

@@ -22,7 +22,7 @@ from refusion.tools.bench.guides import RANDOM_SETTINGS as RANDOM
 from refusion.tools.bench.guides import ROBOT, TOOLS
 from tests.gate import ForwardGate
 from tests.helpers import REPO
-from tests.serve.openai.helpers import connect, live, post, read_event, request_bytes, wait_idle, wait_until
+from tests.serve.openai.helpers import connect, hang_up, post, read_event, request_bytes, wait_idle
 
 ASK = [{"role": "user", "content": "sort: 5 2 8 2"}]
 RESPONSES_TOOLS = [{"type": "function", **t["function"]} for t in TOOLS]  # the chat's functions, in this shape
@@ -127,12 +127,7 @@ def test_a_client_gone_cancels_its_request(serve, gen, stream):
             assert json.loads(read_event(reader))["type"] == "response.created"
             reader.close()
         gate.wait_held()  # its first forward waits at the gate
-        (request,) = live(server)
-        sock.close()
-        wait_until(lambda: request.cancelled, "the disconnect cancels the request")
-        gate.allow(1)
-        wait_until(lambda: request.done, "the cancelled request ends")
-        assert gen.scheduler.regions_in_use == 0
+        hang_up(server, gen, gate, sock)
     wait_idle(server)
     ended = server.metrics.registry.get_sample_value
     assert ended("refusion_requests_total", {"endpoint": "responses", "finish_reason": "cancelled"}) == 1
