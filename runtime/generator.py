@@ -433,6 +433,7 @@ def _too_long(params: DecodeParams | DiffusionParams, prompt: int, positions: in
     context length is N tokens", which litellm matches; "prompt is too long", which LangChain matches where the
     openai client's error text carries the message alone, not the code), with what remains and what to lower."""
     room = context - prompt
+    left = f"{_count(room, 'position')} {'remains' if room == 1 else 'remain'}"
     max_tokens = params.max_tokens if isinstance(params, DecodeParams) else None  # the benchmark's llada: none
     completion = max_tokens if max_tokens is not None else positions
     said = (f"This model's maximum context length is {context} tokens. However, you requested {prompt + completion} "
@@ -445,15 +446,15 @@ def _too_long(params: DecodeParams | DiffusionParams, prompt: int, positions: in
                   "tokens.")
     elif max_tokens is not None:
         advice = (f"The prompt is too long for that many: shorten it, or ask for at most {_count(room, 'token')} "
-                  f"(max_tokens); {_count(room, 'position')} {'remains' if room == 1 else 'remain'} after it.")
+                  f"(max_tokens); {left} after it.")
     elif isinstance(params, DecodeParams):
         advice = (f"The prompt is too long for the canvas of {positions} positions the gen_length given asks for: "
                   f"shorten it, lower gen_length, ask for at most {_count(room, 'token')} (max_tokens: the canvas is "
                   f"then cut to fit) or leave gen_length out (the export's canvas is then cut to fit); "
-                  f"{_count(room, 'position')} {'remains' if room == 1 else 'remain'} after this prompt.")
+                  f"{left} after this prompt.")
     else:
         advice = (f"The prompt is too long for gen_length {positions}: shorten it or lower gen_length; "
-                  f"{_count(room, 'position')} {'remains' if room == 1 else 'remain'} after this prompt.")
+                  f"{left} after this prompt.")
     return ContextLengthError(f"{said} {advice}", context=context, prompt=prompt, completion=completion)
 
 
