@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from refusion.runtime.core.errors import ContextLengthError, RefusionError
 from refusion.runtime.core.export_manifest import ExportManifest
+from refusion.runtime.core.profiles import DEFAULT_PREFILL_CHUNK
 from refusion.runtime.decode import strategy
 from refusion.runtime.decode.steps import Tokens
 from refusion.runtime.options import RequestOptions
@@ -35,9 +36,6 @@ if TYPE_CHECKING:
     from refusion.runtime.decode.llada import DiffusionParams
 
 __all__ = ["GenerationResult", "GenerationStats", "Generator", "GeneratorStatus"]
-# The most tokens one forward feeds by default: a longer prompt's prefill runs in chunks (docs/runtime.md says why
-# this many: the measured cost on the CPU, the activations an engine must hold on a Jetson).
-DEFAULT_PREFILL_CHUNK = 256
 
 
 @dataclass(frozen=True)

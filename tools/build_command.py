@@ -11,7 +11,7 @@ from pathlib import Path
 import click
 
 from refusion.runtime.core.export_manifest import ExportManifest
-from refusion.runtime.core.profiles import export_limits
+from refusion.runtime.core.profiles import DEFAULT_PREFILL_CHUNK, export_limits
 from refusion.tools.cli_common import progress
 
 
@@ -38,7 +38,8 @@ from refusion.tools.cli_common import progress
 @click.option("--prefill-chunk", type=int, default=None,
               help="The most tokens one forward feeds: prompts are prefilled in chunks of it, so the prefill profile "
                    "spans 1..N tokens over a past instead of the whole prompt (less activation memory, kernels tuned "
-                   "for the shapes run); at least a block. [default: none, the whole prompt in one forward]")
+                   "for the shapes run); at least a block; 0: no bound, the whole prompt in one forward. "
+                   f"[default: {DEFAULT_PREFILL_CHUNK}, or the block where that is longer]")
 @click.option("--timing-cache", type=click.Path(path_type=Path), default=None,
               help="Tactic timing cache to load and update (rebuilds of the same model get much faster).")
 @click.option("--strongly-typed/--weakly-typed", default=True, show_default=True,
@@ -62,8 +63,10 @@ def build_command(export_dir: Path, output: Path, precision: str | None, max_pro
                            prefill_chunk=prefill_chunk)
     plan = plan_build(export_dir, output, limits, precision=precision, strongly_typed=strongly_typed,
                       workspace_gib=workspace, timing_cache=timing_cache)
+    chunk = limits.prefill_chunk
     progress(f"an engine for prompts <= {limits.max_prompt}, gen_length <= {limits.gen_length}, blocks <= "
-              f"{limits.block_length} tokens, {limits.max_batch} request(s) per batch; KV capacity "
+              f"{limits.block_length} tokens, {limits.max_batch} request(s) per batch, "
+              f"{'whole prefills' if chunk is None else f'forwards of <= {chunk} tokens'}; KV capacity "
               f"{limits.kv_capacity} tokens per request (limits not given: the export's recorded decode settings "
               f"and the longest prompt beside them in its {export.max_positions} positions)")
     click.echo(str(build_engines(plan, force=force, report=progress)))

@@ -14,8 +14,8 @@ from tqdm import tqdm
 
 from refusion.export.progress import ProgressEvent
 from refusion.runtime.core.errors import RefusionError
+from refusion.runtime.core.profiles import DEFAULT_PREFILL_CHUNK
 from refusion.runtime.core.settings import SETTINGS, Setting
-from refusion.runtime.generator import DEFAULT_PREFILL_CHUNK
 from refusion.runtime.prefix_cache import DEFAULT_MB
 from refusion.runtime.runners import BACKENDS
 

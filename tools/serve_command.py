@@ -27,7 +27,8 @@ from typing import Any
 import click
 
 from refusion.runtime.core.errors import RefusionError
-from refusion.runtime.generator import DEFAULT_PREFILL_CHUNK, Generator
+from refusion.runtime.core.profiles import DEFAULT_PREFILL_CHUNK
+from refusion.runtime.generator import Generator
 from refusion.runtime.runners import BACKENDS
 from refusion.serve.http_client import CLIENT_TIMEOUT_S
 from refusion.serve.openai import client as openai_client

@@ -23,7 +23,7 @@ gain from packing) and its activations are the engine's largest, which a batch w
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from refusion.runtime.core.contract import (
@@ -42,6 +42,10 @@ from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.core.settings import DEFAULTS
 
 Range = tuple[int, int, int]  # min, opt, max
+# The most tokens one forward feeds unless told otherwise, at build time and at run time: a longer prefill runs in
+# chunks (docs/runtime.md, "Chunked prefill", says why this many: the measured cost on the CPU, and the prefill
+# activations an engine must hold, which decide whether ReFusion-8B int4 fits an Orin Nano 8GB).
+DEFAULT_PREFILL_CHUNK = 256
 ShapeRange = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]
 
 
@@ -87,7 +91,7 @@ class DecodeLimits:
             raise RefusionError(
                 f"--prefill-chunk {chunk!r} must be an integer of at least the engines' block of {self.block_length} "
                 f"tokens (--max-slots {slots} x --slot-size {self.slot_size}): a plan or a verify forward feeds a "
-                "block and cannot be cut; raise it, or build for smaller blocks.")
+                "block and cannot be cut; raise it, build for smaller blocks, or pass --prefill-chunk 0 for no bound.")
 
     @property
     def block_length(self) -> int:
@@ -108,24 +112,33 @@ class DecodeLimits:
         return DecodeLimits(**d)
 
     def flags(self) -> list[str]:
-        """These limits as `refusion-export build` flags."""
+        """These limits as `refusion-export build` flags (no bound is `--prefill-chunk 0`: left out, the build
+        takes its default bound)."""
         return [f"--max-prompt {self.max_prompt}", f"--gen-length {self.gen_length}", f"--slot-size {self.slot_size}",
                 f"--serial-num-blocks {self.serial_blocks}", f"--max-slots {self.max_slots}",
-                f"--max-batch {self.max_batch}", *([f"--prefill-chunk {self.prefill_chunk}"] if self.prefill_chunk else [])]
+                f"--max-batch {self.max_batch}", f"--prefill-chunk {self.prefill_chunk or 0}"]
+
+    def with_prefill_chunk(self, asked: int | None) -> DecodeLimits:
+        """These limits with the prefill bound `refusion-export build` takes for `--prefill-chunk asked`: that many
+        tokens, 0 for none, None (left out) for DEFAULT_PREFILL_CHUNK, or the block where that is longer (a plan or
+        verify forward feeds a whole block), so a default build is never refused for its bound."""
+        chunk = max(DEFAULT_PREFILL_CHUNK, self.block_length) if asked is None else asked or None
+        return replace(self, prefill_chunk=chunk)
 
 
 def export_limits(defaults: DecodeDefaults, max_positions: int, *, max_prompt: int | None = None,
                   gen_length: int | None = None, slot_size: int | None = None, serial_blocks: int | None = None,
                   max_slots: int | None = None, max_batch: int = 1, prefill_chunk: int | None = None) -> DecodeLimits:
     """What `refusion-export build` builds for by default: the decode settings the export recorded
-    (refusion.json `defaults`: gen_length, slot_size, serial_num_blocks) and the longest prompt that fits
-    beside that generation in the model's positions, at most DecodeLimits' 2048. Each value given overrides."""
+    (refusion.json `defaults`: gen_length, slot_size, serial_num_blocks), the longest prompt that fits
+    beside that generation in the model's positions, at most DecodeLimits' 2048, and the default prefill bound
+    (`DecodeLimits.with_prefill_chunk`; 0: none). Each value given overrides."""
     gen_length = defaults.gen_length if gen_length is None else gen_length
     if max_prompt is None:
         max_prompt = min(DecodeLimits.max_prompt, max_positions - gen_length)
-    return DecodeLimits(max_prompt, gen_length, defaults.slot_size if slot_size is None else slot_size,
-                        defaults.serial_num_blocks if serial_blocks is None else serial_blocks, max_slots, max_batch,
-                        prefill_chunk)
+    limits = DecodeLimits(max_prompt, gen_length, defaults.slot_size if slot_size is None else slot_size,
+                          defaults.serial_num_blocks if serial_blocks is None else serial_blocks, max_slots, max_batch)
+    return limits.with_prefill_chunk(prefill_chunk)
 
 
 @dataclass(frozen=True)
@@ -241,9 +254,10 @@ def engine_profiles(limits: DecodeLimits) -> list[ProfileSpec]:
     past_opt = p // 2 + g // 2
     n = limits.max_batch
     rows = (1, (n + 1) // 2, n)
-    c = limits.prefill_chunk
-    # a prefill whole (over no past), or, with a bound, a chunk of it over the chunks before it (or a cached prefix)
-    prefill = ((1, p // 2 + b, p + b), (0, 0, 0)) if c is None else ((1, c, c), (0, p // 2, p + b - 1))
+    # a prefill whole (over no past), or, with a bound, a chunk of it over the chunks before it (or a cached prefix);
+    # a chunk is never longer than the longest prefill, however large the bound
+    c = None if limits.prefill_chunk is None else min(limits.prefill_chunk, p + b)
+    prefill = ((1, p // 2 + b, p + b), (0, 0, 0)) if c is None else ((1, min(c, p // 2 + b), c), (0, p // 2, p + b - 1))
     return [
         ProfileSpec("prefill", "infiller", *prefill, heads=(1, b, b)),
         ProfileSpec("decode", "infiller", (1, min(k, b), b), (0, past_opt, past_max), rows, (1, min(k, b), b)),

@@ -32,14 +32,35 @@ def test_build_takes_the_exports_recorded_limits_by_default(tiny_export, tmp_pat
     """The embedded model: 256 positions, defaults gen_length 64, slot_size 4, 4 blocks (the paper's 2048 + 512
     would not fit); a flag overrides its own limit, and the prompt limit follows a longer generation."""
     manifest = ExportManifest.read(tiny_export)
-    assert export_limits(manifest.defaults, manifest.max_positions) == DecodeLimits(192, 64, 4, 4)
+    assert export_limits(manifest.defaults, manifest.max_positions) == DecodeLimits(192, 64, 4, 4, prefill_chunk=256)
     assert export_limits(manifest.defaults, manifest.max_positions, gen_length=128, max_batch=2) == \
-        DecodeLimits(128, 128, 4, 4, max_batch=2)
-    assert export_limits(DecodeDefaults(), 40960) == DecodeLimits()  # ReFusion-8B: the paper's limits, as before
+        DecodeLimits(128, 128, 4, 4, max_batch=2, prefill_chunk=256)
+    # ReFusion-8B: the paper's limits, as before, built for prefills in chunks of 256
+    assert export_limits(DecodeDefaults(), 40960) == DecodeLimits(prefill_chunk=256)
     result = CliRunner().invoke(build_command, [str(tiny_export), "-o", str(tmp_path / "engines")])
     assert "an engine for prompts <= 192, gen_length <= 64, blocks <= 16 tokens" in result.stderr
+    assert "forwards of <= 256 tokens" in result.stderr
     if importlib.util.find_spec("tensorrt") is None:  # no flag needed to get as far as TensorRT
         assert isinstance(result.exception, RefusionError) and "pip install 'refusion-trt[trt]'" in str(result.exception)
+
+
+def test_build_bounds_prefills_by_default(tiny_export, tmp_path):
+    """Issue 43: a build bounds a forward at 256 tokens unless told otherwise (0: whole prefills; a bound below a
+    block is refused, naming the way out), and its help says so; the default never refuses a longer block, whose
+    plan and verify forwards cannot be cut: it takes the block."""
+    manifest = ExportManifest.read(tiny_export)
+    bound = {chunk: export_limits(manifest.defaults, manifest.max_positions, prefill_chunk=chunk).prefill_chunk
+             for chunk in (None, 0, 64)}
+    assert bound == {None: 256, 0: None, 64: 64}
+    long_blocks = export_limits(DecodeDefaults(), 40960, gen_length=2048, serial_blocks=4)
+    assert (long_blocks.block_length, long_blocks.prefill_chunk) == (512, 512)
+    with pytest.raises(RefusionError, match=r"--prefill-chunk 8 must be .* block of 16 .* --prefill-chunk 0 for no bound"):
+        export_limits(manifest.defaults, manifest.max_positions, prefill_chunk=8)
+    help_text = " ".join(CliRunner().invoke(build_command, ["--help"]).output.split())
+    assert "0: no bound, the whole prompt in one forward. [default: 256, or the block where that is longer]" in help_text
+    result = CliRunner().invoke(build_command, [str(tiny_export), "-o", str(tmp_path / "engines"), "--prefill-chunk",
+                                                "0"])
+    assert "whole prefills" in result.stderr
 
 
 def test_check_engines_entry_point(peaky_export, fakes, tmp_path, capsys):

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from refusion.runtime.core.errors import RefusionError
-from refusion.runtime.generator import DEFAULT_PREFILL_CHUNK, Generator, resolve_prefill_chunk
+from refusion.runtime.core.profiles import DEFAULT_PREFILL_CHUNK
+from refusion.runtime.generator import Generator, resolve_prefill_chunk
 from refusion.runtime.runners.stats import ForwardShape
 from tests.gate import ForwardGate
 

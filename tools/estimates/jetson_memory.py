@@ -1,7 +1,11 @@
 """What ReFusion holds in a Jetson Orin's memory, per precision and device: an estimate from the dims.
 
     python -m refusion.tools.estimates.jetson_memory [EXPORT_DIR] [--block-size 128] [--headroom-gib 3]
-        [--head float|int4|both] [--embeddings engine|host|both] [--out DIR] [limits flags]
+        [--head float|int4|both] [--embeddings engine|host|both] [--out DIR] [limits flags] [--prefill-chunk N]
+
+The limits are DecodeLimits' defaults and the prefill bound is the one `refusion-export build` takes by default
+(256 tokens; `--prefill-chunk 0`: engines built for whole prefills), so the default run is the engine a default
+build makes.
 
 Dims come from EXPORT_DIR's refusion.json, or are ReFusion-8B's (Qwen3-8B: hidden 4096, 32/8
 heads of 128, intermediate 12288, 36 layers, vocabulary 151671, untied lm_head). One row per
@@ -30,7 +34,8 @@ table (in the engine, or out of it on the host), in bytes:
   by default.
 An estimate, not a measurement: TensorRT's fused kernels may need less activation memory
 (no materialized scores) and its workspace more. `--out DIR` writes the table as jetson.md and
-jetson.json (results/memory/ holds ReFusion-8B's at `--max-prompt 512 --gen-length 256`).
+jetson.json (results/memory/ holds ReFusion-8B's at `--max-prompt 512 --gen-length 256 --prefill-chunk 0`,
+results/memory/prefill-chunk-256/ the default run's).
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from refusion.runtime.core.dims import ModelDims
-from refusion.runtime.core.profiles import DecodeLimits, engine_profiles
+from refusion.runtime.core.profiles import DEFAULT_PREFILL_CHUNK, DecodeLimits, engine_profiles
 from refusion.runtime.core.quantization import Quantization, weight_index
 
 REFUSION_8B = ModelDims(num_layers=36, hidden_size=4096, num_heads=32, kv_heads=8, head_dim=128,
@@ -172,13 +177,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--serial-num-blocks", "--serial-blocks", dest="serial_blocks", type=int,
                         default=defaults.serial_blocks)
     parser.add_argument("--prefill-chunk", type=int, default=None,
-                        help="engines built with this bound on a forward's tokens (refusion-export build) [none]")
+                        help="engines built with this bound on a forward's tokens, 0 for none, as `refusion-export "
+                             f"build --prefill-chunk` takes it [its default: {DEFAULT_PREFILL_CHUNK}, or the block "
+                             "where that is longer]")
     args = parser.parse_args(argv)
     from refusion.runtime.core.export_manifest import ExportManifest
 
     dims = ExportManifest.read(args.export).dims if args.export else REFUSION_8B
-    limits = DecodeLimits(args.max_prompt, args.gen_length, args.slot_size, args.serial_blocks,
-                          prefill_chunk=args.prefill_chunk)
+    limits = DecodeLimits(args.max_prompt, args.gen_length, args.slot_size,
+                          args.serial_blocks).with_prefill_chunk(args.prefill_chunk)
     rows = memory(dims, limits, args.block_size, HEADS[args.head], EMBEDDINGS[args.embeddings])
     title = (f"{args.export or 'ReFusion-8B'}; limits {' '.join(limits.flags())}; KV capacity {limits.kv_capacity} "
              f"tokens; headroom {args.headroom_gib:g} GiB (assumed); device column: fits (GiB to spare); host "

@@ -152,5 +152,19 @@ def test_a_prefill_bound_makes_the_prefill_profile_chunks_over_a_past():
     assert forward_boxes(40, 256, 64, 128)[0].seq == (104, 104)  # within one chunk: whole, as before
     assert DecodeLimits.from_json(limits.to_json()) == limits and "--prefill-chunk 128" in limits.flags()
     assert DecodeLimits.from_json({k: v for k, v in limits.to_json().items() if k != "prefill_chunk"}).prefill_chunk is None
+    # no bound is a flag too: a rebuild command without one would build for the default bound (issue 43)
+    assert "--prefill-chunk 0" in DecodeLimits().flags()
     with pytest.raises(RefusionError, match=r"--prefill-chunk 32 must be an integer of at least the engines' block of 64"):
         DecodeLimits(max_prompt=512, gen_length=256, slot_size=16, serial_blocks=4, prefill_chunk=32)
+
+
+def test_a_bound_past_the_longest_prefill_sizes_the_prefill_profile_for_that_prefill():
+    """Issue 43: builds bound prefills at 256 by default; where a whole prefill is shorter (the embedded model's 192 +
+    16 tokens), a chunk never feeds more than it: the profile's activations are a whole prefill's, over a past."""
+    limits = DecodeLimits(192, 64, 4, 4).with_prefill_chunk(None)
+    prefill = engine_profiles(limits)[0]
+    assert limits.prefill_chunk == 256 and (prefill.seq, prefill.past) == ((1, 112, 208), (0, 96, 207))
+    check_request(limits, 192, 64, 4, 4)  # its boxes fit the profiles (asserted inside)
+    assert DecodeLimits(max_slots=16).with_prefill_chunk(None).prefill_chunk == 512  # the block, where longer
+    assert DecodeLimits().with_prefill_chunk(0).prefill_chunk is None
+    assert engine_profiles(DecodeLimits().with_prefill_chunk(None))[0].seq == (1, 256, 256)

@@ -112,3 +112,19 @@ def test_a_prefill_bound_sizes_the_prefill_profile_and_fits_refusion_8b_on_the_o
     for limits, fits in ((whole, False), (chunked, True)):
         row = jetson_memory.memory(dims, limits, 128, heads=(True,), host=(True,))[-1]
         assert (row.total / jetson_memory.GIB + jetson_memory.HEADROOM_GIB <= nano) is fits
+
+
+def test_the_default_run_is_a_default_build_and_fits_refusion_8b_int4_on_the_orin_nano(capsys):
+    """Issue 43: the table's default run takes the bound `refusion-export build` builds with (256 tokens), so its
+    int4 row with the embeddings on the host and an int4 head fits the Orin Nano 8GB at the default limits;
+    `--prefill-chunk 0` is an engine built for whole prefills, which does not."""
+    assert jetson_memory.main([]) == 0
+    out = capsys.readouterr().out
+    assert "--max-prompt 2048 --gen-length 512" in out and "--prefill-chunk 256" in out
+    row = next(line for line in out.splitlines() if "int4 lm_head | 3.63 GiB" in line)
+    assert "0.21 GiB (prefill)" in row and row.endswith("| fits (+0.8) |")
+    assert jetson_memory.main(["--prefill-chunk", "0"]) == 0
+    whole = capsys.readouterr().out
+    assert "--prefill-chunk 0" in whole and "1.62 GiB (prefill)" in whole
+    nano = [line.rsplit("|", 2)[1].strip() for line in whole.splitlines() if line.startswith("| int4")]
+    assert len(nano) == 4 and all(cell.startswith("no") for cell in nano)
