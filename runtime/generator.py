@@ -28,7 +28,7 @@ from refusion.runtime.runners import make_runner
 from refusion.runtime.runners.base import Runner
 from refusion.runtime.scheduler import Scheduler
 from refusion.runtime.structured.engine import BUDGET_MS, Grammar, Guides, Vocabulary, check_budget_ms
-from refusion.runtime.structured.guide import guide_of
+from refusion.runtime.structured.guide import Guide, guide_of
 from refusion.runtime.structured.tools import Tools, check_template, read_tools
 from refusion.runtime.tokenizer import Tokenizer
 
@@ -284,9 +284,14 @@ class Generator:
         export or the engine cannot enforce is a RefusionError naming its field."""
         guide = guide_of(options)
         if tools is not None:
+            for each in tools.enforced():  # each function alone first, so a refusal names the function it is about
+                self._enforceable(each)
             guide = tools.guide(guide)
         if guide is None:
             return None
+        return self._enforceable(guide)
+
+    def _enforceable(self, guide: Guide) -> Grammar:
         m = self.manifest
         if not m.takes_masks:
             raise RefusionError(f"{guide.field}: this model is an export of format {m.format_version}, whose graphs "

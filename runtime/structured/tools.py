@@ -50,6 +50,15 @@ class Tools:
         """What the chat template gets as `tools`: none with tool_choice "none" (the model is not offered them)."""
         return None if self.choice == "none" else list(self.functions)
 
+    def enforced(self) -> list[Guide]:
+        """Each offered function's parameters as the guide its call's arguments follow, its field naming it: what an
+        engine must be able to enforce before the function is offered (with "none" nothing is)."""
+        if self.choice == "none":
+            return []
+        return [Guide("json_schema", json.dumps(closed(self.parameters[f["function"]["name"]]), ensure_ascii=False,
+                                                separators=(",", ":")), f"tools[{i}].function.parameters")
+                for i, f in enumerate(self.functions) if not self.named or f["function"]["name"] == self.choice]
+
     def guide(self, answer: Guide | None = None) -> Guide | None:
         """The guide of a request with these tools and `answer`, the guide its text answer follows (response_format,
         a guided_* field; None: none), as OpenAI reads the two together: with "required" or a named function, a

@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.structured.tools import tool_calls
 
 
@@ -76,3 +77,19 @@ def test_a_required_call_whose_argument_is_the_closing_tag_comes_back_as_the_cal
     assert result.finish_reason == "tool_calls" and result.text == ""
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in result.tool_calls] == \
         [("f", {"x": "</tool_call>"})]
+
+
+UNENFORCEABLE = {"type": "object", "properties": {"xs": {"type": "array", "uniqueItems": True}}}
+
+
+@pytest.mark.parametrize("choice", ["auto", "required", {"type": "function", "function": {"name": "g"}}])
+def test_a_function_whose_parameters_the_engine_cannot_enforce_is_refused_by_its_place(random_model, choice):
+    pytest.importorskip("llguidance")
+    tools = [*TAG_TOOL, {"type": "function", "function": {"name": "g", "parameters": UNENFORCEABLE}}]
+    with pytest.raises(RefusionError, match=r"^tools\[1\]\.function\.parameters is not a guide .*uniqueItems") as e:
+        random_model.generate(messages=[{"role": "user", "content": "call g"}], tools=tools, tool_choice=choice,
+                              max_tokens=4)
+    assert e.value.field == "tools[1].function.parameters"
+    # offered with "none", or named away from it, the function's schema is never enforced: no refusal
+    for other in ("none", {"type": "function", "function": {"name": "f"}}):
+        random_model.generate(messages=[{"role": "user", "content": "hi"}], tools=tools, tool_choice=other, max_tokens=4)
