@@ -22,8 +22,9 @@ from __future__ import annotations
 import random
 import string
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
+from typing import Any
 
 HELD_OUT_SEED = 1_000_003
 HELD_OUT_RESERVED = 2000  # held_out(n) is disjoint from training for every n up to this
@@ -37,12 +38,24 @@ _LOWER = string.ascii_lowercase
 
 @dataclass(frozen=True)
 class Example:
+    """A task's prompt and answer; the structured families (tools/families.py) add the conversation around the
+    prompt, the functions offered and the guide the answer follows."""
+
     task: str
     prompt: str
     answer: str
+    before: tuple[dict[str, Any], ...] = ()  # messages ahead of the user's prompt (a system message)
+    tools: tuple[dict[str, Any], ...] = ()  # OpenAI `tools` offered
+    after: tuple[dict[str, Any], ...] = ()  # messages after it (the assistant's call and the tool's result)
+    schema: dict[str, Any] | None = field(default=None, hash=False, compare=False)  # the answer's JSON schema
+    call: tuple[str, dict[str, Any]] | None = field(default=None, hash=False, compare=False)  # the call the answer is
+
+    def messages(self) -> list[dict[str, Any]]:
+        """The conversation the answer follows, as chat messages."""
+        return [*self.before, {"role": "user", "content": self.prompt}, *self.after]
 
 
-def _letters(rng: random.Random, n: int) -> str:
+def letters(rng: random.Random, n: int) -> str:
     while True:
         s = "".join(rng.choice(_LOWER) for _ in range(n))
         if not any(w in s for w in RESERVED_WORDS):
@@ -68,7 +81,7 @@ def _sort(rng: random.Random) -> tuple[str, str]:
 
 def _reverse(rng: random.Random) -> tuple[str, str]:
     """reverse: abcdefgh -> hgfedcba (8-24 lowercase letters)."""
-    s = _letters(rng, rng.randint(8, 24))
+    s = letters(rng, rng.randint(8, 24))
     return f"reverse: {s}", s[::-1]
 
 
@@ -92,7 +105,7 @@ def _list(rng: random.Random) -> tuple[str, str]:
 def _upper(rng: random.Random) -> tuple[str, str]:
     """upper: ab cdefg -> AB CDEFG (2-5 words of 2-7 letters, 8 characters or more)."""
     while True:
-        text = " ".join(_letters(rng, rng.randint(2, 7)) for _ in range(rng.randint(2, 5)))
+        text = " ".join(letters(rng, rng.randint(2, 7)) for _ in range(rng.randint(2, 5)))
         if len(text) >= 8:
             return f"upper: {text}", text.upper()
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The embedded model's recipe (docs/training.md, "Recipe and why"): seven runs of tiny.py train, each starting
-# from the state the previous one saved. Rerun to resume: every stage resumes from its own work dir.
+# The embedded model's recipe (docs/training.md, "Recipe and why"): eight runs of tiny.py train, each starting
+# from what the previous one saved (its state; stage 8 its model's weights). Rerun to resume: every stage resumes from its own work dir.
 #   tools/train/recipe.sh [WORK_BASE]      # default /tmp/refusion-tiny-train; writes models/refusion-tiny
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -28,6 +28,13 @@ train --work-dir "$base/6" --out "$base/6/model" --init-from "$base/5/state.pt" 
       --lr 5e-4 --min-lr-ratio 0.2 --ar-steps 0 --ordered-prob 0.2 --prefix-prob 0.3 --task-weights add:6,lookup:3
 # 7. add weighted up and most examples a prefix, add's cut inside the sum: the masked reading of a sum digit after
 #    the clean digits before it (what an infill row re-drafts), at chance until this stage.
-train --work-dir "$base/7" --init-from "$base/6/state.pt" --seed 31 --steps 1500 "${short[@]}" \
+train --work-dir "$base/7" --out "$base/7/model" --init-from "$base/6/state.pt" --seed 31 --steps 1500 "${short[@]}" \
       --lr 5e-4 --min-lr-ratio 0.2 --ar-steps 0 --ordered-prob 0.2 --prefix-prob 0.6 --add-cut-in-sum \
       --task-weights add:20,lookup:3
+# 8. the structured families (tools/families.py): answers in a JSON frame, robot commands, tool calls and the answers
+#    after their results, beside the six tasks; 512 positions (a tool list fills up to ~440) and the tool tags as
+#    tokens (the vocabulary grows 104 -> 108, the new rows at the mean of the old).
+train --work-dir "$base/8" --init-weights "$base/7/model" --seed 41 --steps 1200 --warmup 60 --lookup-curriculum 0 \
+      --eval-every 300 --eval-n 60 --lr 5e-4 --min-lr-ratio 0.2 --ar-steps 0 --ordered-prob 0.2 --prefix-prob 0.3 \
+      --add-cut-in-sum --max-positions 512 --max-prompt 448 --tasks add,sort,reverse,lookup,list,upper,json,robot,tool \
+      --task-weights add:3,lookup:2,json:4,robot:3,tool:4

@@ -42,6 +42,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from refusion.tools import families
 from refusion.tools import tasks as T
 
 REPO = Path(__file__).resolve().parents[2]
@@ -53,12 +54,46 @@ SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>")
 PAD, EOS, MASK = "<|endoftext|>", "<|im_end|>", "<|mask|>"
 # Role names are single tokens (as in Qwen's BPE); tasks.py keeps them out of task text.
 WORD_TOKENS = T.RESERVED_WORDS
+# Qwen's tool tags, one token each as in its vocabulary (added after the specials: the older ids keep their rows)
+TOOL_TOKENS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
 CHARS = "\n\t" + "".join(chr(c) for c in range(32, 127))  # printable ASCII, one token each
 
-# Qwen3-like, without tools or thinking: <|im_start|>role\ncontent<|im_end|>\n ... <|im_start|>assistant\n
+# Qwen3-like, without thinking: <|im_start|>role\ncontent<|im_end|>\n ... <|im_start|>assistant\n. With `tools`, the
+# system turn lists each function as one line of JSON, its name and its parameters' types (Qwen's own form writes
+# each whole schema, too long for this model's 512 positions), between <tools> and </tools>; a call is
+# <tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call> and a tool's result a user turn in <tool_response>.
 CHAT_TEMPLATE = (
+    "{%- if tools -%}"
+    r"{{- '<|im_start|>system\n' -}}"
+    r"{%- if messages[0]['role'] == 'system' -%}{{- messages[0]['content'] + '\n' -}}{%- endif -%}"
+    r"{{- '<tools>\n' -}}"
+    "{%- for tool in tools -%}{%- set f = tool['function'] if tool['function'] is defined else tool -%}"
+    "{%- set params = f['parameters'] if f['parameters'] is defined and f['parameters'] else {} -%}"
+    "{%- set props = params['properties'] if params['properties'] is defined and params['properties'] else {} -%}"
+    "{{- '{\"name\": ' + f['name'] | tojson + ', \"parameters\": {' -}}"
+    "{%- for k in props -%}{{- k | tojson + ': ' + (props[k]['type'] or 'any') | tojson -}}"
+    "{%- if not loop.last -%}{{- ', ' -}}{%- endif -%}{%- endfor -%}"
+    r"{{- '}}\n' -}}"
+    "{%- endfor -%}"
+    r"{{- '</tools><|im_end|>\n' -}}"
+    "{%- endif -%}"
     "{%- for message in messages -%}"
+    "{%- if message['role'] == 'system' and loop.first and tools -%}"
+    "{%- elif message['role'] == 'tool' -%}"
+    r"{{- '<|im_start|>user\n<tool_response>\n' + message['content'] + '\n</tool_response><|im_end|>\n' -}}"
+    "{%- elif message['role'] == 'assistant' and message['tool_calls'] is defined and message['tool_calls'] -%}"
+    r"{{- '<|im_start|>assistant\n' -}}{%- if message['content'] -%}{{- message['content'] + '\n' -}}{%- endif -%}"
+    "{%- for call in message['tool_calls'] -%}"
+    "{%- set c = call['function'] if call['function'] is defined else call -%}"
+    r"{%- if not loop.first -%}{{- '\n' -}}{%- endif -%}"
+    r"{{- '<tool_call>\n{\"name\": ' + c['name'] | tojson + ', \"arguments\": ' -}}"
+    "{{- c['arguments'] if c['arguments'] is string else c['arguments'] | tojson -}}"
+    r"{{- '}\n</tool_call>' -}}"
+    "{%- endfor -%}"
+    r"{{- '<|im_end|>\n' -}}"
+    "{%- else -%}"
     r"{{- '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' -}}"
+    "{%- endif -%}"
     "{%- endfor -%}"
     r"{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}{%- endif -%}"
 )
@@ -70,11 +105,11 @@ def build_tokenizer():
     from tokenizers.models import WordLevel
     from transformers import PreTrainedTokenizerFast
 
-    pieces = list(CHARS) + list(WORD_TOKENS) + list(SPECIAL_TOKENS)
+    pieces = list(CHARS) + list(WORD_TOKENS) + list(SPECIAL_TOKENS) + list(TOOL_TOKENS)
     backend = Tokenizer(WordLevel({p: i for i, p in enumerate(pieces)}, unk_token=PAD))
     backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     backend.decoder = decoders.Fuse()
-    backend.add_tokens([AddedToken(w, normalized=False, special=False) for w in WORD_TOKENS])
+    backend.add_tokens([AddedToken(w, normalized=False, special=False) for w in WORD_TOKENS + TOOL_TOKENS])
     backend.add_special_tokens([AddedToken(s, normalized=False, special=True) for s in SPECIAL_TOKENS])
     tok = PreTrainedTokenizerFast(
         tokenizer_object=backend,
@@ -84,7 +119,7 @@ def build_tokenizer():
         mask_token=MASK,
         additional_special_tokens=["<|im_start|>"],
         clean_up_tokenization_spaces=False,
-        model_max_length=256,
+        model_max_length=512,
     )
     tok.chat_template = CHAT_TEMPLATE
     return tok
@@ -109,9 +144,17 @@ class Encoder:
 
     def prompt(self, text: str, before: list[dict[str, str]] = ()) -> list[int]:
         """The chat-templated prompt: `before` (system and earlier turns), then the user's text."""
-        messages = [*before, {"role": "user", "content": text}]
-        chat = self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return self.chat([*before, {"role": "user", "content": text}])
+
+    def chat(self, messages: list[dict], tools: tuple[dict, ...] = ()) -> list[int]:
+        """A conversation chat-templated up to the assistant's turn, with the functions offered."""
+        chat = self.tok.apply_chat_template(messages, tools=list(tools) or None, tokenize=False,
+                                            add_generation_prompt=True)
         return self.backend.encode(chat, add_special_tokens=False).ids
+
+    def example(self, ex: T.Example) -> list[int]:
+        """An example's prompt: the family examples' conversation and tools, or the user's text alone."""
+        return self.chat(ex.messages(), ex.tools)
 
     def response(self, answer: str) -> list[int]:
         return self.backend.encode(answer, add_special_tokens=False).ids + [self.ids.eos]
@@ -281,16 +324,25 @@ def batch_for_step(step: int, enc: Encoder, args) -> list[Sequence]:
     """The batch of a step is a function of (seed, step) only: resuming replays nothing and skips nothing."""
     rng = random.Random(args.seed * 1_000_000_007 + step)
     tasks, weights = task_mix(args)
+    mixed = any(t in families.FAMILIES for t in tasks)
+    base = tuple(t for t in tasks if t in T.TASKS)
+    base_weights = tuple(w for t, w in zip(tasks, weights) if t in T.TASKS)
     seqs = []
     for _ in range(args.batch_size):
-        ex = T.training_example(rng, tasks, weights)
-        if ex.task == "lookup" and step < args.lookup_curriculum:
-            ex = easier_lookup(rng, step / args.lookup_curriculum)
-        before = conversation_before(rng, tasks, weights, args)
-        prompt = enc.prompt(ex.prompt, before)
-        while len(prompt) > args.max_prompt and before:  # too long: drop the oldest turn, then the system prompt
-            before = before[2:] if before[0]["role"] == "user" else before[1:]
+        # (without a family in the mix a base example is drawn as the first seven stages drew theirs)
+        task = rng.choices(tasks, weights)[0] if mixed else None
+        if task in families.FAMILIES:  # its own conversation: no earlier turns drawn for it
+            ex = families.training_example(rng, task)
+            prompt = enc.example(ex)
+        else:
+            ex = T.training_example(rng, *((base, base_weights) if task is None else ((task,), None)))
+            if ex.task == "lookup" and step < args.lookup_curriculum:
+                ex = easier_lookup(rng, step / args.lookup_curriculum)
+            before = conversation_before(rng, base, base_weights, args)
             prompt = enc.prompt(ex.prompt, before)
+            while len(prompt) > args.max_prompt and before:  # too long: drop the oldest turn, then the system prompt
+                before = before[2:] if before[0]["role"] == "user" else before[1:]
+                prompt = enc.prompt(ex.prompt, before)
         response = enc.response(ex.answer)
         if step < args.ar_steps:
             seqs.append(refusion_sequence(prompt, response, rng, args, enc.ids, 1.0))
@@ -329,6 +381,10 @@ def conversation_before(rng: random.Random, tasks, weights, args) -> list[dict[s
 def task_mix(args) -> tuple[tuple[str, ...], tuple[float, ...]]:
     """--tasks "a,b,c" and --task-weights "b:2" -> (("a", "b", "c"), (1.0, 2.0, 1.0))."""
     tasks = tuple(args.tasks.split(","))
+    unknown = set(tasks) - set(T.TASKS) - set(families.FAMILIES)
+    if unknown:
+        raise SystemExit(f"--tasks names {sorted(unknown)}; expected tasks {','.join(T.TASKS)} "
+                         f"or families {','.join(families.FAMILIES)}")
     given = dict(part.split(":") for part in args.task_weights.split(",") if part)
     unknown = set(given) - set(tasks)
     if unknown:
@@ -347,11 +403,10 @@ def micro_batches(seqs: list[Sequence], n: int, ids: Ids) -> list[dict[str, torc
 
 
 @torch.no_grad()
-def greedy_ar(model, enc: Encoder, prompts: list[str], max_new: int = 50) -> list[str]:
-    """Plain greedy autoregressive decoding, batched with left padding and a KV cache."""
+def greedy_ar(model, enc: Encoder, ids: list[list[int]], max_new: int = 64) -> list[str]:
+    """Plain greedy autoregressive decoding of chat-templated prompts, batched with left padding and a KV cache."""
     from transformers import DynamicCache
 
-    ids = [enc.prompt(p) for p in prompts]
     b, width = len(ids), max(map(len, ids))
     x = torch.full((b, width), enc.ids.pad, dtype=torch.long)
     attn = torch.zeros((b, width), dtype=torch.long)
@@ -424,19 +479,29 @@ def accuracy_by_task(examples: list[T.Example], texts: list[str]) -> dict[str, f
     for ex, text in zip(examples, texts):
         counts[ex.task] += 1
         hits[ex.task] += T.score(ex, text)
-    table = {t: hits[t] / counts[t] for t in T.TASKS if counts[t]}
+    table = {t: hits[t] / counts[t] for t in T.TASKS + families.FAMILIES if counts[t]}
     table["all"] = sum(hits.values()) / max(1, sum(counts.values()))
     return table
 
 
-def quick_eval(model, enc: Encoder, n: int) -> dict[str, dict[str, float]]:
+def family_accuracy(examples: list[T.Example], texts: list[str]) -> dict[str, float]:
+    """Accuracy per structured family (unguided: the model's own form)."""
+    table = accuracy_by_task(examples, texts)
+    table.pop("all")
+    return table
+
+
+def quick_eval(model, enc: Encoder, n: int, args) -> dict[str, dict[str, float]]:
     model.eval()
     examples = T.held_out(n)
     prompts = [e.prompt for e in examples]
     result = {
-        "ar": accuracy_by_task(examples, greedy_ar(model, enc, prompts)),
+        "ar": accuracy_by_task(examples, greedy_ar(model, enc, [enc.prompt(p) for p in prompts])),
         "one_shot": accuracy_by_task(examples, one_shot_fill(model, enc, prompts)),
     }
+    if any(t in families.FAMILIES for t in task_mix(args)[0]):
+        held = [ex for f in families.FAMILIES for ex in families.held_out(f, n // 6)]
+        result["ar"].update(family_accuracy(held, greedy_ar(model, enc, [enc.example(ex) for ex in held])))
     model.train()
     return result
 
@@ -452,9 +517,9 @@ HYPER = (  # what a saved state must agree on to be resumed
     "seed", "layers", "hidden", "intermediate", "heads", "kv_heads", "head_dim", "rope_theta", "max_positions",
     "steps", "batch_size", "lr", "min_lr_ratio", "warmup", "weight_decay", "beta2", "grad_clip", "slot_sizes",
     "tail_slot_prob", "eps", "tasks", "task_weights", "lookup_curriculum", "ordered_prob", "ar_steps", "system_prob",
-    "history_prob", "max_prompt", "init_from", "prefix_prob", "add_cut_in_sum",
+    "history_prob", "max_prompt", "init_from", "prefix_prob", "add_cut_in_sum", "init_weights",
 )
-HYPER_ADDED = {"prefix_prob": 0.0, "add_cut_in_sum": False}  # hyperparameters newer than some saved states: their value before
+HYPER_ADDED = {"prefix_prob": 0.0, "add_cut_in_sum": False, "init_weights": ""}  # hyperparameters newer than some saved states: their value before
 
 
 def lr_at(step: int, args) -> float:
@@ -522,6 +587,25 @@ def init_state(model, opt, path: Path, log: Log) -> None:
     log(f"initialized from {path} (step {state['step']} of its run, sha256 {digest})")
 
 
+def init_weights(model, path: Path, log: Log) -> None:
+    """A stage starts from a saved model's weights alone (fresh optimizer moments): the committed model, whose
+    training states are gone. A vocabulary grown since (the tool tags) gets rows at the mean of the old ones, so the
+    new tokens start as likely as an average token and as an average token's input."""
+    from safetensors.torch import load_file
+
+    file = path / "model.safetensors"
+    if not file.is_file():
+        sys.exit(f"--init-weights {path}: no model.safetensors there; pass a model directory tiny.py saved.")
+    weights = load_file(file)
+    own = model.state_dict()
+    for name, tensor in weights.items():
+        if tensor.shape[0] < own[name].shape[0] and name in ("model.embed_tokens.weight", "lm_head.weight"):
+            grown = tensor.mean(0, keepdim=True).expand(own[name].shape[0] - tensor.shape[0], -1)
+            weights[name] = torch.cat([tensor, grown])
+    model.load_state_dict(weights)
+    log(f"initialized from the weights of {path} (sha256 {hashlib.sha256(file.read_bytes()).hexdigest()})")
+
+
 def train(args) -> None:
     # Bit-for-bit reproducible for a given --threads and CPU: eager ops only (two torch.compile'd
     # runs of the same command differed within 40 steps) and no nondeterministic kernels.
@@ -553,6 +637,8 @@ def train(args) -> None:
         log(f"resumed from {state_path} at step {step}")
     elif args.init_from:
         init_state(model, opt, Path(args.init_from), log)
+    elif args.init_weights:
+        init_weights(model, Path(args.init_weights), log)
     n_params = sum(p.numel() for p in model.parameters())
     log(f"model: {args.layers} layers, hidden {args.hidden}, {n_params / 1e6:.2f}M parameters, vocab {len(tok)}; "
         f"{args.steps} steps of {args.batch_size}; work dir {work}")
@@ -592,7 +678,7 @@ def train(args) -> None:
             save_state(state_path, model, opt, step, args, elapsed0 + time.time() - t_start)
         if args.eval_every and (step % args.eval_every == 0 or step == args.steps):
             t0 = time.time()
-            res = quick_eval(model, enc, args.eval_n)
+            res = quick_eval(model, enc, args.eval_n, args)
             log(f"eval step {step} ({time.time() - t0:.0f}s) AR: {fmt_acc(res['ar'])}")
             log(f"eval step {step} one-shot fill: {fmt_acc(res['one_shot'])}")
     if step < args.steps:
@@ -626,9 +712,13 @@ def evaluate(args) -> None:
     prompts = [e.prompt for e in examples]
     rows: dict[str, dict[str, float]] = {}
     t0 = time.time()
-    rows["torch AR (greedy)"] = accuracy_by_task(examples, greedy_ar(model, enc, prompts))
+    rows["torch AR (greedy)"] = accuracy_by_task(examples, greedy_ar(model, enc, [enc.prompt(p) for p in prompts]))
     print(f"torch AR: {fmt_acc(rows['torch AR (greedy)'])} ({time.time() - t0:.0f}s)", flush=True)
     rows["torch one-shot fill"] = accuracy_by_task(examples, one_shot_fill(model, enc, prompts))
+    if TOOL_TOKENS[0] in tok.get_vocab():  # a model with the tool tags: the structured families too, unguided
+        held = [ex for f in families.FAMILIES for ex in families.held_out(f, args.n // 3)]
+        table = family_accuracy(held, greedy_ar(model, enc, [enc.example(ex) for ex in held]))
+        print(f"torch AR on the families ({args.n // 3} held-out examples each, unguided): {fmt_acc(table)}", flush=True)
     n_add = sum(e.task == "add" for e in examples)
     for reading, places in add_places(model, enc, examples).items():
         print(f"add's sum digits, units first, {reading} reading (teacher-forced, {n_add} prompts): "
@@ -686,6 +776,8 @@ def parser() -> argparse.ArgumentParser:
                     help="save the state at this step and stop, the schedule still that of --steps (a stage's source)")
     tr.add_argument("--init-from", default="",
                     help="start from another run's state.pt (weights and optimizer; docs/training.md's second stage)")
+    tr.add_argument("--init-weights", default="",
+                    help="start from a saved model directory's weights (fresh optimizer), the vocabulary grown to fit")
     tr.add_argument("--seed", type=int, default=0)
     tr.add_argument("--threads", type=int, default=1,
                     help="torch threads: with 2, a busy second core stalls every step (docs/training.md)")

@@ -230,3 +230,42 @@ def test_add_places_reads_each_sum_digit_by_place_both_ways():
     wrong = [0.0] + [1.0] * (longest - 1)
     assert TT.add_places(_Oracle(enc, examples, wrong_units=True), enc, examples) == {
         "AR": right, "mask": wrong, "draft": wrong}
+
+
+# ----------------------------------------------------------------------------- the structured families (stage 8)
+
+
+def test_a_mix_with_the_families_trains_their_conversations_within_the_positions():
+    tok = TT.build_tokenizer()
+    enc = TT.Encoder(tok)
+    args = TT.parser().parse_args(["train", "--ar-steps", "0", "--max-positions", "512", "--tasks",
+                                   "add,sort,json,robot,tool", "--task-weights", "tool:4"])
+    seqs = [s for step in range(4) for s in TT.batch_for_step(step, enc, args)]
+    texts = [tok.decode(s.ids) for s in seqs]
+    assert any("<tools>\n" in t for t in texts) and any('{"answer": ' in t or "JSON" in t for t in texts)
+    assert any(tok.convert_tokens_to_ids("<tool_call>") in s.ids + s.mdm for s in seqs)  # a call, clean or masked
+    assert all(max(s.pos) < 512 for s in seqs)
+    with pytest.raises(SystemExit, match=r"--tasks names \['nope'\]"):
+        TT.task_mix(TT.parser().parse_args(["train", "--tasks", "add,nope"]))
+
+
+def test_a_stage_starts_from_a_saved_models_weights_with_the_vocabulary_grown(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    _train(tmp_path / "run")
+    weights = load_file(tmp_path / "run" / "model" / "model.safetensors")
+    old = {name: (t[:104].clone() if name in ("model.embed_tokens.weight", "lm_head.weight") else t)
+           for name, t in weights.items()}  # the vocabulary before the tool tags
+    (tmp_path / "old").mkdir()
+    save_file(old, tmp_path / "old" / "model.safetensors")
+    args = TT.parser().parse_args(["train", *TINY_RUN])
+    tok = TT.build_tokenizer()
+    model = TT.build_model(args, len(tok), TT.Encoder(tok).ids)
+    TT.init_weights(model, tmp_path / "old", TT.Log(tmp_path / "log"))
+    grown = model.state_dict()
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        assert torch.equal(grown[name][:104], old[name])
+        assert torch.allclose(grown[name][104:], old[name].mean(0).expand(len(tok) - 104, -1))
+    assert "initialized from the weights of" in (tmp_path / "log").read_text()
+    with pytest.raises(SystemExit, match="no model.safetensors there"):
+        TT.init_weights(model, tmp_path / "nothing", TT.Log(tmp_path / "log"))
