@@ -2,9 +2,12 @@
 random-weight model (which writes garbage unguided), constrained ReFusion against constrained AR and against
 both unconstrained: validity, accuracy, tokens per forward and tokens/s, the forwards forced tokens save, the
 grammar engine's mask time per token and compile time, and what the graphs' vocab_mask costs a forward without a
-guide. Writes results/structured/ (structured.json and .md).
+guide. Then the structured families' cases (guides.FAMILY_CASES) on the embedded model alone, each held-out example
+asked as it is, ReFusion against AR: validity, accuracy, the share ended by the structure, tokens per forward and
+tokens/s (a random-weight model runs only the guides outside the families: it has no family answer to be accurate
+to). Writes results/structured/ (structured.json and .md).
 
-    python -m refusion.tools.bench.measure.structured --work DIR [--out results/structured] [--prompts 12] [--repeats 3]
+    python -m refusion.tools.bench.measure.structured --work DIR [--out results/structured] [--prompts 12] [--examples 24] [--repeats 3]
 
 Every sample interleaves the methods (the machine is shared: ratios, not times); tokens/s are a method's tokens over
 its wall seconds, summed over its requests, the median of the repeats. Forced tokens' savings: the same guided
@@ -29,8 +32,9 @@ from refusion.runtime.generator import Generator
 from refusion.runtime.request import GenerationResult
 from refusion.runtime.structured.engine import Grammar, GrammarEngine, Matcher
 from refusion.runtime.structured.guide import Guide
+from refusion.runtime.structured.tools import read_tools
 from refusion.tools.bench.common import cpu_model, host_info, write_report
-from refusion.tools.bench.guides import CASES, RANDOM_SETTINGS, GuideCase
+from refusion.tools.bench.guides import CASES, FAMILY_CASES, RANDOM_SETTINGS, GuideCase
 from refusion.tools.cli_common import progress
 from refusion.tools.tasks import held_out
 
@@ -117,10 +121,20 @@ class Tally:
         self.forwards += result.stats.forward_count
         self.forced += result.stats.branches.get("forced_tokens", 0)
 
+    def include(self, other: Tally) -> None:
+        """Count `other`'s requests in too (its seconds added repeat by repeat)."""
+        for name in ("requests", "valid", "tokens", "forwards", "forced", "accurate", "scored", "agree", "fitting"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        for reason, count in other.finish.items():
+            self.finish[reason] = self.finish.get(reason, 0) + count
+        self.seconds = [a + b for a, b in zip(self.seconds, other.seconds)] if self.seconds else list(other.seconds)
+
     def summary(self) -> dict[str, Any]:
         seconds = statistics.median(self.seconds) if self.seconds else 0.0
         repeats = max(1, len(self.seconds))
+        ended = self.finish.get("eos", 0) + self.finish.get("tool_calls", 0)
         return {"requests": self.requests, "valid": self.valid, "finish": self.finish,
+                "ended": round(ended / self.requests, 3) if self.requests else None,
                 "tokens_per_forward": round(self.tokens / max(1, self.forwards), 3),
                 "tokens_per_second": round(self.tokens / repeats / seconds, 1) if seconds else None,
                 "forwards": self.forwards, "tokens": self.tokens, "forced_share": round(self.forced / max(1, self.tokens), 3),
@@ -143,15 +157,17 @@ def prompts_for(case: GuideCase, n: int, embedded: bool) -> list[tuple[str, str 
 
 
 def run_model(gen: Generator, embedded: bool, n: int, repeats: int, timing: Timing) -> dict[str, Any]:
-    settings = {} if embedded else RANDOM_SETTINGS
     out: dict[str, Any] = {}
     for case in CASES:
+        settings: dict[str, Any] = {} if embedded else RANDOM_SETTINGS
         if case.tools and embedded:
-            try:
-                gen.submit(**asks(case, "go", True))
+            try:  # a chat template without a tool format refuses it
+                gen.prompt_ids(messages=[{"role": "user", "content": "go"}],
+                               tools=read_tools(case.settings["tools"], case.settings["tool_choice"]))
             except RefusionError as e:
                 out[case.name] = {"refused": str(e)}
-            continue
+                continue
+            settings = {"gen_length": RANDOM_SETTINGS["gen_length"]}  # a call to move: 70 tokens, past a canvas of 64
         prompts = prompts_for(case, n, embedded)
         kinds = ("unguided", "guided", "unforced")  # unguided first: the guided read it
         tallies = {f"{m} {kind}": Tally() for m in METHODS for kind in kinds}
@@ -189,6 +205,46 @@ def run_model(gen: Generator, embedded: bool, n: int, repeats: int, timing: Timi
         timing.forcing = True
         out[case.name] = {name: t.summary() for name, t in tallies.items()}
     return out
+
+
+def run_families(gen: Generator, n: int, repeats: int) -> dict[str, Any]:
+    """Each family case over its first n held-out examples, each asked as the case builds it from the example, each
+    method in turn: per case and method a summary, the ReFusion/AR ratios, and the same over the whole set."""
+    out: dict[str, Any] = {}
+    overall = {mode: Tally() for mode in METHODS}
+    for case in FAMILY_CASES:
+        tallies = {mode: Tally() for mode in METHODS}
+        examples = case.examples(n)
+        for repeat in range(repeats):
+            spent = dict.fromkeys(METHODS, 0.0)
+            for example in examples:
+                for mode in METHODS:
+                    t0 = time.perf_counter()
+                    result = gen.generate(**case.asks(example), mode=mode)
+                    spent[mode] += time.perf_counter() - t0
+                    if repeat:
+                        continue
+                    tally = tallies[mode]
+                    tally.add(result)
+                    tally.valid += case.valid(example, result)
+                    tally.scored += 1
+                    tally.accurate += case.accurate(example, result)
+            for mode, seconds in spent.items():
+                tallies[mode].seconds.append(seconds)
+        for mode, tally in tallies.items():
+            overall[mode].include(tally)
+        out[case.name] = _versus({mode: t.summary() for mode, t in tallies.items()})
+    out["overall"] = _versus({mode: t.summary() for mode, t in overall.items()})
+    return out
+
+
+def _versus(summaries: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Each method's summary, and ReFusion's tokens/s and tokens per forward over AR's."""
+    r, ar = summaries["refusion"], summaries["ar"]
+    speed = r["tokens_per_second"] / ar["tokens_per_second"] if r["tokens_per_second"] and ar["tokens_per_second"] else None
+    return {**summaries, "ratios": {"tokens_per_second": speed,
+                                    "tokens_per_forward": r["tokens_per_forward"] / ar["tokens_per_forward"]
+                                    if ar["tokens_per_forward"] else None}}
 
 
 # ----------------------------------------------------------------------------- what vocab_mask costs a forward
@@ -314,9 +370,10 @@ def percentile(values: list[float], q: float) -> float:
 def report(data: dict[str, Any]) -> str:
     lines = [f"# Structured output: {data['machine']['cpu']}, onnxruntime CPU, {data['threads']} thread(s)", "",
              "Generated by `python -m refusion.tools.bench.measure.structured` (docs/decoding.md, \"Structured "
-             "output\", reads it). Each model's prompts, each method interleaved; tokens/s: the median of "
-             f"{data['repeats']} repeats (a shared machine: read ratios). `unforced`: the same guided requests with "
-             "the engine's forcing off.", ""]
+             "output\", reads it). First the guides outside the models' families (guides.CASES), one guide for every "
+             "prompt, then the structured families' cases (guides.FAMILY_CASES). Each model's prompts, each method "
+             f"interleaved; tokens/s: the median of {data['repeats']} repeats (a shared machine: read ratios). "
+             "`unforced`: the same guided requests with the engine's forcing off.", ""]
     for model, runs in data["models"].items():
         lines += [f"## {model}", "", "| guide | method | valid | finish | tokens/forward | tokens/s | forced share | "
                   "accuracy | agrees with unguided |", "|---|---|---|---|---|---|---|---|---|"]
@@ -346,6 +403,8 @@ def report(data: dict[str, Any]) -> str:
         lines += [f"Grammar engine ({data['engine_name']}): mask {t['mask_us_p50']:.1f} us p50, {t['mask_us_p99']:.1f} us "
                   f"p99 a row ({t['masks']} masks); compile {t['compile_ms_median']:.2f} ms median, "
                   f"{t['compile_ms_max']:.2f} ms max ({t['guides']} guides).", ""]
+    if "families" in data:
+        lines += family_lines(data)
     lines += ["## What vocab_mask costs a forward (onnxruntime CPU, 1 thread)", "",
               "The same graph without the mask's nodes (an export of format 6) against the mask all ones (a request "
               "without a guide) and a guide's masks, a head each; the heads of the first two compared bit for bit.", "",
@@ -358,11 +417,39 @@ def report(data: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def family_lines(data: dict[str, Any]) -> list[str]:
+    """The family cases' section: what each measures, and a row each, ReFusion / AR in every cell."""
+    lines = ["## The structured families on the embedded model", "",
+             f"Each case's first {data['examples']} held-out examples of its family (tools/families.py), each asked as "
+             "it is: its conversation, its tools or its schema. valid: ended by itself (EOS, or the call) and follows "
+             "the schema (a call: the called function's parameters); accuracy: valid, and the answer read back is the "
+             "example's (the same JSON value, the same call name and arguments, the same text); ended: the share that "
+             "ended by the structure (EOS or the call) rather than at max_tokens. Each cell: ReFusion / AR. The "
+             "random-weight model runs none of these: it has no family answer to be accurate to.", ""]
+    lines += [f"- `{c.name}` ({c.family} family, max_tokens {c.max_tokens}): {c.about}" for c in FAMILY_CASES]
+    lines += ["", "| case | valid | accuracy | ended | tokens/forward | tokens/s | ReFusion/AR tokens/s | "
+              "ReFusion/AR tokens/forward |", "|---|---|---|---|---|---|---|---|"]
+    for case, runs in data["families"].items():
+        r, ar, ratios = runs["refusion"], runs["ar"], runs["ratios"]
+        shares = [(s["valid"] / max(1, s["requests"]), s["accuracy"], s["ended"]) for s in (r, ar)]
+        cells = [f"{_percent(a)} / {_percent(b)}" for a, b in zip(*shares)]
+        cells += [f"{r['tokens_per_forward']:.2f} / {ar['tokens_per_forward']:.2f}",
+                  f"{r['tokens_per_second']} / {ar['tokens_per_second']}"]
+        cells += ["-" if ratios[key] is None else f"{ratios[key]:.2f}x" for key in ("tokens_per_second", "tokens_per_forward")]
+        lines.append(f"| {'**overall**' if case == 'overall' else case} | " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
+def _percent(share: float | None) -> str:
+    return "-" if share is None else f"{share:.0%}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--work", type=Path, required=True)
     parser.add_argument("--out", type=Path, default=Path("results/structured"))
     parser.add_argument("--prompts", type=int, default=12)
+    parser.add_argument("--examples", type=int, default=24, help="held-out examples of each family case")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
@@ -370,13 +457,15 @@ def main() -> None:
                "random-weight model (2 layers, byte-level BPE, tool template)": (random_export(args.work), False)}
     data: dict[str, Any] = {"machine": {"cpu": cpu_model(), **host_info(("onnxruntime", "numpy", "llguidance"))},
                             "threads": args.threads, "repeats": args.repeats, "prompts": args.prompts,
-                            "models": {}, "totals": {}, "ratios": {}, "engine": {}}
+                            "examples": args.examples, "models": {}, "totals": {}, "ratios": {}, "engine": {}}
     for name, (export, embedded) in exports.items():
         with Generator.from_dir(export, backend="ort-cpu", threads=args.threads) as gen:
             timing = Timing()
             gen.guides.wrap(lambda engine, timing=timing: _TimedEngine(engine, timing))
             data["engine_name"] = gen.guides.engine.name
             runs = run_model(gen, embedded, args.prompts, args.repeats, timing)
+            if embedded:
+                data["families"] = run_families(gen, args.examples, args.repeats)
         data["models"][name] = runs
         totals: dict[str, dict[str, Any]] = {}
         for method in ("refusion guided", "ar guided", "refusion unguided", "ar unguided", "refusion unforced",
