@@ -124,7 +124,7 @@ class FamilyCase:
     about: str  # what it measures, as the report says it
     picks: Callable[[Example], bool]
     guide: Callable[[Example], dict[str, Any]]  # the keywords that offer an example's tools or ask for its schema
-    call: bool = False  # the answer is a call (else text: JSON under the schema, or a final answer)
+    guided: bool = True  # its requests carry a guide (a schema, a call forced); False: tool_choice auto, none
     max_tokens: int = families.ANSWER_MAX_TOKENS
 
     def examples(self, n: int) -> list[Example]:
@@ -140,14 +140,16 @@ class FamilyCase:
                 "max_tokens": self.max_tokens}
 
     def valid(self, example: Example, result: GenerationResult) -> bool:
-        return follows(self.guide(example), result, self.call)
+        """Ended by itself and of the example's kind: its one call, valid under the called function's parameters,
+        where the example's answer is a call; else text, under the schema where one is asked."""
+        return follows(self.guide(example), result, example.call is not None)
 
     def accurate(self, example: Example, result: GenerationResult) -> bool:
         """Valid, and the answer read back is the example's: the same call (name and arguments), the same JSON
         value, or the same text."""
         if not self.valid(example, result):
             return False
-        if self.call:
+        if example.call is not None:
             function = (result.tool_calls or [])[0]["function"]
             return (function["name"], json.loads(function["arguments"])) == example.call
         if "json_schema" in self.guide(example):
@@ -163,6 +165,10 @@ def _offered(example: Example) -> dict[str, Any]:
     return {"tools": list(example.tools), "tool_choice": "auto"}
 
 
+def _required(example: Example) -> dict[str, Any]:
+    return {"tools": list(example.tools), "tool_choice": "required"}
+
+
 def _forced(example: Example) -> dict[str, Any]:
     """Its one function, named in tool_choice: how clients ask for a typed answer as a call."""
     name = example.tools[0]["function"]["name"]
@@ -173,11 +179,15 @@ FAMILY_CASES = (
     FamilyCase("json-answer", "json", "a base task's answer in its JSON frame, answer_schema(task) as json_schema",
                lambda ex: True, _schema),
     FamilyCase("robot-command", "robot", "an instruction's command, ROBOT_SCHEMA as json_schema", lambda ex: True, _schema),
-    FamilyCase("tool-call", "tool", "the call a request names, among the 2-4 functions offered (tool_choice auto: no "
-               "guide)", lambda ex: ex.call is not None and not families.is_typed(ex), _offered, call=True),
+    FamilyCase("tool-call", "tool", "the call a request names, among the 2-4 functions offered, tool_choice required "
+               "(the call's form guided, the function and its arguments the model's)",
+               lambda ex: ex.call is not None and not families.is_typed(ex), _required),
     # a base answer or a command as a call's arguments runs to about 100 tokens: a canvas of 128
     FamilyCase("typed-call", "tool", "a typed answer (a JSON frame, a command) as the arguments of the one function "
-               "offered, the call forced by name", families.is_typed, _forced, call=True, max_tokens=128),
+               "offered, the call forced by name", families.is_typed, _forced, max_tokens=128),
+    FamilyCase("tool-choice", "tool", "tool_choice auto (no guide): the call a request names among the functions "
+               "offered, or the plain answer of a request that needs none", lambda ex: not ex.after and not
+               families.is_typed(ex), _offered, guided=False),
     FamilyCase("tool-answer", "tool", "the final answer after a call and its result, the functions still offered "
-               "(tool_choice auto: no guide)", lambda ex: bool(ex.after), _offered),
+               "(tool_choice auto: no guide)", lambda ex: bool(ex.after), _offered, guided=False),
 )

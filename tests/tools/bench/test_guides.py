@@ -32,7 +32,7 @@ def _result(text: str, finish: FinishReason, calls: list[dict[str, Any]] | None 
 
 def _right(case: FamilyCase, example: Example) -> GenerationResult:
     """What a model answering the example as its family does gives back: the call read out of the answer's text."""
-    if case.call:
+    if example.call is not None:
         text, calls = tool_calls(example.answer)
         return _result(text, "tool_calls", calls)
     return _result(example.answer, "eos", [] if "tools" in case.guide(example) else None)
@@ -51,8 +51,7 @@ def _other(value: dict[str, Any]) -> dict[str, Any]:
 
 def _wrong(case: FamilyCase, example: Example) -> GenerationResult:
     """A different answer that the example's guide (or functions) still allow."""
-    if case.call:
-        assert example.call is not None
+    if example.call is not None:
         name, arguments = example.call
         call = {"id": "call_0", "type": "function", "function": {"name": name, "arguments": json.dumps(_other(arguments))}}
         return _result("", "tool_calls", [call])
@@ -62,7 +61,8 @@ def _wrong(case: FamilyCase, example: Example) -> GenerationResult:
 
 
 def test_each_family_case_asks_held_out_examples_of_its_family_as_they_are():
-    assert list(CASES) == ["json-answer", "robot-command", "tool-call", "typed-call", "tool-answer"]
+    assert list(CASES) == ["json-answer", "robot-command", "tool-call", "typed-call", "tool-choice", "tool-answer"]
+    assert [case.name for case in FAMILY_CASES if not case.guided] == ["tool-choice", "tool-answer"]
     for case in FAMILY_CASES:
         examples = case.examples(N)
         assert len(examples) == N and all(case.picks(ex) for ex in examples), case.name
@@ -78,7 +78,10 @@ def test_each_family_case_asks_held_out_examples_of_its_family_as_they_are():
     assert all(CASES["robot-command"].asks(ex)["json_schema"] == families.ROBOT_SCHEMA
                for ex in CASES["robot-command"].examples(N))
     for ex in CASES["tool-call"].examples(N):
-        assert ex.call is not None and ex.call[0] in families.FUNCTIONS and CASES["tool-call"].asks(ex)["tool_choice"] == "auto"
+        assert ex.call is not None and ex.call[0] in families.FUNCTIONS and CASES["tool-call"].asks(ex)["tool_choice"] == "required"
+    chosen = CASES["tool-choice"].examples(N)
+    assert all(CASES["tool-choice"].asks(ex)["tool_choice"] == "auto" and not ex.after for ex in chosen)
+    assert {ex.call is None for ex in chosen} == {True, False}  # calls and plain answers
     for ex in CASES["typed-call"].examples(N):
         assert ex.call is not None and CASES["typed-call"].asks(ex)["tool_choice"]["function"]["name"] == ex.call[0]
     for ex in CASES["tool-answer"].examples(N):

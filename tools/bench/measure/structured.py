@@ -130,13 +130,12 @@ class Tally:
         self.seconds = [a + b for a, b in zip(self.seconds, other.seconds)] if self.seconds else list(other.seconds)
 
     def summary(self) -> dict[str, Any]:
-        seconds = statistics.median(self.seconds) if self.seconds else 0.0
-        repeats = max(1, len(self.seconds))
+        seconds = statistics.median(self.seconds) if self.seconds else 0.0  # a repeat's: its tokens are counted once
         ended = self.finish.get("eos", 0) + self.finish.get("tool_calls", 0)
         return {"requests": self.requests, "valid": self.valid, "finish": self.finish,
                 "ended": round(ended / self.requests, 3) if self.requests else None,
                 "tokens_per_forward": round(self.tokens / max(1, self.forwards), 3),
-                "tokens_per_second": round(self.tokens / repeats / seconds, 1) if seconds else None,
+                "tokens_per_second": round(self.tokens / seconds, 1) if seconds else None,
                 "forwards": self.forwards, "tokens": self.tokens, "forced_share": round(self.forced / max(1, self.tokens), 3),
                 "accuracy": round(self.accurate / self.scored, 3) if self.scored else None,
                 "agreement": round(self.agree / self.fitting, 3) if self.fitting else None}
@@ -209,9 +208,10 @@ def run_model(gen: Generator, embedded: bool, n: int, repeats: int, timing: Timi
 
 def run_families(gen: Generator, n: int, repeats: int) -> dict[str, Any]:
     """Each family case over its first n held-out examples, each asked as the case builds it from the example, each
-    method in turn: per case and method a summary, the ReFusion/AR ratios, and the same over the whole set."""
+    method in turn: per case and method a summary and the ReFusion/AR ratios; then the same over each family's
+    guided cases ("json family", ...), over every guided case ("guided") and over the unguided ones ("unguided")."""
     out: dict[str, Any] = {}
-    overall = {mode: Tally() for mode in METHODS}
+    groups: dict[str, dict[str, Tally]] = {}
     for case in FAMILY_CASES:
         tallies = {mode: Tally() for mode in METHODS}
         examples = case.examples(n)
@@ -231,10 +231,12 @@ def run_families(gen: Generator, n: int, repeats: int) -> dict[str, Any]:
                     tally.accurate += case.accurate(example, result)
             for mode, seconds in spent.items():
                 tallies[mode].seconds.append(seconds)
-        for mode, tally in tallies.items():
-            overall[mode].include(tally)
+        for group in ((f"{case.family} family", "guided") if case.guided else ("unguided",)):
+            for mode, tally in tallies.items():
+                groups.setdefault(group, {m: Tally() for m in METHODS})[mode].include(tally)
         out[case.name] = _versus({mode: t.summary() for mode, t in tallies.items()})
-    out["overall"] = _versus({mode: t.summary() for mode, t in overall.items()})
+    for group in sorted(groups, key=lambda g: (not g.endswith(" family"), g)):  # each family's, then guided, unguided
+        out[group] = _versus({mode: t.summary() for mode, t in groups[group].items()})
     return out
 
 
@@ -427,8 +429,9 @@ def family_lines(data: dict[str, Any]) -> list[str]:
              "ended by the structure (EOS or the call) rather than at max_tokens. Each cell: ReFusion / AR. The "
              "random-weight model runs none of these: it has no family answer to be accurate to.", ""]
     lines += [f"- `{c.name}` ({c.family} family, max_tokens {c.max_tokens}): {c.about}" for c in FAMILY_CASES]
-    lines += ["", "| case | valid | accuracy | ended | tokens/forward | tokens/s | ReFusion/AR tokens/s | "
-              "ReFusion/AR tokens/forward |", "|---|---|---|---|---|---|---|---|"]
+    lines += ["", "| case | guided | valid | accuracy | ended | tokens/forward | tokens/s | ReFusion/AR tokens/s | "
+              "ReFusion/AR tokens/forward |", "|---|---|---|---|---|---|---|---|---|"]
+    guided = {c.name: c.guided for c in FAMILY_CASES}
     for case, runs in data["families"].items():
         r, ar, ratios = runs["refusion"], runs["ar"], runs["ratios"]
         shares = [(s["valid"] / max(1, s["requests"]), s["accuracy"], s["ended"]) for s in (r, ar)]
@@ -436,8 +439,32 @@ def family_lines(data: dict[str, Any]) -> list[str]:
         cells += [f"{r['tokens_per_forward']:.2f} / {ar['tokens_per_forward']:.2f}",
                   f"{r['tokens_per_second']} / {ar['tokens_per_second']}"]
         cells += ["-" if ratios[key] is None else f"{ratios[key]:.2f}x" for key in ("tokens_per_second", "tokens_per_forward")]
-        lines.append(f"| {'**overall**' if case == 'overall' else case} | " + " | ".join(cells) + " |")
+        label = case if case in guided else f"**{case}**"  # a group: a family's guided cases, all guided, unguided
+        lines.append(f"| {label} | {'yes' if guided.get(case, case != 'unguided') else 'no'} | " + " | ".join(cells) + " |")
+    whole = data["whole_set"]
+    lines += ["", f"The whole guided set (guides.CASES on the embedded model and every guided family case, "
+                  f"{whole['requests']} requests a method): constrained ReFusion {whole['refusion']['tokens_per_second']}"
+                  f" tokens/s ({whole['refusion']['tokens_per_forward']:.2f} tokens/forward), constrained AR "
+                  f"{whole['ar']['tokens_per_second']} ({whole['ar']['tokens_per_forward']:.2f}): "
+                  f"**{whole['ratios']['tokens_per_second']:.2f}x** tokens/s, "
+                  f"{whole['ratios']['tokens_per_forward']:.2f}x tokens/forward."]
     return lines + [""]
+
+
+def whole_set(cases: dict[str, Any], families: dict[str, Any]) -> dict[str, Any]:
+    """Constrained ReFusion against constrained AR over guides.CASES' runs on the embedded model and the guided
+    family cases together: tokens over seconds (each part's tokens over its tokens/s), tokens over forwards."""
+    out: dict[str, Any] = {"requests": 0}
+    for mode in METHODS:
+        parts = [methods[f"{mode} guided"] for methods in cases.values() if f"{mode} guided" in methods]
+        parts.append(families["guided"][mode])
+        tokens, forwards = sum(p["tokens"] for p in parts), sum(p["forwards"] for p in parts)
+        seconds = sum(p["tokens"] / p["tokens_per_second"] for p in parts if p["tokens_per_second"])
+        out[mode] = {"tokens_per_second": round(tokens / seconds, 1), "tokens_per_forward": tokens / max(1, forwards)}
+        out["requests"] = sum(p["requests"] for p in parts)
+    r, ar = out["refusion"], out["ar"]
+    out["ratios"] = {key: r[key] / ar[key] for key in ("tokens_per_second", "tokens_per_forward")}
+    return out
 
 
 def _percent(share: float | None) -> str:
@@ -466,6 +493,7 @@ def main() -> None:
             runs = run_model(gen, embedded, args.prompts, args.repeats, timing)
             if embedded:
                 data["families"] = run_families(gen, args.examples, args.repeats)
+                data["whole_set"] = whole_set(runs, data["families"])
         data["models"][name] = runs
         totals: dict[str, dict[str, Any]] = {}
         for method in ("refusion guided", "ar guided", "refusion unguided", "ar unguided", "refusion unforced",
