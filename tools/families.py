@@ -4,9 +4,9 @@ Each family makes `tasks.Example`s whose answer is a deterministic function of t
 exact, and publishes the guide its answers follow, so the training recipe, the bench, the demo and the tests
 pass the same schema as `response_format` (or the same functions as `tools`):
 
-    json    every base task's answer in a frame {"answer": ...}: a string, the list task's an array of integers
-            (`answer_schema(task)`); 3 in 4 with a system message asking for JSON, the rest without one (the
-            model must continue a frame a guide forces)
+    json    every base task's answer in a frame {"answer": ...}: a string, the list task's an array of integers,
+            add's sum an integer (`answer_schema(task)`, `answer_value`); 3 in 4 with a system message asking for
+            JSON, the rest without one (the model must continue a frame a guide forces)
     robot   an instruction ("move to 12 -5 at speed 40") and one JSON object under ROBOT_SCHEMA
     tool    2-4 of FUNCTIONS offered (OpenAI's `tools`); the request names which to call and with what (the answer:
             a Hermes/Qwen call), or, after the call and its result, a short final answer using the result; a
@@ -37,16 +37,29 @@ ANSWER_MAX_TOKENS = 64  # every family's answer fits a request's max_tokens 64 (
 # ----------------------------------------------------------------------------- json
 
 
+_VALUE_SCHEMAS: dict[str, dict[str, Any]] = {"list": {"type": "array", "items": {"type": "integer"}},
+                                             "add": {"type": "integer"}}  # every other task's answer: a string
+
+
 def answer_schema(task: str) -> dict[str, Any]:
     """The response_format schema a base task's JSON answer follows."""
-    value: dict[str, Any] = {"type": "array", "items": {"type": "integer"}} if task == "list" else {"type": "string"}
+    value = _VALUE_SCHEMAS.get(task, {"type": "string"})
     return {"type": "object", "properties": {"answer": value}, "required": ["answer"], "additionalProperties": False}
+
+
+def answer_value(example: T.Example) -> Any:
+    """A base example's answer as its natural JSON value: the list task's array of integers, add's sum as an
+    integer (`a+b=c` -> c), every other task's text."""
+    if example.task == "list":
+        return json.loads(example.answer)
+    if example.task == "add":
+        return int(example.answer.rsplit("=", 1)[1])
+    return example.answer
 
 
 def framed(example: T.Example) -> str:
     """The base example's answer in its JSON frame."""
-    value: Any = json.loads(example.answer) if example.task == "list" else example.answer
-    return json.dumps({"answer": value})
+    return json.dumps({"answer": answer_value(example)})
 
 
 _JSON_REQUESTS = ("Reply in JSON.", "Answer as a JSON object.", 'Respond with JSON: {"answer": ...}.',

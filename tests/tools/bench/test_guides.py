@@ -42,7 +42,7 @@ def _other(value: dict[str, Any]) -> dict[str, Any]:
     """Another value under the same schema: the answer, the robot's speed, or the first argument changed."""
     if "answer" in value:
         answer = value["answer"]
-        return {"answer": answer + [0] if isinstance(answer, list) else answer + "0"}
+        return {"answer": answer + [0] if isinstance(answer, list) else answer + 1 if isinstance(answer, int) else answer + "0"}
     if "action" in value:
         return {**value, "speed": value.get("speed", 0) % 100 + 1}
     key, first = next(iter(value.items()))
@@ -73,7 +73,7 @@ def test_each_family_case_asks_held_out_examples_of_its_family_as_they_are():
             assert asks["messages"] == ex.messages() and asks["gen_length"] == asks["max_tokens"] == case.max_tokens
             if "tools" in asks:
                 assert asks["tools"] == list(ex.tools) and read_tools(asks["tools"], asks["tool_choice"])
-    schemas = (families.answer_schema("list"), families.answer_schema("add"))  # an array of integers, a string
+    schemas = tuple(families.answer_schema(t) for t in ("list", "add", "sort"))  # integers, an integer, a string
     assert all(CASES["json-answer"].asks(ex)["json_schema"] == ex.schema in schemas for ex in CASES["json-answer"].examples(N))
     assert all(CASES["robot-command"].asks(ex)["json_schema"] == families.ROBOT_SCHEMA
                for ex in CASES["robot-command"].examples(N))
