@@ -363,7 +363,9 @@ class Generator:
         grammar = self.grammar(options, tools)
         if grammar is not None and strategy(params.mode).guided is None:
             raise RefusionError(f"mode {params.mode!r} follows no guide (structured output); use mode refusion or ar.", "mode")
-        tokens = Tokens(ids, m.mask_token_id, m.eos_token_id, top_logprobs=options.top_logprobs, guide=grammar)
+        bounds = [b for b in (self.runner.decode_tokens, self.prefill_chunk) if b is not None]
+        tokens = Tokens(ids, m.mask_token_id, m.eos_token_id, top_logprobs=options.top_logprobs, guide=grammar,
+                        feed_bound=min(bounds, default=None))
         request = Request(tokens, params, detokenize, self.runner.name, options, tools)
         return self.scheduler.submit(request)
 

@@ -37,9 +37,9 @@ if TYPE_CHECKING:
     from refusion.runtime.structured.engine import Matcher
 
 
-def feed_limit(params: DecodeParams) -> int:
-    """The most tokens a guided forward feeds after the first (which adds the prompt): a ReFusion block, the seq
-    the engines' decode profile takes; an AR request whose canvas cuts into no blocks, a slot."""
+def lookahead(params: DecodeParams) -> int:
+    """The most tokens a guided forward verifies and drafts (R and M) after those it must feed (P): a ReFusion
+    block; an AR request whose canvas cuts into no blocks, a slot."""
     try:
         return params.block_length
     except RefusionError:
@@ -90,7 +90,7 @@ class _Loop:
 
     def run(self) -> StepMachine:
         tokens, params, trace, matcher, cache = self.tokens, self.params, self.trace, self.matcher, self.cache
-        eos, k, limit, width = tokens.eos_id, params.slot_size, feed_limit(params), self.guide.width
+        eos, k, ahead, width = tokens.eos_id, params.slot_size, lookahead(params), self.guide.width
         drafts: list[int] = []  # drafted tokens for the positions after the answer, and their draft probabilities
         confidence: list[float] = []
         first, counted = True, len(self.sequence)
@@ -106,14 +106,15 @@ class _Loop:
                     return
                 continue  # the guide may be complete now
             pending = self.sequence[cache.length:]  # committed since the last forward, their KV not yet computed
-            budget = limit + max(0, self.p0 - cache.length)  # the first forward feeds the prompt too
-            if len(pending) > budget:  # more forced tokens than a forward feeds: their KV first, a chunk at a time,
-                c, n = cache.length, min(budget, len(pending) - 1)  # the last left to read the next token at
-                yield from self.fwd.run("guided_kv", "infiller", np.array(pending[:n]), np.arange(c, c + n),
+            prompt = max(0, self.p0 - cache.length)  # the first forward feeds the prompt too
+            bound = tokens.feed_bound if tokens.feed_bound is not None else len(pending) - prompt + ahead
+            if len(pending) - prompt > bound:  # more forced tokens than a forward feeds whole: their KV first, a
+                c, n = cache.length, min(bound + prompt, len(pending) - 1)  # chunk at a time, the last left to read
+                yield from self.fwd.run("guided_kv", "infiller", np.array(pending[:n]), np.arange(c, c + n),  # at
                                         masks.causal_after(c, n), c, c, np.array([n - 1]))
                 cache.commit(n)
                 continue
-            room = budget - len(pending)
+            room = min(ahead, bound + prompt - len(pending))  # R and M: a lookahead, within the bound
             run = _verifiable(matcher, drafts, confidence, min(room - k, self.cap - len(self.sequence)), k,
                               params.slot_threshold, eos) if self.drafting else []
             along = np.empty((len(run) + 1, width), np.uint8)

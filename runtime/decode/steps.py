@@ -99,3 +99,6 @@ class Tokens:
     cached: int = 0  # KV of prompt[:cached] is already in the request's region (the prefix cache's copy)
     top_logprobs: int = 0  # alternatives each commit reports per token (Commit.alternatives), at most the graphs' K
     guide: Grammar | None = None  # the structure the answer follows (runtime/decode/guided.py), compiled
+    # the most tokens one forward over the answer may feed whole (not cut into chunks, every output read): the
+    # runner's decode bound or the scheduler's prefill chunk, the smaller; None: any number
+    feed_bound: int | None = None

@@ -84,6 +84,13 @@ class Runner(ABC):
         return None
 
     @property
+    def decode_tokens(self) -> int | None:
+        """The most tokens one forward over a past beyond the prompt may feed and still read every output (a
+        guided forward's verified run needs input_probs, which a forward cut into chunks does not give): TensorRT
+        engines' block, their decode profile's longest; None: any number (onnxruntime)."""
+        return None
+
+    @property
     def prefills_whole(self) -> bool:
         """Built for prefills in one forward over no past (TensorRT engines without --prefill-chunk): the Generator
         does not chunk them unless asked to."""

@@ -82,6 +82,10 @@ class TensorRTRunner(Runner):
         return self.limits.prefill_chunk
 
     @property
+    def decode_tokens(self) -> int:
+        return self.limits.block_length
+
+    @property
     def prefills_whole(self) -> bool:
         return self.limits.prefill_chunk is None
 

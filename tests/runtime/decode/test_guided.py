@@ -91,6 +91,43 @@ def test_forced_tokens_take_no_forward(tiny, mode):
     assert robot.stats.forward_count < robot.stats.tokens - robot.stats.branches["forced_tokens"] + 1
 
 
+class _Recording(OrtRunner):
+    """onnxruntime, each forward's past and tokens fed recorded."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.fed: list[tuple[int, int]] = []
+
+    def run_batch(self, graph, rows):
+        self.fed += [(row.past, row.input_ids.shape[1]) for row in rows]
+        return super().run_batch(graph, rows)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_forced_stretch_is_fed_whole_where_the_runner_takes_it_else_in_chunks_of_its_bound(tiny, tiny_export, mode):
+    """A stretch the guide forces after a free choice (here 45 tokens, as a call's `", "arguments": {"city": "`
+    after its function's name) runs past a block of 16: onnxruntime takes it whole with the next forward, a runner
+    bound to a block (a TensorRT engine's decode profile) in chunks of it. AR's answer is the same either way (its
+    masked argmax); ReFusion's drafts differ with what a forward feeds, each answer under the guide."""
+    guide = RequestOptions(regex=r"(yes|no), the stretch after this choice is forced whole: [0-9]{1,3}")
+    ids = tiny.prompt_ids("sort: 3 1 2", chat=True)
+    m = tiny.manifest
+    params = DecodeParams(gen_length=64, slot_size=4, serial_num_blocks=4, slot_threshold=0.5, token_threshold=0.1,
+                          mode=mode)
+    results, fed = {}, {}
+    for bound in (None, 16):
+        with _Recording(m, threads=1) as runner:
+            tokens = Tokens(ids, m.mask_token_id, m.eos_token_id, guide=tiny.grammar(guide), feed_bound=bound)
+            results[bound], fed[bound] = decode_on(runner, tokens, params), runner.fed
+    for result in results.values():
+        text = tiny.tokenizer.decode(result.token_ids, skip_special_tokens=True)
+        assert result.finish_reason == "eos" and re.fullmatch(guide.regex, text), text
+    assert mode == "refusion" or results[None].token_ids == results[16].token_ids
+    assert "guided_kv" not in results[None].stats.forwards and results[16].stats.forwards["guided_kv"] >= 2
+    assert all(n <= 16 for past, n in fed[16] if past >= len(ids))  # within the bound past the prompt
+    assert results[None].stats.forward_count < results[16].stats.forward_count
+
+
 class _Blocked(Grammar, Matcher):
     """A guide that allows every token but the EOS for `free` tokens, then none: a dead end."""
 

@@ -565,6 +565,7 @@ def test_a_guided_request_binds_vocab_mask_and_decodes_as_on_onnxruntime(peaky_e
                     regex=r"[a-z]{3,9}( [a-z]{3,9}){0,2}")
     runner = TensorRTRunner.from_dir(engines)
     runner.activate()
+    assert runner.decode_tokens == EngineManifest.load(engines).limits.block_length  # a guided forward's bound
     with Generator(ExportManifest.read(engines), runner, Tokenizer.from_dir(engines)) as trt, \
             Generator.from_dir(peaky_export, backend="ort-cpu") as ort:
         for mode in ("refusion", "ar"):
