@@ -34,9 +34,11 @@ class _Stub:
                        if ex.messages() == messages and list(ex.tools) == asks.get("tools", []))
         text, calls = tool_calls(example.answer) if example.call else (example.answer, [])
         tokens = len(example.answer)
+        forwards = 4 if mode == "refusion" else tokens
         stats = GenerationStats(mode=mode, backend="stub", prompt_tokens=1, tokens=tokens, forwards={},
-                                forward_count=4 if mode == "refusion" else tokens, tokens_per_forward=0.0, tpf=0.0,
-                                wall_seconds=0.0, runner_seconds=0.0, loop_seconds=0.0, tokens_per_second=0.0)
+                                forward_count=forwards, tokens_per_forward=0.0, tpf=0.0, wall_seconds=0.0,
+                                runner_seconds=forwards * (0.002 if mode == "refusion" else 0.001),
+                                loop_seconds=forwards * 0.0005, tokens_per_second=0.0)
         finish = "tool_calls" if calls else "eos"
         return GenerationResult(text, [], [], stats, [], finish, tool_calls=calls or ([] if "tools" in asks else None))
 
@@ -50,6 +52,8 @@ def test_family_cases_are_grouped_by_family_and_by_guide():
     for name, runs in out.items():
         assert runs["refusion"]["accuracy"] == runs["ar"]["accuracy"] == 1.0, name
         assert runs["refusion"]["ended"] == 1.0 and runs["ratios"]["tokens_per_forward"] > 1, name
+        assert runs["refusion"]["runner_ms_per_forward"] == 2.0 and runs["ar"]["runner_ms_per_forward"] == 1.0, name
+        assert runs["refusion"]["loop_ms_per_forward"] == runs["ar"]["loop_ms_per_forward"] == 0.5, name
     guided = [case for case in FAMILY_CASES if case.guided]
     assert out["guided"]["ar"]["requests"] == 2 * len(guided)
     assert out["tool family"]["ar"]["requests"] == 2 * sum(case.family == "tool" for case in guided)

@@ -113,6 +113,8 @@ class Tally:
     scored: int = 0  # requests with a task answer to match
     agree: int = 0  # the framed answer is the unconstrained one
     fitting: int = 0  # requests whose unconstrained answer follows the guide
+    runner: float = 0.0  # seconds inside the runner (the graphs), the first repeat's
+    loop: float = 0.0  # the rest of the requests' seconds on the scheduler: masks, drafts, bookkeeping
 
     def add(self, result: GenerationResult) -> None:
         self.requests += 1
@@ -120,10 +122,13 @@ class Tally:
         self.tokens += result.stats.tokens
         self.forwards += result.stats.forward_count
         self.forced += result.stats.branches.get("forced_tokens", 0)
+        self.runner += result.stats.runner_seconds
+        self.loop += result.stats.loop_seconds
 
     def include(self, other: Tally) -> None:
         """Count `other`'s requests in too (its seconds added repeat by repeat)."""
-        for name in ("requests", "valid", "tokens", "forwards", "forced", "accurate", "scored", "agree", "fitting"):
+        for name in ("requests", "valid", "tokens", "forwards", "forced", "accurate", "scored", "agree", "fitting",
+                     "runner", "loop"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for reason, count in other.finish.items():
             self.finish[reason] = self.finish.get(reason, 0) + count
@@ -137,6 +142,8 @@ class Tally:
                 "tokens_per_forward": round(self.tokens / max(1, self.forwards), 3),
                 "tokens_per_second": round(self.tokens / seconds, 1) if seconds else None,
                 "forwards": self.forwards, "tokens": self.tokens, "forced_share": round(self.forced / max(1, self.tokens), 3),
+                "runner_ms_per_forward": round(self.runner / max(1, self.forwards) * 1e3, 3),
+                "loop_ms_per_forward": round(self.loop / max(1, self.forwards) * 1e3, 3),
                 "accuracy": round(self.accurate / self.scored, 3) if self.scored else None,
                 "agreement": round(self.agree / self.fitting, 3) if self.fitting else None}
 
@@ -426,17 +433,20 @@ def family_lines(data: dict[str, Any]) -> list[str]:
              "it is: its conversation, its tools or its schema. valid: ended by itself (EOS, or the call) and follows "
              "the schema (a call: the called function's parameters); accuracy: valid, and the answer read back is the "
              "example's (the same JSON value, the same call name and arguments, the same text); ended: the share that "
-             "ended by the structure (EOS or the call) rather than at max_tokens. Each cell: ReFusion / AR. The "
+             "ended by the structure (EOS or the call) rather than at max_tokens; ms a forward: the seconds of a method's "
+             "requests in the runner (the graphs) and the rest on the scheduler (masks, drafts, bookkeeping), each over "
+             "its forwards (a request's first, its prompt's, included). Each cell: ReFusion / AR. The "
              "random-weight model runs none of these: it has no family answer to be accurate to.", ""]
     lines += [f"- `{c.name}` ({c.family} family, max_tokens {c.max_tokens}): {c.about}" for c in FAMILY_CASES]
-    lines += ["", "| case | guided | valid | accuracy | ended | tokens/forward | tokens/s | ReFusion/AR tokens/s | "
-              "ReFusion/AR tokens/forward |", "|---|---|---|---|---|---|---|---|---|"]
+    lines += ["", "| case | guided | valid | accuracy | ended | tokens/forward | ms a forward: runner + loop | tokens/s | "
+              "ReFusion/AR tokens/s | ReFusion/AR tokens/forward |", "|---|---|---|---|---|---|---|---|---|---|"]
     guided = {c.name: c.guided for c in FAMILY_CASES}
     for case, runs in data["families"].items():
         r, ar, ratios = runs["refusion"], runs["ar"], runs["ratios"]
         shares = [(s["valid"] / max(1, s["requests"]), s["accuracy"], s["ended"]) for s in (r, ar)]
         cells = [f"{_percent(a)} / {_percent(b)}" for a, b in zip(*shares)]
         cells += [f"{r['tokens_per_forward']:.2f} / {ar['tokens_per_forward']:.2f}",
+                  " / ".join(f"{x['runner_ms_per_forward']:.2f} + {x['loop_ms_per_forward']:.2f}" for x in (r, ar)),
                   f"{r['tokens_per_second']} / {ar['tokens_per_second']}"]
         cells += ["-" if ratios[key] is None else f"{ratios[key]:.2f}x" for key in ("tokens_per_second", "tokens_per_forward")]
         label = case if case in guided else f"**{case}**"  # a group: a family's guided cases, all guided, unguided
