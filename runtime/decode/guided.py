@@ -130,7 +130,8 @@ class _Loop:
                 trace.dead_end = "the guide allows no token here and the answer is not complete"
                 return
             frontier, p, r = len(self.sequence), len(pending), len(run)
-            window = max(0, min(room - r, self.end - frontier - r)) if self.drafting else 0
+            # masks after R to draft what follows; none after a drafted EOS (nothing follows it)
+            window = max(0, min(room - r, self.end - frontier - r)) if self.drafting and run[-1:] != [eos] else 0
             ids = np.array([*pending, *run, *[tokens.mask_id] * window], np.int64)
             c = cache.length
             heads = np.arange(p - 1, len(ids))  # P's last, R's (each reads the next token), M's (drafts)

@@ -97,10 +97,29 @@ class _Recording(OrtRunner):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.fed: list[tuple[int, int]] = []
+        self.ids: list[list[int]] = []
 
     def run_batch(self, graph, rows):
         self.fed += [(row.past, row.input_ids.shape[1]) for row in rows]
+        self.ids += [row.input_ids[0].tolist() for row in rows]
         return super().run_batch(graph, rows)
+
+
+def test_no_masks_are_fed_after_a_drafted_eos(tiny):
+    """A verified run that ends with the EOS is the answer's end if accepted: nothing after it is drafted."""
+    m, schema = tiny.manifest, RequestOptions(json_schema=json.dumps({"type": "array", "items": {"type": "integer"}}))
+    params = DecodeParams(gen_length=64, slot_size=4, serial_num_blocks=4, slot_threshold=0.5, token_threshold=0.1)
+    eos_fed = 0
+    with _Recording(m, threads=1) as runner:
+        for ex in [ex for ex in held_out(60) if ex.task == "list"][:6]:  # the list task's answers: JSON arrays
+            tokens = Tokens(tiny.prompt_ids(ex.prompt, chat=True), m.mask_token_id, m.eos_token_id,
+                            guide=tiny.grammar(schema))
+            assert decode_on(runner, tokens, params).finish_reason == "eos"
+        for (past, _), ids in zip(runner.fed, runner.ids):
+            if past and m.eos_token_id in ids:  # past the prompt (whose turns end with the EOS token)
+                eos_fed += 1
+                assert m.mask_token_id not in ids[ids.index(m.eos_token_id):], ids
+    assert eos_fed  # drafted EOSes were verified
 
 
 @pytest.mark.parametrize("mode", MODES)
