@@ -10,13 +10,15 @@ pass the same schema as `response_format` (or the same functions as `tools`):
     robot   an instruction ("move to 12 -5 at speed 40") and one JSON object under ROBOT_SCHEMA
     tool    2-4 of FUNCTIONS offered (OpenAI's `tools`); the request names which to call and with what (the answer:
             a Hermes/Qwen call), or, after the call and its result, a short final answer using the result; a
-            quarter of them ask a base task, answered plainly with the tools still offered; and a sixth of all
-            offer one function whose arguments are a typed answer (a json frame, a robot command), as clients
-            ask for structured output through a forced call
+            quarter of them ask a base task, answered plainly with the tools still offered
+    typed   one function offered whose arguments are a typed answer (a json frame, a robot command), as clients
+            ask for structured output through a forced call (LangChain's with_structured_output(method=
+            "function_calling")): the call runs past 64 tokens
 
 Every answer is written as the guides lay JSON out (Python's json.dumps: ", " and ": "), so a guided decode and
-an unguided one can read the same text. Held-out examples come from their own seeded stream per family; training
-skips every example whose prompt is in it (and the json family reuses the base tasks' held-out split).
+an unguided one can read the same text. Held-out examples come from their own seeded stream per family (the json
+and typed families frame the base tasks' held-out prompts); training skips every prompt any held-out set holds,
+but the closed set of STOP_COMMANDS.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from typing import Any
 
 from refusion.tools import tasks as T
 
-FAMILIES = ("json", "robot", "tool")
+FAMILIES = ("json", "robot", "tool", "typed")
 HELD_OUT_SEED = 2_000_003
 HELD_OUT_RESERVED = 1000
 ANSWER_MAX_TOKENS = 64  # every family's answer fits a request's max_tokens 64 (tool tags are one token each)
@@ -232,11 +234,6 @@ def _request(rng: random.Random, name: str) -> tuple[str, dict[str, Any], dict[s
     return ask, arguments, result, final_answer(name, arguments, result)
 
 
-def is_typed(example: T.Example) -> bool:
-    """A typed answer asked as a call (`typed_call`), not one of FUNCTIONS: its call may run past 64 tokens."""
-    return example.call is not None and example.call[0] not in FUNCTIONS
-
-
 def typed_call(rng: random.Random, base: Callable[[random.Random], T.Example]) -> T.Example:
     """One function whose arguments are the answer, offered alone: a base task's answer or a robot command."""
     if rng.random() < 0.5:
@@ -249,15 +246,13 @@ def typed_call(rng: random.Random, base: Callable[[random.Random], T.Example]) -
         prompt, arguments = _robot(rng)
         name = rng.choice(COMMAND_NAMES)
         function = {"name": name, "parameters": ROBOT_SCHEMA}
-    return T.Example("tool", prompt, call_text(name, arguments), tools=({"type": "function", "function": function},),
+    return T.Example("typed", prompt, call_text(name, arguments), tools=({"type": "function", "function": function},),
                      call=(name, arguments))
 
 
 def tool_example(rng: random.Random, base: Callable[[random.Random], T.Example]) -> T.Example:
-    """Tools offered; a call, a final answer after the call's result, (a quarter) a base task answered plainly, or
-    (a sixth) a typed answer asked as a call."""
-    if rng.random() < 1 / 6:
-        return typed_call(rng, base)
+    """Tools offered; a call, a final answer after the call's result, or (a quarter) a base task answered
+    plainly."""
     offered = rng.sample(list(FUNCTIONS), rng.randint(2, 4))
     tools = tuple(FUNCTIONS[n] for n in offered)
     if rng.random() < 0.25:
@@ -284,13 +279,15 @@ def family_example(rng: random.Random, family: str, base: Callable[[random.Rando
         return robot_example(rng)
     if family == "tool":
         return tool_example(rng, base)
+    if family == "typed":
+        return typed_call(rng, base)
     raise ValueError(f"unknown family {family!r}; expected one of {', '.join(FAMILIES)}")
 
 
 @lru_cache(maxsize=None)
 def _held_out_stream(family: str) -> tuple[T.Example, ...]:
     rng = random.Random(HELD_OUT_SEED + FAMILIES.index(family))
-    bases = iter(T.held_out(T.HELD_OUT_RESERVED))  # the json family frames the base held-out examples, in order
+    bases = iter(T.held_out(T.HELD_OUT_RESERVED))  # the base held-out examples, in order, framed or called
     out: list[T.Example] = []
     seen: set[str] = set()
     while len(out) < HELD_OUT_RESERVED:
@@ -303,13 +300,9 @@ def _held_out_stream(family: str) -> tuple[T.Example, ...]:
 
 
 def held_out_key(example: T.Example) -> str:
-    """What makes an example held out: its prompt, and for a tool example the turn it answers too."""
+    """What makes two examples of a held-out set different: the prompt, and for a tool example the turn it answers
+    too."""
     return example.prompt + ("\x00final" if example.after else "")
-
-
-@lru_cache(maxsize=None)
-def held_out_keys(family: str) -> frozenset[str]:
-    return frozenset(held_out_key(ex) for ex in _held_out_stream(family))
 
 
 def held_out(family: str, n: int = 60) -> list[T.Example]:
@@ -321,11 +314,17 @@ def held_out(family: str, n: int = 60) -> list[T.Example]:
     return list(_held_out_stream(family)[:n])
 
 
+@lru_cache(maxsize=None)
+def held_out_prompts() -> frozenset[str]:
+    """Every prompt a held-out set holds, the base tasks' and every family's: a robot command asked as a typed call
+    is a robot command, and a final answer's turn carries the call another held-out example answers with."""
+    return T.held_out_prompts() | {ex.prompt for family in FAMILIES for ex in _held_out_stream(family)}
+
+
 def training_example(rng: random.Random, family: str) -> T.Example:
-    """A training example of `family`, never a held-out one (nor built on a held-out base prompt), but for the
-    closed set of STOP_COMMANDS."""
+    """A training example of `family` whose prompt no held-out set holds (held_out_prompts), but for the closed set
+    of STOP_COMMANDS."""
     while True:
         ex = family_example(rng, family, lambda r: T.training_example(r))
-        if ex.prompt in STOP_COMMANDS or (held_out_key(ex) not in held_out_keys(family)
-                                          and ex.prompt not in T.held_out_prompts()):
+        if ex.prompt in STOP_COMMANDS or ex.prompt not in held_out_prompts():
             return ex

@@ -64,7 +64,7 @@ def test_tool_examples_call_what_the_request_names_and_answer_from_the_result():
             name, arguments = ex.call
             assert name in offered and ex.answer == F.call_text(name, arguments)
             jsonschema.validate(arguments, offered[name])
-            kinds.add("typed" if F.is_typed(ex) else "call")
+            kinds.add("call")
         elif ex.after:
             call = ex.after[0]["tool_calls"][0]["function"]
             result = json.loads(ex.after[1]["content"])
@@ -74,8 +74,26 @@ def test_tool_examples_call_what_the_request_names_and_answer_from_the_result():
         else:
             assert T.score(T.Example(ex.task, ex.prompt, ex.answer), ex.answer) and not ex.answer.startswith("<")
             kinds.add("plain")
-        assert 1 <= len(ex.tools) <= 4 and (len(ex.tools) >= 2 or F.is_typed(ex))
-    assert kinds == {"call", "final", "plain", "typed"}
+        assert 2 <= len(ex.tools) <= 4 and set(offered) <= set(F.FUNCTIONS)
+    assert kinds == {"call", "final", "plain"}
+
+
+def test_typed_examples_call_the_one_function_offered_with_the_answer_as_its_arguments():
+    bases = {ex.prompt: ex for ex in T.held_out(T.HELD_OUT_RESERVED)}
+    kinds = set()
+    for ex in F.held_out("typed", 200):
+        ((tool),) = ex.tools
+        function = tool["function"]
+        assert ex.call is not None and ex.call[0] == function["name"] and ex.answer == F.call_text(*ex.call)
+        jsonschema.validate(ex.call[1], function["parameters"])
+        if function["name"] in F.COMMAND_NAMES:
+            assert function["parameters"] == F.ROBOT_SCHEMA and json.loads(json.dumps(ex.call[1])) == ex.call[1]
+            kinds.add("command")
+        else:
+            base = bases[ex.prompt]  # a base held-out prompt, its answer framed
+            assert function["name"] in F.ANSWER_NAMES and ex.call[1] == {"answer": F.answer_value(base)}
+            kinds.add("answer")
+    assert kinds == {"command", "answer"}
 
 
 def test_every_answer_but_a_typed_call_fits_64_tokens():
@@ -84,7 +102,7 @@ def test_every_answer_but_a_typed_call_fits_64_tokens():
     tok = tiny.build_tokenizer()
     for family in F.FAMILIES:
         for ex in F.held_out(family, 300):
-            if not F.is_typed(ex):
+            if family != "typed":
                 assert len(tok(ex.answer)["input_ids"]) + 1 <= F.ANSWER_MAX_TOKENS, ex  # + EOS
 
 
@@ -93,15 +111,16 @@ def test_held_out_sets_are_fixed_and_disjoint_from_training():
         held = F.held_out(family, 200)
         assert held == F.held_out(family, 200) and F.held_out(family, 20) == held[:20]
         rng = random.Random(family)
-        keys = F.held_out_keys(family)
+        held = F.held_out_prompts()
+        assert T.held_out_prompts() <= held and {ex.prompt for ex in F.held_out(family, 200)} <= held
         closed = 0
         for _ in range(600):
             ex = F.training_example(rng, family)
             if ex.prompt in F.STOP_COMMANDS:  # a closed set: trained and held out alike
                 closed += 1
                 continue
-            assert F.held_out_key(ex) not in keys and ex.prompt not in T.held_out_prompts()
-        assert closed > 0 if family in ("robot", "tool") else closed == 0, family  # stop is trained
+            assert ex.prompt not in held  # no family's held-out prompt, a call's request in a final's turn included
+        assert closed > 0 if family in ("robot", "typed") else closed == 0, family  # stop is trained
     with pytest.raises(ValueError, match="unknown family 'nope'"):
         F.held_out("nope")
     with pytest.raises(ValueError, match="needs 0 <= n"):

@@ -181,13 +181,13 @@ FAMILY_CASES = (
     FamilyCase("robot-command", "robot", "an instruction's command, ROBOT_SCHEMA as json_schema", lambda ex: True, _schema),
     FamilyCase("tool-call", "tool", "the call a request names, among the 2-4 functions offered, tool_choice required "
                "(the call's form guided, the function and its arguments the model's)",
-               lambda ex: ex.call is not None and not families.is_typed(ex), _required),
+               lambda ex: ex.call is not None, _required),
     # a base answer or a command as a call's arguments runs to about 100 tokens: a canvas of 128
-    FamilyCase("typed-call", "tool", "a typed answer (a JSON frame, a command) as the arguments of the one function "
-               "offered, the call forced by name", families.is_typed, _forced, max_tokens=128),
+    FamilyCase("typed-call", "typed", "a typed answer (a JSON frame, a command) as the arguments of the one function "
+               "offered, the call forced by name", lambda ex: True, _forced, max_tokens=128),
     FamilyCase("tool-choice", "tool", "tool_choice auto (no guide): the call a request names among the functions "
-               "offered, or the plain answer of a request that needs none", lambda ex: not ex.after and not
-               families.is_typed(ex), _offered, guided=False),
+               "offered, or the plain answer of a request that needs none", lambda ex: not ex.after, _offered,
+               guided=False),
     FamilyCase("tool-answer", "tool", "the final answer after a call and its result, the functions still offered "
                "(tool_choice auto: no guide)", lambda ex: bool(ex.after), _offered, guided=False),
 )

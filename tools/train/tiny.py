@@ -501,7 +501,7 @@ def quick_eval(model, enc: Encoder, n: int, args) -> dict[str, dict[str, float]]
     }
     if any(t in families.FAMILIES for t in task_mix(args)[0]):
         held = [ex for f in families.FAMILIES for ex in families.held_out(f, n // 6)]
-        result["ar"].update(family_accuracy(held, greedy_ar(model, enc, [enc.example(ex) for ex in held])))
+        result["ar"].update(family_accuracy(held, greedy_ar(model, enc, [enc.example(ex) for ex in held], max_new=128)))
     model.train()
     return result
 
@@ -717,7 +717,7 @@ def evaluate(args) -> None:
     rows["torch one-shot fill"] = accuracy_by_task(examples, one_shot_fill(model, enc, prompts))
     if TOOL_TOKENS[0] in tok.get_vocab():  # a model with the tool tags: the structured families too, unguided
         held = [ex for f in families.FAMILIES for ex in families.held_out(f, args.n // 3)]
-        table = family_accuracy(held, greedy_ar(model, enc, [enc.example(ex) for ex in held]))
+        table = family_accuracy(held, greedy_ar(model, enc, [enc.example(ex) for ex in held], max_new=128))
         print(f"torch AR on the families ({args.n // 3} held-out examples each, unguided): {fmt_acc(table)}", flush=True)
     n_add = sum(e.task == "add" for e in examples)
     for reading, places in add_places(model, enc, examples).items():

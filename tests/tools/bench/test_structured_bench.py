@@ -46,7 +46,7 @@ class _Stub:
 def test_family_cases_are_grouped_by_family_and_by_guide():
     stub = _Stub()
     out = structured.run_families(stub, 2, 1)  # type: ignore[arg-type]
-    groups = ["json family", "robot family", "tool family", "guided", "unguided"]
+    groups = ["json family", "robot family", "tool family", "typed family", "guided", "unguided"]
     assert list(out) == [case.name for case in FAMILY_CASES] + groups
     assert len(stub.asked) == 2 * 2 * len(FAMILY_CASES)  # each example, each method
     for name, runs in out.items():
