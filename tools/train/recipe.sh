@@ -32,9 +32,9 @@ train --work-dir "$base/7" --out "$base/7/model" --init-from "$base/6/state.pt" 
       --lr 5e-4 --min-lr-ratio 0.2 --ar-steps 0 --ordered-prob 0.2 --prefix-prob 0.6 --add-cut-in-sum \
       --task-weights add:20,lookup:3
 # 8. the structured families (tools/families.py: answers in a JSON frame, robot commands, tool calls and the answers
-#    after their results) beside the six tasks, in plain AR from stage 7's model's weights: 512 positions (a tool
+#    after their results, typed answers asked as a call) beside the six tasks, in plain AR from stage 7's model's weights: 512 positions (a tool
 #    list fills up to ~440) and the tool tags as tokens (the vocabulary grows 104 -> 108, the new rows at the mean).
-train --work-dir "$base/8" --out "$base/8/model" --init-weights "$base/7/model" --seed 41 --steps 1200 --warmup 30 \
-      --lookup-curriculum 0 --eval-every 200 --eval-n 120 --lr 2e-3 --min-lr-ratio 0.1 --ar-steps 1200 \
-      --max-positions 512 --max-prompt 448 --tasks add,sort,reverse,lookup,list,upper,json,robot,tool \
-      --task-weights add:3,lookup:2,json:4,robot:3,tool:5
+train --work-dir "$base/8" --out "$base/8/model" --init-weights "$base/7/model" --seed 41 --steps 1500 --warmup 30 \
+      --lookup-curriculum 0 --eval-every 250 --eval-n 120 --lr 2e-3 --min-lr-ratio 0.1 --ar-steps 1500 \
+      --max-positions 512 --max-prompt 448 --tasks add,sort,reverse,lookup,list,upper,json,robot,tool,typed \
+      --task-weights add:3,lookup:2,json:4,robot:3,tool:4,typed:3
