@@ -321,10 +321,16 @@ def held_out_prompts() -> frozenset[str]:
     return T.held_out_prompts() | {ex.prompt for family in FAMILIES for ex in _held_out_stream(family)}
 
 
+# add's sum alone, without the operands the plain answer copies first, is the hardest answer to frame: the families
+# that frame a base answer draw add three times as often as each other task in training
+_FRAMED_BASES = (T.TASKS, tuple(3.0 if task == "add" else 1.0 for task in T.TASKS))
+
+
 def training_example(rng: random.Random, family: str) -> T.Example:
     """A training example of `family` whose prompt no held-out set holds (held_out_prompts), but for the closed set
     of STOP_COMMANDS."""
+    bases = _FRAMED_BASES if family in ("json", "typed") else (T.TASKS, None)
     while True:
-        ex = family_example(rng, family, lambda r: T.training_example(r))
+        ex = family_example(rng, family, lambda r: T.training_example(r, *bases))
         if ex.prompt in STOP_COMMANDS or ex.prompt not in held_out_prompts():
             return ex
