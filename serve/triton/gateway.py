@@ -169,12 +169,15 @@ class HttpGateway:
         self._thread = threading.Thread(target=self.server.serve_forever, name="refusion-http-gateway", daemon=True)
         self._thread.start()
 
-    def drain(self) -> None:
-        """Close the connections waiting on their clients (the draining health refuses new requests; those
-        answered close after their response), so that no keep-alive connection holds the shutdown."""
+    def drain(self, began: float) -> None:
+        """Close the connections that have waited on their clients since before the drain `began` (its
+        time.monotonic(), taken before the health turned draining; those answered close after their response),
+        so that no keep-alive connection holds the shutdown. One accepted since is left to its handler, which
+        answers its request with the draining 503: cut, a client that saw readiness fail and sent a request
+        on a new connection got no answer at all."""
         with self.gateway.lock:  # held while cutting: a handler cannot turn busy between the check and the cut
             for conn, since in self.gateway.waiting.items():
-                if since is not None:
+                if since is not None and since < began:
                     _shut(conn)
 
     def close(self) -> None:

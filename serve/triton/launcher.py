@@ -297,6 +297,7 @@ class TritonServer:
         if signum != signal.SIGTERM or self.health.draining:
             self.process.send_signal(signum)
             return
+        began = time.monotonic()
         self.health.draining = True
         drain_file = ServeSettings(str(self.model_dir), work_dir=str(self._workdir)).drain_file
         assert drain_file is not None
@@ -305,7 +306,7 @@ class TritonServer:
         partial.rename(drain_file)
         for gateway in self._gateways:
             if isinstance(gateway, HttpGateway):
-                gateway.drain()
+                gateway.drain(began)
         threading.Thread(target=self._drain, name="refusion-drain", daemon=True).start()
 
     def _drain(self) -> None:

@@ -293,8 +293,27 @@ def test_the_drain_closes_idle_keep_alive_connections(gateway):
     conn.request("GET", "/v2/health/live")
     assert conn.getresponse().read() == b""
     front.gateway.health.draining = True
-    front.drain()
+    front.drain(time.monotonic())
     assert conn.sock.recv(1) == b""  # closed by the server
+    conn.close()
+
+
+def test_the_drain_leaves_a_connection_accepted_since_to_answer_503(gateway):
+    """A client that saw readiness fail and opened a new connection gets the draining 503, not a cut
+    (test_sigterm_drains... lost one so: the launcher's drain came after the health turned)."""
+    front, port, _ = gateway
+    began = time.monotonic()
+    front.gateway.health.draining = True
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    conn.connect()
+    deadline = time.monotonic() + 30
+    while not front.gateway.waiting:  # accepted, its request not yet sent
+        assert time.monotonic() < deadline, "the connection was never accepted"
+        time.sleep(0.001)
+    front.drain(began)
+    conn.request("GET", "/v2/health/ready")
+    response = conn.getresponse()
+    assert response.status == 503 and b"shutting down" in response.read()
     conn.close()
 
 
@@ -329,7 +348,7 @@ def test_the_drain_cuts_a_connection_only_while_no_handler_can_turn_it_busy(gate
 
     monkeypatch.setattr(gateway_module, "_shut", checked_cut)
     front.gateway.health.draining = True
-    front.drain()
+    front.drain(time.monotonic())
     assert held_while_cutting == [True]
     assert conn.sock.recv(1) == b""
     conn.close()
