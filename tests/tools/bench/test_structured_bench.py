@@ -49,6 +49,8 @@ def test_family_cases_are_grouped_by_family_and_by_guide():
     groups = ["json family", "robot family", "tool family", "typed family", "guided", "unguided"]
     assert list(out) == [case.name for case in FAMILY_CASES] + groups
     assert len(stub.asked) == 2 * 2 * len(FAMILY_CASES)  # each example, each method
+    # the method first on a prompt (its prefill not yet cached) rotates: ReFusion on the first, AR on the second
+    assert [ask["mode"] for ask in stub.asked[:4]] == ["refusion", "ar", "ar", "refusion"]
     for name, runs in out.items():
         assert runs["refusion"]["accuracy"] == runs["ar"]["accuracy"] == 1.0, name
         assert runs["refusion"]["ended"] == 1.0 and runs["ratios"]["tokens_per_forward"] > 1, name
