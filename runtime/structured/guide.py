@@ -41,15 +41,17 @@ class Guide:
 class ToolCallGuide:
     """A tool_call guide's source, as data every grammar engine reads (runtime/structured/tools.py writes it): one
     call, its JSON valid under `call` between the `opening` and `closing` tags, or, where `answer` is given, that
-    JSON schema's answer instead."""
+    JSON schema's answer instead, or, where `text`, any text without the opening tag instead."""
 
     opening: str
     call: dict[str, Any]  # a JSON schema of the call's object ({"name": ..., "arguments": ...})
     closing: str
     answer: dict[str, Any] | None = None
+    text: bool = False
 
     def source(self) -> dict[str, Any]:
-        return {"opening": self.opening, "call": self.call, "closing": self.closing, "answer": self.answer}
+        return {"opening": self.opening, "call": self.call, "closing": self.closing, "answer": self.answer,
+                "text": self.text}
 
     @staticmethod
     def read(source: str) -> ToolCallGuide:

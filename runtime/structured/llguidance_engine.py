@@ -19,6 +19,7 @@ default). A schema of 64 KiB, an enum of 7,400 strings and a regex of 7,000 bran
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -116,11 +117,15 @@ class _Grammar(Grammar):
 
 def _tool_call_lark(guide: ToolCallGuide) -> str:
     """The call as Lark: its tags around %json (with JSON_OPTIONS' layout, unless its schema sets its own), or,
-    with an answer, that or the answer's %json."""
+    with an answer, that or the answer's %json, or, with text, that or any text in which the opening tag never
+    appears (a lexeme: Lark's `&` and `~` take terminals only)."""
     call = f"{json.dumps(guide.opening)} %json {_laid_out(guide.call)} {json.dumps(guide.closing)}"
-    if guide.answer is None:
-        return f"start: {call}\n"
-    return f"start: call | answer\ncall: {call}\nanswer: %json {_laid_out(guide.answer)}\n"
+    if guide.answer is not None:
+        return f"start: call | answer\ncall: {call}\nanswer: %json {_laid_out(guide.answer)}\n"
+    if guide.text:
+        tag = re.escape(guide.opening.strip())
+        return f"start: call | text\ncall: {call}\ntext: TEXT\nTEXT: /(?s:.*)/ & ~/(?s:.*{tag}.*)/\n"
+    return f"start: {call}\n"
 
 
 def _laid_out(schema: dict[str, Any]) -> str:

@@ -63,15 +63,20 @@ class Tools:
         """The guide of a request with these tools and `answer`, the guide its text answer follows (response_format,
         a guided_* field; None: none), as OpenAI reads the two together: with "required" or a named function, a
         call, certain (its arguments valid under the function's parameters; `answer` shapes no text: a call has
-        none); with "auto" and a JSON schema answer, a call or that answer, one guide; with "none", or "auto" and no
-        answer or one of another kind (a regex, a choice, a grammar: it shapes the whole answer, calls read out of
-        it, as vLLM's guided fields do), `answer`. A tool_call guide: data each grammar engine compiles its way."""
-        if self.choice == "none" or (self.choice == "auto" and (answer is None or answer.kind != "json_schema")):
+        none); with "auto" and a JSON schema answer, a call or that answer, one guide; with "auto" and no answer, a
+        call or text with no call in it, so that a call the model begins is a valid one (ReFusion's out-of-order
+        drafts, unguided, garble a call's JSON); with "none", or "auto" and an answer of another kind (a regex, a
+        choice, a grammar: it shapes the whole answer, calls read out of it, as vLLM's guided fields do), `answer`.
+        A tool_call guide: data each grammar engine compiles its way."""
+        if self.choice == "none" or (self.choice == "auto" and answer is not None and answer.kind != "json_schema"):
             return answer
         names = [self.choice] if self.named else list(self.parameters)
         calls = [{"type": "object", "properties": {"name": {"const": name}, "arguments": closed(self.parameters[name])},
                   "required": ["name", "arguments"], "additionalProperties": False} for name in names]
         call = calls[0] if len(calls) == 1 else {"anyOf": calls}
+        if self.choice == "auto" and answer is None:
+            return Guide("tool_call", json.dumps(ToolCallGuide(OPEN + "\n", call, "\n" + CLOSE, text=True).source()),
+                         "tool_choice")
         if answer is None or self.choice != "auto":
             return Guide("tool_call", json.dumps(ToolCallGuide(OPEN + "\n", call, "\n" + CLOSE).source()), "tool_choice")
         return Guide("tool_call", json.dumps(ToolCallGuide(OPEN + "\n", call, "\n" + CLOSE,

@@ -124,7 +124,6 @@ class FamilyCase:
     about: str  # what it measures, as the report says it
     picks: Callable[[Example], bool]
     guide: Callable[[Example], dict[str, Any]]  # the keywords that offer an example's tools or ask for its schema
-    guided: bool = True  # its requests carry a guide (a schema, a call forced); False: tool_choice auto, none
     max_tokens: int = families.ANSWER_MAX_TOKENS
 
     def examples(self, n: int) -> list[Example]:
@@ -185,9 +184,9 @@ FAMILY_CASES = (
     # a base answer or a command as a call's arguments runs to about 100 tokens: a canvas of 128
     FamilyCase("typed-call", "typed", "a typed answer (a JSON frame, a command) as the arguments of the one function "
                "offered, the call forced by name", lambda ex: True, _forced, max_tokens=128),
-    FamilyCase("tool-choice", "tool", "tool_choice auto (no guide): the call a request names among the functions "
-               "offered, or the plain answer of a request that needs none", lambda ex: not ex.after, _offered,
-               guided=False),
+    FamilyCase("tool-choice", "tool", "tool_choice auto (a call or text without one, one guide): the call a request "
+               "names among the functions offered, or the plain answer of a request that needs none",
+               lambda ex: not ex.after, _offered),
     FamilyCase("tool-answer", "tool", "the final answer after a call and its result, the functions still offered "
-               "(tool_choice auto: no guide)", lambda ex: bool(ex.after), _offered, guided=False),
+               "(tool_choice auto)", lambda ex: bool(ex.after), _offered),
 )

@@ -29,13 +29,16 @@ def guides(tokenizer: Tokenizer, size: int) -> Guides:
     return Guides(Vocabulary(token_bytes, special, size, tokenizer.eos_token_id or 0, tokenizer.encode))
 
 
+TINY_VOCAB = 108  # the embedded model's vocabulary: its tokenizer's ids, the graphs' too
+
+
 @pytest.fixture(scope="module")
 def tiny_guides() -> tuple[Tokenizer, Guides]:
     tok = Tokenizer.from_dir(REPO / "models" / "refusion-tiny")
-    return tok, guides(tok, 104)
+    return tok, guides(tok, TINY_VOCAB)
 
 
-def allowed(tok: Tokenizer, matcher, size: int = 104) -> list[str]:
+def allowed(tok: Tokenizer, matcher, size: int = TINY_VOCAB) -> list[str]:
     out = np.zeros(mask_bytes(size), np.uint8)
     matcher.allowed(out)
     return [tok.decode([i], skip_special_tokens=False) for i in np.flatnonzero(np.unpackbits(out, bitorder="little"))]
@@ -59,12 +62,12 @@ def test_masks_along_a_draft_are_the_masks_after_each_of_its_prefixes(tiny_guide
     tok, g = tiny_guides
     m = g.compile(Guide("regex", r"[ab]+c", "regex")).matcher()
     draft = tok.encode("abc")
-    along = np.zeros((4, mask_bytes(104)), np.uint8)
+    along = np.zeros((4, mask_bytes(TINY_VOCAB)), np.uint8)
     m.allowed_along(draft, along)
     for j in range(4):
         fresh = g.compile(Guide("regex", r"[ab]+c", "regex")).matcher()
         fresh.consume(draft[:j])
-        expected = np.zeros(mask_bytes(104), np.uint8)
+        expected = np.zeros(mask_bytes(TINY_VOCAB), np.uint8)
         fresh.allowed(expected)
         assert np.array_equal(along[j], expected), j
     assert m.valid(draft) == 3  # where it was: nothing consumed
@@ -111,7 +114,7 @@ def test_ids_past_the_tokenizers_are_never_allowed(tiny_guides):
     out = np.zeros(mask_bytes(160), np.uint8)
     assert m.allowed(out)
     bits = np.unpackbits(out, bitorder="little")
-    assert bits[:100].any() and not bits[104:].any()
+    assert bits[:100].any() and not bits[TINY_VOCAB:].any()
 
 
 def test_byte_level_vocabularies_read_through_their_alphabet(tmp_path):
@@ -137,7 +140,7 @@ def test_requests_asking_for_a_guide_while_it_compiles_wait_for_that_compile(tin
     from refusion.runtime.structured.engine import GrammarEngine
 
     tok, _ = tiny_guides
-    g = guides(tok, 104)
+    g = guides(tok, TINY_VOCAB)
     release, asked, calls = threading.Event(), threading.Event(), []  # asked: a second request waits, or compiles
 
     class Held(GrammarEngine):
@@ -182,7 +185,7 @@ def test_a_compile_past_its_limit_is_refused_as_the_fields_error(tiny_guides, mo
     from refusion.runtime.structured.engine import GrammarEngine
 
     tok, _ = tiny_guides
-    g = guides(tok, 104)
+    g = guides(tok, TINY_VOCAB)
 
     class Slow(GrammarEngine):
         def __init__(self, inner: GrammarEngine):
@@ -201,3 +204,26 @@ def test_a_compile_past_its_limit_is_refused_as_the_fields_error(tiny_guides, mo
         g.compile(Guide("regex", "[0-9]+", "regex"))
     monkeypatch.setattr(engine_module, "COMPILE_LIMIT_S", 2.0)
     assert g.compile(Guide("regex", "[0-9]+", "regex")).field == "regex"  # refused, not cached: compiled again
+
+
+def test_tool_choice_auto_allows_a_valid_call_or_text_without_one(tiny_guides):
+    """auto's guide (Tools.guide): one call valid under its function's parameters, or text in which the opening tag
+    never appears; a call begun and garbled (what ReFusion's unguided drafts wrote) is cut where it goes wrong."""
+    from refusion.runtime.structured.tools import read_tools
+
+    tok, g = tiny_guides
+    room = {"type": "object", "properties": {"room": {"type": "string"}}, "required": ["room"]}
+    tools = read_tools([{"type": "function", "function": {"name": "lights_on", "parameters": room}}], "auto")
+    guide = tools.guide()
+    assert guide is not None and guide.kind == "tool_call"
+    m = g.compile(guide).matcher()
+    assert m.forced() == []  # a call or text: nothing is certain at the start
+    call = tok.encode('<tool_call>\n{"name": "lights_on", "arguments": {"room": "den"}}\n</tool_call>')
+    assert tok.decode(call[:1], skip_special_tokens=False) == "<tool_call>" and m.valid(call) == len(call)
+    garbled = tok.encode('<tool_call>\n{"name": "lights_of"')
+    assert m.valid(garbled) == len(garbled) - 2  # "lights_o" is a prefix of the name; "f" is refused
+    text = tok.encode("The den light is on.")
+    assert m.valid(text) == len(text)
+    assert m.valid(tok.encode("ok <tool_call>")) == len(tok.encode("ok "))  # no call inside text
+    m.consume(text)
+    assert "<|im_end|>" in allowed(tok, m)

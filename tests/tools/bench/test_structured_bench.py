@@ -46,7 +46,7 @@ class _Stub:
 def test_family_cases_are_grouped_by_family_and_by_guide():
     stub = _Stub()
     out = structured.run_families(stub, 2, 1)  # type: ignore[arg-type]
-    groups = ["json family", "robot family", "tool family", "typed family", "guided", "unguided"]
+    groups = ["json family", "robot family", "tool family", "typed family", "guided"]
     assert list(out) == [case.name for case in FAMILY_CASES] + groups
     assert len(stub.asked) == 2 * 2 * len(FAMILY_CASES)  # each example, each method
     # the method first on a prompt (its prefill not yet cached) rotates: ReFusion on the first, AR on the second
@@ -56,10 +56,9 @@ def test_family_cases_are_grouped_by_family_and_by_guide():
         assert runs["refusion"]["ended"] == 1.0 and runs["ratios"]["tokens_per_forward"] > 1, name
         assert runs["refusion"]["runner_ms_per_forward"] == 2.0 and runs["ar"]["runner_ms_per_forward"] == 1.0, name
         assert runs["refusion"]["loop_ms_per_forward"] == runs["ar"]["loop_ms_per_forward"] == 0.5, name
-    guided = [case for case in FAMILY_CASES if case.guided]
-    assert out["guided"]["ar"]["requests"] == 2 * len(guided)
-    assert out["tool family"]["ar"]["requests"] == 2 * sum(case.family == "tool" for case in guided)
-    tokens = sum(len(ex.answer) for case in guided for ex in case.examples(2))
+    assert out["guided"]["ar"]["requests"] == 2 * len(FAMILY_CASES)  # every case carries a guide
+    assert out["tool family"]["ar"]["requests"] == 2 * sum(case.family == "tool" for case in FAMILY_CASES)
+    tokens = sum(len(ex.answer) for case in FAMILY_CASES for ex in case.examples(2))
     assert out["guided"]["ar"]["tokens"] == out["guided"]["ar"]["forwards"] == tokens
 
 

@@ -216,7 +216,8 @@ def run_model(gen: Generator, embedded: bool, n: int, repeats: int, timing: Timi
 def run_families(gen: Generator, n: int, repeats: int) -> dict[str, Any]:
     """Each family case over its first n held-out examples, each asked as the case builds it from the example, each
     method in turn: per case and method a summary and the ReFusion/AR ratios; then the same over each family's
-    guided cases ("json family", ...), over every guided case ("guided") and over the unguided ones ("unguided")."""
+    cases ("json family", ...) and over every case ("guided": every family case carries a guide; tool_choice auto's is
+    a call or text without one)."""
     out: dict[str, Any] = {}
     groups: dict[str, dict[str, Tally]] = {}
     for case in FAMILY_CASES:
@@ -240,7 +241,7 @@ def run_families(gen: Generator, n: int, repeats: int) -> dict[str, Any]:
                     tally.accurate += case.accurate(example, result)
             for mode, seconds in spent.items():
                 tallies[mode].seconds.append(seconds)
-        for group in ((f"{case.family} family", "guided") if case.guided else ("unguided",)):
+        for group in (f"{case.family} family", "guided"):
             for mode, tally in tallies.items():
                 groups.setdefault(group, {m: Tally() for m in METHODS})[mode].include(tally)
         out[case.name] = _versus({mode: t.summary() for mode, t in tallies.items()})
@@ -440,9 +441,9 @@ def family_lines(data: dict[str, Any]) -> list[str]:
              "its forwards (a request's first, its prompt's, included). Each cell: ReFusion / AR. The "
              "random-weight model runs none of these: it has no family answer to be accurate to.", ""]
     lines += [f"- `{c.name}` ({c.family} family, max_tokens {c.max_tokens}): {c.about}" for c in FAMILY_CASES]
-    lines += ["", "| case | guided | valid | accuracy | ended | tokens/forward | ms a forward: runner + loop | tokens/s | "
-              "ReFusion/AR tokens/s | ReFusion/AR tokens/forward |", "|---|---|---|---|---|---|---|---|---|---|"]
-    guided = {c.name: c.guided for c in FAMILY_CASES}
+    lines += ["", "| case | valid | accuracy | ended | tokens/forward | ms a forward: runner + loop | tokens/s | "
+              "ReFusion/AR tokens/s | ReFusion/AR tokens/forward |", "|---|---|---|---|---|---|---|---|---|"]
+    names = {c.name for c in FAMILY_CASES}
     for case, runs in data["families"].items():
         r, ar, ratios = runs["refusion"], runs["ar"], runs["ratios"]
         shares = [(s["valid"] / max(1, s["requests"]), s["accuracy"], s["ended"]) for s in (r, ar)]
@@ -451,8 +452,8 @@ def family_lines(data: dict[str, Any]) -> list[str]:
                   " / ".join(f"{x['runner_ms_per_forward']:.2f} + {x['loop_ms_per_forward']:.2f}" for x in (r, ar)),
                   f"{r['tokens_per_second']} / {ar['tokens_per_second']}"]
         cells += ["-" if ratios[key] is None else f"{ratios[key]:.2f}x" for key in ("tokens_per_second", "tokens_per_forward")]
-        label = case if case in guided else f"**{case}**"  # a group: a family's guided cases, all guided, unguided
-        lines.append(f"| {label} | {'yes' if guided.get(case, case != 'unguided') else 'no'} | " + " | ".join(cells) + " |")
+        label = case if case in names else f"**{case}**"  # a group: a family's cases, or all of them
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
     whole = data["whole_set"]
     lines += ["", f"The whole guided set (guides.CASES on the embedded model and every guided family case, "
                   f"{whole['requests']} requests a method): constrained ReFusion {whole['refusion']['tokens_per_second']}"
