@@ -23,6 +23,29 @@ def tiny_export(tmp_path_factory) -> Path:
     return export_onnx(REPO / "models" / "refusion-tiny", tmp_path_factory.mktemp("tiny") / "onnx", validate=False)
 
 
+# The embedded model's chat template before tool calls: one that never reads `tools`
+UNTOOLED_TEMPLATE = ("{%- for message in messages -%}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+                     "'<|im_end|>\\n' -}}{%- endfor -%}{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}"
+                     "{%- endif -%}")
+
+
+@pytest.fixture(scope="session")
+def untooled_export(tmp_path_factory) -> Path:
+    """The embedded model with a chat template that has no tool format (as many base models' have), exported."""
+    import json
+    import shutil
+
+    from refusion.export.exporter import export_onnx
+
+    root = tmp_path_factory.mktemp("untooled")
+    checkpoint = Path(shutil.copytree(REPO / "models" / "refusion-tiny", root / "checkpoint"))
+    (checkpoint / "chat_template.jinja").write_text(UNTOOLED_TEMPLATE, encoding="utf-8")
+    config = json.loads((checkpoint / "tokenizer_config.json").read_text(encoding="utf-8"))
+    (checkpoint / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": UNTOOLED_TEMPLATE}),
+                                                      encoding="utf-8")
+    return export_onnx(checkpoint, root / "onnx", validate=False)
+
+
 @pytest.fixture(scope="session")
 def checkpoint(tmp_path_factory) -> Path:
     from refusion.tools.checks.fixtures.checkpoints import make_checkpoint

@@ -29,16 +29,17 @@ def test_build_refuses_before_tensorrt(exports, tmp_path):
 
 
 def test_build_takes_the_exports_recorded_limits_by_default(tiny_export, tmp_path):
-    """The embedded model: 256 positions, defaults gen_length 64, slot_size 4, 4 blocks (the paper's 2048 + 512
+    """The embedded model: 512 positions, defaults gen_length 64, slot_size 4, 4 blocks (the paper's 2048 + 512
     would not fit); a flag overrides its own limit, and the prompt limit follows a longer generation."""
     manifest = ExportManifest.read(tiny_export)
-    assert export_limits(manifest.defaults, manifest.max_positions) == DecodeLimits(192, 64, 4, 4, prefill_chunk=256)
+    assert manifest.max_positions == 512
+    assert export_limits(manifest.defaults, manifest.max_positions) == DecodeLimits(448, 64, 4, 4, prefill_chunk=256)
     assert export_limits(manifest.defaults, manifest.max_positions, gen_length=128, max_batch=2) == \
-        DecodeLimits(128, 128, 4, 4, max_batch=2, prefill_chunk=256)
+        DecodeLimits(384, 128, 4, 4, max_batch=2, prefill_chunk=256)
     # ReFusion-8B: the paper's limits, as before, built for prefills in chunks of 256
     assert export_limits(DecodeDefaults(), 40960) == DecodeLimits(prefill_chunk=256)
     result = CliRunner().invoke(build_command, [str(tiny_export), "-o", str(tmp_path / "engines")])
-    assert "an engine for prompts <= 192, gen_length <= 64, blocks <= 16 tokens" in result.stderr
+    assert "an engine for prompts <= 448, gen_length <= 64, blocks <= 16 tokens" in result.stderr
     assert "forwards of <= 256 tokens" in result.stderr
     if importlib.util.find_spec("tensorrt") is None:  # no flag needed to get as far as TensorRT
         assert isinstance(result.exception, RefusionError) and "pip install 'refusion-trt[trt]'" in str(result.exception)

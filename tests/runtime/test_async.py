@@ -102,8 +102,9 @@ def test_cancelling_the_task_cancels_the_request_and_the_loop_runs_on_meanwhile(
 
 def test_a_failed_request_raises_its_error_when_awaited(gen):
     async def main():
-        with pytest.raises(RefusionError, match="maximum context length is 256 tokens"):
-            await gen.agenerate(prompt_ids=[5] * 250, max_tokens=24, mode="ar")
+        context = gen.manifest.max_positions
+        with pytest.raises(RefusionError, match=f"maximum context length is {context} tokens"):
+            await gen.agenerate(prompt_ids=[5] * (context - 6), max_tokens=24, mode="ar")
         with pytest.raises(RefusionError, match="max_tokens=0 must be a positive integer"):
             [piece async for piece in gen.astream(PROMPT, max_tokens=0)]
 

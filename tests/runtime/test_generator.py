@@ -35,18 +35,19 @@ def gen(export_dir):
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
-    """The embedded model's export: 256 positions, recorded defaults gen_length 64, slot_size 4."""
+    """The embedded model's export: 512 positions, recorded defaults gen_length 64, slot_size 4."""
     return export_onnx(EMBEDDED_MODEL, tmp_path_factory.mktemp("tiny") / "onnx", validate=False)
 
 
 def test_no_decode_settings_take_the_exports_recorded_defaults(tiny_dir):
     with Generator.from_dir(tiny_dir, backend="ort-cpu", threads=1) as tiny:
+        # the paper's bare gen_length 512 would leave a prompt no room in the 512 positions
         assert tiny.params() == DecodeParams(gen_length=64, slot_size=4, serial_num_blocks=4, slot_threshold=0.5,
-                                             token_threshold=0.1)  # the paper's bare 512 exceed the 256 positions
+                                             token_threshold=0.1)
         assert tiny.params(gen_length=None, slot_size=8, mode="ar") == DecodeParams(64, 8, 4, 0.5, 0.1, mode="ar")
-        res = tiny.generate("sort: 3 1 2", chat=True)
+        res = tiny.generate("sort: 8 2 7 9 2 6", chat=True)
         assert res.text and res.finish_reason == "eos" and tiny.manifest.eos_token_id not in res.token_ids
-        assert "".join(tiny.stream("sort: 3 1 2", chat=True)) == res.text
+        assert "".join(tiny.stream("sort: 8 2 7 9 2 6", chat=True)) == res.text
 
 
 def test_text_stops_before_the_eos_even_when_the_tokenizer_would_show_it(tiny_dir, tmp_path):
@@ -61,9 +62,9 @@ def test_text_stops_before_the_eos_even_when_the_tokenizer_would_show_it(tiny_di
         tiny.tokenizer = Tokenizer.from_dir(tmp_path)
         eos = tiny.manifest.eos_token_id
         assert tiny.tokenizer.decode([eos]) == "<|im_end|>"
-        res = tiny.generate("sort: 3 1 2", chat=True)
+        res = tiny.generate("sort: 8 2 7 9 2 6", chat=True)
         assert eos in res.committed_ids and res.text and "<|im_end|>" not in res.text
-        assert "".join(tiny.stream("sort: 3 1 2", chat=True)) == res.text
+        assert "".join(tiny.stream("sort: 8 2 7 9 2 6", chat=True)) == res.text
 
 
 def test_generate_reports_truthful_stats(gen):

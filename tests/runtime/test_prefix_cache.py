@@ -153,7 +153,7 @@ def test_under_concurrency_with_evictions_every_request_gets_its_tokens(tiny_exp
     assert all(got[j] == [alone[j]] * 2 for j in range(len(jobs)))
 
 
-# Answers of 8-16 tokens, so an AR answer fills a cache block past its prompt; three turns fit the 256 positions.
+# Answers of 8-16 tokens, so an AR answer fills a cache block past its prompt; three turns fit the 512 positions.
 CONVERSATION = ["reverse: robotics", "sort: 9 8 7 6 5 4 3 2 1", "list: 3,1,12"]
 
 

@@ -185,8 +185,9 @@ def test_a_failing_request_fails_alone(gen, jobs, alone):
     with pytest.raises(RefusionError, match=r"request 2 broke in its second step"):
         bad.result(timeout=60)
     assert good.result(timeout=60).token_ids == alone[1]
-    with pytest.raises(RefusionError, match=r"maximum context length is 256 tokens"):
-        gen.submit(prompt_ids=list(range(1, 100)) * 3)
+    context = gen.manifest.max_positions
+    with pytest.raises(RefusionError, match=rf"maximum context length is {context} tokens"):
+        gen.submit(prompt_ids=list(range(1, 100)) * (context // 99 + 1))
     with pytest.raises(RefusionError, match=r"timeout_s=0 must be a positive number"):
         gen.submit(prompt_ids=[5, 6], timeout_s=0)
 

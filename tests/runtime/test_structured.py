@@ -73,11 +73,12 @@ def test_importing_the_runtime_loads_neither_torch_nor_llguidance():
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "[]\n"
 
 
-def test_tools_need_a_template_with_a_tool_format(tiny):
-    with pytest.raises(RefusionError, match="has no tool format .it never reads `tools`."):
-        tiny.submit(messages=ASK, tools=TOOLS)
-    with pytest.raises(RefusionError, match="tools are offered through the chat template"):
-        tiny.submit("go", tools=TOOLS)
+def test_tools_need_a_template_with_a_tool_format(untooled_export):
+    with Generator.from_dir(untooled_export, backend="ort-cpu", threads=1) as untooled:
+        with pytest.raises(RefusionError, match="has no tool format .it never reads `tools`."):
+            untooled.submit(messages=ASK, tools=TOOLS)
+        with pytest.raises(RefusionError, match="tools are offered through the chat template"):
+            untooled.submit("go", tools=TOOLS)
 
 
 @pytest.mark.parametrize("tools, choice, message", [

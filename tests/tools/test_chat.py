@@ -109,38 +109,41 @@ def test_no_stats_reset_and_system(tiny_dir, gen):
     assert "tokens/s" not in out.stderr and "(new conversation)" in out.stderr
 
 
-def test_a_failed_turn_is_reported_and_the_exit_code_says_so(tiny_dir):
-    out = chat(tiny_dir, f"{SORT}\n{SORT}\n", "--gen-length", "250", "--mode", "ar")
+def test_a_failed_turn_is_reported_and_the_exit_code_says_so(tiny_dir, gen):
+    positions = gen.manifest.max_positions
+    out = chat(tiny_dir, f"{SORT}\n{SORT}\n", "--gen-length", str(positions - 6), "--mode", "ar")
     assert out.exit_code == 1
     errors = [e for e in out.stderr.splitlines() if e.startswith("error: ")]
-    assert len(errors) == 2 and "more than the 6 the model's 256 positions leave beside the answer" in errors[0]
+    assert len(errors) == 2 and f"more than the 6 the model's {positions} positions leave beside the answer" in errors[0]
     bad = chat(tiny_dir, f"{SORT}\n", "--slot-threshold", "2")
     assert bad.exit_code == 1 and "error: slot_threshold=2.0 is outside [0, 1]" in bad.stderr and not bad.stdout
 
 
 def test_a_conversation_past_the_positions_drops_its_oldest_turns_and_says_so_once(tiny_dir, gen):
     """Every turn is answered (none fails at the limit), the system prompt stays, one line on stderr."""
-    turns = [f"sort: {i} {i + 3} {i + 1}" for i in range(14)]
+    positions = gen.manifest.max_positions
+    turns = [f"sort: {i % 10} {(i + 3) % 10} {(i + 1) % 10}" for i in range(positions // 18)]  # ~36 positions a turn
     out = chat(tiny_dir, "\n".join(turns) + "\n", "--system", "be brief", "--max-tokens", "24")
     assert out.exit_code == 0, out.output
     assert len(out.stdout.splitlines()) == len(turns) and "error:" not in out.stderr
-    assert out.stderr.count("outgrew the model's 256 positions: its oldest turns are dropped") == 1
+    assert out.stderr.count(f"outgrew the model's {positions} positions: its oldest turns are dropped") == 1
     cached = [int(line.rsplit("tokens, ", 1)[1].split()[0]) for line in out.stderr.splitlines() if "prefix cache]" in line]
     assert sum(c > 0 for c in cached) >= len(turns) - 3  # most turns copy the conversation so far
 
 
 def test_fit_messages_keeps_the_system_prompt_and_the_newest_turns(gen):
     system = [{"role": "system", "content": "be brief"}]
-    history = system + [m for i in range(12) for m in ({"role": "user", "content": f"sort: {i} {i + 1} 9"},
-                                                       {"role": "assistant", "content": f"{i} {i + 1} 9"})]
+    positions = gen.manifest.max_positions
+    history = system + [m for i in range(positions // 20) for m in ({"role": "user", "content": f"sort: {i % 9} 9 0"},
+                                                                    {"role": "assistant", "content": f"0 {i % 9} 9"})]
     history.append({"role": "user", "content": "sort: 3 2 1"})
     assert gen.fit_messages(history[:5], max_tokens=24) == (history[:5], 0)  # fits: unchanged
     kept, dropped = gen.fit_messages(history, max_tokens=24)
     assert kept[:1] == system and kept[-1] == history[-1] and kept[1]["role"] == "user"
     assert kept[1:] == history[len(history) - len(kept) + 1:] and dropped == len(history) - len(kept)
-    assert len(gen.prompt_ids(messages=kept)) <= (256 - 24) // 2  # room for the turns to come
+    assert len(gen.prompt_ids(messages=kept)) <= (positions - 24) // 2  # room for the turns to come
     with pytest.raises(RefusionError, match="the conversation's last turn takes"):
-        gen.fit_messages(system + [{"role": "user", "content": "x" * 300}], max_tokens=24)
+        gen.fit_messages(system + [{"role": "user", "content": "x" * positions}], max_tokens=24)
 
 
 def test_a_piped_line_that_is_not_utf8_fails_that_turn_alone(tiny_dir, gen):
@@ -161,8 +164,8 @@ def test_settings_no_turn_could_run_with_are_refused_and_change_nothing(tiny_dir
     out = chat(tiny_dir, f"/settings gen_length=100000\n{SORT}\n", "--no-stats")
     assert out.exit_code == 0, out.output
     assert out.stdout == f"{answer(gen, SORT)}\n"  # the turn after the refusal runs with the settings before it
-    assert ("error: This model's maximum context length is 256 tokens. However, you requested 100001 tokens (1 in the "
-            "prompt, 100000 in the completion)." in out.stderr)
+    assert (f"error: This model's maximum context length is {gen.manifest.max_positions} tokens. However, you requested "
+            "100001 tokens (1 in the prompt, 100000 in the completion)." in out.stderr)
 
 
 def test_ctrl_c_cancels_the_answer_and_keeps_the_session(gen, monkeypatch):

@@ -19,7 +19,7 @@ PROMPT = "sort: 3 1 2"
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
-    """The embedded model's export: 256 positions, recorded defaults gen_length 64, slot_size 4."""
+    """The embedded model's export: 512 positions, recorded defaults gen_length 64, slot_size 4."""
     return export_onnx(EMBEDDED_MODEL, tmp_path_factory.mktemp("tiny") / "onnx", validate=False)
 
 
@@ -100,7 +100,7 @@ def test_float_prompt_ids_are_refused(tiny_dir):
 
 
 def test_ar_mode_is_not_padded_to_slots(tiny_dir):
-    ids = ",".join(["5"] * 226)  # 226 + 30 = 256 positions; padded to 32-token slots it would not fit
+    ids = ",".join(["5"] * 482)  # 482 + 30 = 512 positions; padded to 32-token slots it would not fit
     out = run(tiny_dir, "--prompt-ids", ids, "--mode", "ar", "--gen-length", "30", "--slot-size", "32", "--json")
     assert out.exit_code == 0, out.output
     assert json.loads(out.stdout)["stats"]["mode"] == "ar"

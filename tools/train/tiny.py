@@ -1,7 +1,7 @@
 """Train refusion-tiny: a small Qwen3ForCausalLM trained with the ReFusion objective on the
 generated tasks of `refusion.tools.tasks`, small enough to ship in the repository.
 
-One run of `train` is one stage; tools/train/recipe.sh runs the embedded model's seven (about 4 hours on
+One run of `train` is one stage; tools/train/recipe.sh runs the embedded model's ten (about 6 hours on
 2 CPU cores at --threads 1; each resumes where it stopped if rerun; docs/training.md):
 
     nice -n 5 .venv/bin/python tools/train/tiny.py train [--stop-after N] [--init-from STATE]

@@ -46,3 +46,15 @@ def tool_server(exports) -> Iterator[tuple[Generator, OpenAIServer]]:
         finally:
             wait_idle(server)
             server.stop()
+
+
+@pytest.fixture(scope="module")
+def untooled_server(untooled_export) -> Iterator[OpenAIServer]:
+    """A server over the embedded model with a chat template that has no tool format (conftest's untooled_export)."""
+    with Generator.from_dir(untooled_export, backend="ort-cpu", threads=1) as gen:
+        server = OpenAIServer(gen, port=0).start()
+        try:
+            yield server
+        finally:
+            wait_idle(server)
+            server.stop()

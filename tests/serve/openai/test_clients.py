@@ -124,15 +124,15 @@ def test_models_lists_the_served_model(serve):
         client.chat.completions.create(model="refusion", messages=[{"role": "user", "content": "hi"}])
 
 
-def test_the_clients_errors_name_the_field(serve):
+def test_the_clients_errors_name_the_field(serve, untooled_server):
     client = _client(serve())
     messages = [{"role": "user", "content": "hi"}]
     with pytest.raises(openai.BadRequestError, match="n=0 must be at least 1") as e:
         client.chat.completions.create(model="refusion", messages=messages, n=0)
     assert e.value.body["param"] == "n" and e.value.body["type"] == "invalid_request_error"
     with pytest.raises(openai.BadRequestError, match="has no tool format"):
-        client.chat.completions.create(model="refusion", messages=messages,
-                                       tools=[{"type": "function", "function": {"name": "f"}}])
+        _client(untooled_server).chat.completions.create(model="refusion", messages=messages,
+                                                         tools=[{"type": "function", "function": {"name": "f"}}])
     with pytest.raises(openai.BadRequestError, match="slot_threshold=2.0 is outside"):
         client.chat.completions.create(model="refusion", messages=messages, extra_body={"slot_threshold": 2.0})
 

@@ -192,10 +192,10 @@ def test_allowed_tools_offer_only_the_functions_listed_with_its_mode(tools):
 
 # -- failure 10: no path of the server's in an error ------------------------------------------------------------------
 
-def test_the_tool_format_refusal_names_no_path(serve, gen):
-    client = _client(serve())
+def test_the_tool_format_refusal_names_no_path(untooled_server, untooled_export):
+    client = _client(untooled_server)
     with pytest.raises(openai.BadRequestError, match="has no tool format") as e:
         client.chat.completions.create(model="refusion", messages=ASK, tools=TOOLS)
     message = e.value.body["message"]
     assert message.startswith("the chat template of this model has no tool format (it never reads `tools`)")
-    assert str(gen.manifest.path) not in message and "/" not in message
+    assert str(untooled_export) not in message and "/" not in message and e.value.body["param"] is None
