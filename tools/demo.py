@@ -1,61 +1,98 @@
 """`refusion-export demo`: the embedded model, exported, run, and shown decoding.
 
 Exports models/refusion-tiny, builds TensorRT engines when TensorRT is there (else runs
-onnxruntime), answers a few held-out task prompts with ReFusion and with AR decoding on
-the same backend, and draws each ReFusion decode: every token coloured by the loop
-iteration that committed it (terminal, and an HTML page beside the export).
+onnxruntime), answers a few held-out task prompts, a robot command under its JSON schema and a
+tool call with ReFusion and with AR decoding on the same backend, and draws each ReFusion
+decode: every token coloured by the loop iteration that committed it (terminal, and an HTML
+page beside the export).
 """
 
 from __future__ import annotations
 
 import colorsys
 import html
+import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import click
 
 from refusion.models import EMBEDDED_MODEL
+from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.generator import GenerationResult, Generator
 from refusion.runtime.runners import available_backend
+from refusion.tools import families
 from refusion.tools.cli_common import progress
 from refusion.tools.tasks import Example, held_out
 
-# The fastest benchmark setting within a point of AR accuracy (docs/benchmark.md: 1.71x AR, -1.0 point).
-DEMO_SETTINGS = dict(gen_length=64, slot_size=4, serial_num_blocks=4, slot_threshold=0.5, token_threshold=0.1)
+# The export's recorded setting, the bench's fastest (docs/benchmark.md: 2.02x AR's tokens/s, 95.0% to its 98.5%).
+DEMO_SETTINGS: dict[str, Any] = dict(gen_length=64, slot_size=4, serial_num_blocks=4, slot_threshold=0.5, token_threshold=0.1)
 DEMO_TASKS = ("sort", "reverse", "list", "add")
+# The structured rows, each a fixed held-out example (an index into families.held_out), each under its guide: a robot
+# command under ROBOT_SCHEMA, and a tool call among several functions offered, tool_choice "required" (the call's
+# form guided as the schema guides the robot's; which function, and its arguments, are the model's).
+ROBOT_EXAMPLE = 5
+TOOL_EXAMPLE = 13
+TOOL_CHOICE = "required"
+
+
+@dataclass(frozen=True)
+class DemoCase:
+    example: Example
+    label: str = ""  # what the row shows besides its prompt (a base task's prompt names its task)
+    request: dict[str, Any] = field(default_factory=dict)  # generate() keywords beyond messages and settings
+
+    @property
+    def title(self) -> str:
+        return f"{self.label}: {self.example.prompt}" if self.label else self.example.prompt
 
 
 @dataclass
 class DemoRow:
-    example: Example
+    case: DemoCase
     refusion: GenerationResult
     ar: GenerationResult
 
 
-def demo_examples() -> list[Example]:
-    """The first held-out example of each demo task: fixed, never seen in training."""
+def demo_cases() -> list[DemoCase]:
+    """The demo's prompts, all held out (never seen in training): the first of each demo task, the robot command
+    and the tool call the constants above pick."""
     pool = held_out(40)
-    return [next(e for e in pool if e.task == task) for task in DEMO_TASKS]
+    robot = families.held_out("robot", ROBOT_EXAMPLE + 1)[ROBOT_EXAMPLE]
+    tool = families.held_out("tool", TOOL_EXAMPLE + 1)[TOOL_EXAMPLE]
+    if tool.call is None:
+        raise RefusionError(f"TOOL_EXAMPLE={TOOL_EXAMPLE} picks the held-out tool example {tool.prompt!r}, whose "
+                            "answer is not a call; pick the index of one answered with a call.")
+    offered = ", ".join(t["function"]["name"] for t in tool.tools)
+    return [*(DemoCase(next(e for e in pool if e.task == task)) for task in DEMO_TASKS),
+            DemoCase(robot, "robot command (json_schema ROBOT_SCHEMA)", {"json_schema": families.ROBOT_SCHEMA}),
+            DemoCase(tool, f"tool call (tool_choice {TOOL_CHOICE}; tools {offered})",
+                     {"tools": list(tool.tools), "tool_choice": TOOL_CHOICE})]
 
 
-def run_demo(output: Path, backend: str = "auto", threads: int | None = None) -> list[DemoRow]:
+def run_demo(output: Path, backend: str = "auto", threads: int | None = None,
+             model: Path = EMBEDDED_MODEL) -> list[DemoRow]:
+    """The demo on `model`, a checkpoint trained on the demo's tasks (default: the embedded one)."""
     from refusion.export.exporter import export_onnx
 
     t0 = time.perf_counter()
     use_trt = backend == "trt" or (backend == "auto" and _tensorrt_present())
-    progress(f"[1/4] exporting the embedded model {EMBEDDED_MODEL.name} -> {output / 'onnx'}")
-    export = export_onnx(EMBEDDED_MODEL, output / "onnx", dtype="fp16" if use_trt else "fp32", force=True,
+    progress(f"[1/4] exporting the {'embedded ' if model == EMBEDDED_MODEL else ''}model {model.name} -> "
+             f"{output / 'onnx'}")
+    export = export_onnx(model, output / "onnx", dtype="fp16" if use_trt else "fp32", force=True,
                          progress=lambda m: progress("      " + m))
     model_dir = export
     if use_trt:
         from refusion.engines.build import build_engines, plan_build
-        from refusion.runtime.core.profiles import DecodeLimits
+        from refusion.runtime.core.export_manifest import ExportManifest
+        from refusion.runtime.core.profiles import export_limits
 
         progress(f"[2/4] building TensorRT engines -> {output / 'engines'}")
-        limits = DecodeLimits(256, DEMO_SETTINGS["gen_length"], DEMO_SETTINGS["slot_size"],
-                              DEMO_SETTINGS["serial_num_blocks"], None)
+        manifest = ExportManifest.read(export)  # prompts up to the positions left: a tool call's functions are long
+        limits = export_limits(manifest.defaults, manifest.max_positions, gen_length=DEMO_SETTINGS["gen_length"],
+                               slot_size=DEMO_SETTINGS["slot_size"], serial_blocks=DEMO_SETTINGS["serial_num_blocks"])
         plan = plan_build(export, output / "engines", limits)
         model_dir = build_engines(plan, force=True, report=lambda m: progress("      " + m))
         backend = "trt"
@@ -66,12 +103,14 @@ def run_demo(output: Path, backend: str = "auto", threads: int | None = None) ->
     rows = []
     with Generator.from_dir(model_dir, backend=backend, threads=threads) as gen:
         progress(f"      backend {gen.runner.name}")
-        examples = demo_examples()
-        gen.generate(examples[0].prompt, chat=True, **DEMO_SETTINGS)  # warm-up: first-run costs are not decoding
-        for i, ex in enumerate(examples, 1):
-            progress(f"[4/4] prompt {i}/{len(examples)}: {ex.prompt!r}")
-            rows.append(DemoRow(ex, gen.generate(ex.prompt, chat=True, **DEMO_SETTINGS),
-                                gen.generate(ex.prompt, chat=True, **{**DEMO_SETTINGS, "mode": "ar"})))
+        cases = demo_cases()
+        # warm-up: first-run costs are not decoding (nor is a structured prompt's guide, compiled once and cached)
+        _decode(gen, cases[0])
+        for case in cases[len(DEMO_TASKS):]:
+            _decode(gen, case, max_tokens=4)
+        for i, case in enumerate(cases, 1):
+            progress(f"[4/4] prompt {i}/{len(cases)}: {case.title!r}")
+            rows.append(DemoRow(case, _decode(gen, case), _decode(gen, case, mode="ar")))
         for row in rows:
             _show(row, gen)
         page = output / "decode.html"
@@ -79,6 +118,40 @@ def run_demo(output: Path, backend: str = "auto", threads: int | None = None) ->
     _summary(rows)
     click.echo(f"\ndecode pictures: {page}    ({time.perf_counter() - t0:.1f} s in all)")
     return rows
+
+
+def _decode(gen: Generator, case: DemoCase, **settings: Any) -> GenerationResult:
+    return gen.generate(messages=case.example.messages(), **case.request, **{**DEMO_SETTINGS, **settings})
+
+
+def correct(example: Example, result: GenerationResult) -> bool:
+    """The answer is the example's: its one call (name and arguments), its JSON value, or its text."""
+    if example.call is not None:
+        calls = [(c["function"]["name"], _json(c["function"]["arguments"])) for c in result.tool_calls or []]
+        return not result.text and calls == [example.call]
+    if example.schema is not None:
+        return _json(result.text) == json.loads(example.answer)
+    return example.answer.strip() == result.text.strip()
+
+
+def _json(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return _NOT_JSON
+
+
+_NOT_JSON = object()  # equal to no answer's value
+
+
+def answer(result: GenerationResult) -> str:
+    """The answer as the demo shows it: its text, then each call as name(arguments)."""
+    calls = [f"{c['function']['name']}({c['function']['arguments']})" for c in result.tool_calls or []]
+    return " ".join([result.text, *calls]).strip()
+
+
+def _expected(example: Example) -> str:
+    return f"{example.call[0]}({json.dumps(example.call[1])})" if example.call else example.answer
 
 
 def _tensorrt_present() -> bool:
@@ -110,12 +183,14 @@ def _pieces(row: DemoRow, gen: Generator) -> list[tuple[str, int]]:
 
 
 def _show(row: DemoRow, gen: Generator) -> None:
-    res, ex = row.refusion, row.example
+    res, ex = row.refusion, row.case.example
     steps = len(res.commits)
-    ok = "correct" if ex.answer.strip() == res.text.strip() else f"expected {ex.answer!r}"
-    click.echo(f"\n{ex.prompt}")
+    ok = "correct" if correct(ex, res) else f"expected {_expected(ex)!r}"
+    click.echo(f"\n{row.case.title}")
     pieces = "".join(click.style(t.replace("\n", "\\n"), fg=_colour(s, steps), bold=True) for t, s in _pieces(row, gen))
     click.echo(f"  refusion  {pieces}   ({ok})")
+    if res.tool_calls:
+        click.echo(f"  call      {answer(res)}")
     click.echo("  iterations " + "  ".join(
         click.style(f"{c.step}:{c.how[:5]} {len(c.token_ids)}", fg=_colour(c.step, steps)) for c in res.commits))
     for name, r in (("refusion", res), ("ar", row.ar)):
@@ -130,10 +205,10 @@ def _summary(rows: list[DemoRow]) -> None:
 
     tps = {m: total(m, "tokens") / total(m, "wall_seconds") for m in ("refusion", "ar")}
     tpf = {m: total(m, "tokens") / total(m, "forward_count") for m in ("refusion", "ar")}
-    correct = {m: sum(r.example.answer.strip() == getattr(r, m).text.strip() for r in rows) for m in ("refusion", "ar")}
+    right = {m: sum(correct(r.case.example, getattr(r, m)) for r in rows) for m in ("refusion", "ar")}
     click.echo("\n            tokens/s  tokens/forward  correct")
     for m in ("refusion", "ar"):
-        click.echo(f"  {m:9s} {tps[m]:8.1f}  {tpf[m]:14.2f}  {correct[m]}/{len(rows)}")
+        click.echo(f"  {m:9s} {tps[m]:8.1f}  {tpf[m]:14.2f}  {right[m]}/{len(rows)}")
     click.echo(f"  ReFusion / AR: {tps['refusion'] / tps['ar']:.2f}x tokens/s, "
                f"{tpf['refusion'] / tpf['ar']:.2f}x tokens per forward")
 
@@ -151,10 +226,13 @@ def _html(rows: list[DemoRow], gen: Generator) -> str:
             f"<span style='color:rgb{_colour(s, steps)}' title='iteration {s}'>{html.escape(t)}</span>"
             for t, s in _pieces(row, gen))
         how = ", ".join(f"{c.step}: {c.how} ({len(c.token_ids)} tokens)" for c in row.refusion.commits)
-        s, a = row.refusion.stats, row.ar.stats
-        parts.append(f"<h3>{html.escape(row.example.prompt)}</h3><code>{spans}</code>"
-                     f"<p>iterations: {html.escape(how)}<br>ReFusion {s.tokens_per_forward:.2f} tokens/forward, "
-                     f"{s.tokens_per_second:.1f} tokens/s; AR {a.tokens_per_second:.1f} tokens/s</p>")
+        s, a, ex = row.refusion.stats, row.ar.stats, row.case.example
+        ok = "correct" if correct(ex, row.refusion) else f"expected {_expected(ex)}"
+        call = f"call: {html.escape(answer(row.refusion))}<br>" if row.refusion.tool_calls else ""
+        parts.append(f"<h3>{html.escape(row.case.title)}</h3><code>{spans}</code>"
+                     f"<p>{call}{html.escape(ok)}<br>iterations: {html.escape(how)}<br>ReFusion "
+                     f"{s.tokens_per_forward:.2f} tokens/forward, {s.tokens_per_second:.1f} tokens/s; "
+                     f"AR {a.tokens_per_second:.1f} tokens/s</p>")
     return "\n".join(parts)
 
 
@@ -163,6 +241,8 @@ def _html(rows: list[DemoRow], gen: Generator) -> str:
               help="Where the export (and engines) and decode.html go.")
 @click.option("--backend", type=click.Choice(["auto", "trt", "ort-cuda", "ort-cpu"]), default="auto", show_default=True)
 @click.option("--threads", type=int, default=None, help="onnxruntime intra-op threads (default: all cores).")
-def demo_command(output: Path, backend: str, threads: int | None) -> None:
+@click.option("--model", type=click.Path(exists=True, file_okay=False, path_type=Path), default=EMBEDDED_MODEL,
+              help="A checkpoint trained on the demo's tasks, run instead of the embedded one.")
+def demo_command(output: Path, backend: str, threads: int | None, model: Path) -> None:
     """Export the embedded ReFusion model, run it, and show how it decodes (ReFusion next to AR)."""
-    run_demo(output, backend, threads)
+    run_demo(output, backend, threads, model)

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import json
+
 from click.testing import CliRunner
 
 from refusion.models import EMBEDDED_MODEL
+from refusion.runtime.request import GenerationResult
+from refusion.tools import demo, families
 from refusion.tools.export_cli import cli
 
 
@@ -21,7 +25,45 @@ def test_demo_runs_and_draws_the_decode(tmp_path):
     out = result.stdout
     assert "ReFusion / AR:" in out and "tokens/forward" in out
     page = (tmp_path / "decode.html").read_text()
-    assert page.count("<h3>") == 4 and "iteration" in page
+    assert page.count("<h3>") == 6 and "iteration" in page
+    for case in demo.demo_cases():  # every row shown, the structured ones labelled with their guide
+        assert f"\n{case.title}\n" in out and case.title in page
+    robot, tool = demo.demo_cases()[-2:]
+    assert robot.title.startswith("robot command (json_schema ROBOT_SCHEMA): ")
+    assert tool.title.startswith(f"tool call (tool_choice {demo.TOOL_CHOICE}; tools ")
+    assert out.count(" tokens/forward, ") == 2 * 6  # ReFusion and AR, each row
+    assert "/6\n" in out  # the summary counts all six answers, per mode
     assert "im_end" not in out and "im_end" not in page  # answers end before the EOS, special tokens not shown
-    for step in ("[1/4]", "[2/4]", "[3/4]", "[4/4]"):
+    for step in ("[1/4]", "[2/4]", "[3/4]", "[4/4]", "prompt 6/6"):
         assert step in result.stderr
+
+
+def test_demo_cases_are_fixed_held_out_examples():
+    cases = demo.demo_cases()
+    assert [c.example.task for c in cases] == [*demo.DEMO_TASKS, "robot", "tool"]
+    robot, tool = cases[-2:]
+    assert robot.example == families.held_out("robot", demo.ROBOT_EXAMPLE + 1)[-1]
+    assert robot.request == {"json_schema": families.ROBOT_SCHEMA}
+    assert tool.example == families.held_out("tool", demo.TOOL_EXAMPLE + 1)[-1] and tool.example.call is not None
+    assert tool.request == {"tools": list(tool.example.tools), "tool_choice": demo.TOOL_CHOICE}
+
+
+def _result(text: str, *calls: tuple[str, str]) -> GenerationResult:
+    tool_calls = [{"id": "call_0", "type": "function", "function": {"name": n, "arguments": a}} for n, a in calls]
+    return GenerationResult(text, [], [], None, [], tool_calls=tool_calls or None)  # type: ignore[arg-type]
+
+
+def test_an_answer_is_judged_by_its_call_its_json_or_its_text():
+    robot, tool = demo.demo_cases()[-2:]
+    assert tool.example.call is not None
+    name, arguments = tool.example.call
+    assert demo.correct(tool.example, _result("", (name, json.dumps(arguments, indent=1))))  # the call's value
+    assert not demo.correct(tool.example, _result(tool.example.answer))  # the call's text, not read as a call
+    assert not demo.correct(tool.example, _result("", (name, "{")))  # arguments cut short
+    assert not demo.correct(tool.example, _result("", (name, json.dumps(arguments)), (name, json.dumps(arguments))))
+    command = json.loads(robot.example.answer)
+    assert demo.correct(robot.example, _result(json.dumps(dict(reversed(command.items())))))  # keys in any order
+    assert not demo.correct(robot.example, _result(robot.example.answer[:-1]))
+    sort = demo.demo_cases()[0].example
+    assert demo.correct(sort, _result(f" {sort.answer}\n")) and not demo.correct(sort, _result(sort.answer + " 1"))
+    assert demo.answer(_result("", (name, '{"minutes": 63}'))) == f'{name}({{"minutes": 63}})'
