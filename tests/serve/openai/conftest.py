@@ -12,7 +12,7 @@ pytest.importorskip("openai", reason="the tests drive the server with the openai
 
 from refusion.runtime.generator import Generator
 from refusion.serve.openai.server import OpenAIServer
-from tests.serve.openai.helpers import wait_idle
+from tests.serve.openai.helpers import served, wait_idle
 
 
 @pytest.fixture(scope="module")
@@ -39,22 +39,12 @@ def serve(gen) -> Iterator[Callable[..., OpenAIServer]]:
 @pytest.fixture(scope="module")
 def tool_server(exports) -> Iterator[tuple[Generator, OpenAIServer]]:
     """A server over a random-weight model whose chat template has a tool format (the fixture tokenizer's)."""
-    with Generator.from_dir(exports["fp32"], backend="ort-cpu", threads=1) as gen:
-        server = OpenAIServer(gen, port=0).start()
-        try:
-            yield gen, server
-        finally:
-            wait_idle(server)
-            server.stop()
+    with served(exports["fp32"]) as both:
+        yield both
 
 
 @pytest.fixture(scope="module")
 def untooled_server(untooled_export) -> Iterator[OpenAIServer]:
     """A server over the embedded model with a chat template that has no tool format (conftest's untooled_export)."""
-    with Generator.from_dir(untooled_export, backend="ort-cpu", threads=1) as gen:
-        server = OpenAIServer(gen, port=0).start()
-        try:
-            yield server
-        finally:
-            wait_idle(server)
-            server.stop()
+    with served(untooled_export) as (_, server):
+        yield server

@@ -5,8 +5,12 @@ from __future__ import annotations
 import json
 import socket
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
+from refusion.runtime.generator import Generator
 from refusion.serve.openai.server import OpenAIServer
 
 HANG_GUARD_S = 60.0  # only guards against a hang: every wait below ends on an event of the server's
@@ -29,6 +33,19 @@ def wait_idle(server: OpenAIServer) -> None:
     """Until no request is in flight and no KV region is held: nothing leaked."""
     wait_until(lambda: (server.frontend.metrics().requests_in_flight, server.frontend.metrics().kv_regions_in_use)
                == (0, 0) and not server.frontend._releasing, "requests or KV regions still held")
+
+
+@contextmanager
+def served(export: Path, **options: Any) -> Iterator[tuple[Generator, OpenAIServer]]:
+    """A Generator over `export` (onnxruntime CPU, one thread; `options`: Generator.from_dir's) and a server over it,
+    stopped idle, nothing held, when the block ends."""
+    with Generator.from_dir(export, backend="ort-cpu", threads=1, **options) as gen:
+        server = OpenAIServer(gen, port=0).start()
+        try:
+            yield gen, server
+        finally:
+            wait_idle(server)
+            server.stop()
 
 
 def hang_up(server: OpenAIServer, gen: Any, gate: Any, sock: socket.socket) -> Any:

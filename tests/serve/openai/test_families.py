@@ -21,10 +21,9 @@ import pytest
 
 pytest.importorskip("llguidance", reason="response_format and tool calls need the guide engine (serve extra)")
 
-from refusion.runtime.generator import Generator
 from refusion.serve.openai.server import OpenAIServer
 from refusion.tools import families as F
-from tests.serve.openai.helpers import wait_idle
+from tests.serve.openai.helpers import served
 
 MODEL = os.environ.get("REFUSION_FAMILIES_MODEL")  # a checkpoint dir to test in place of the embedded model
 MAX_TOKENS = F.ANSWER_MAX_TOKENS
@@ -52,13 +51,8 @@ def family_export(request, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(family_export) -> Iterator[OpenAIServer]:
-    with Generator.from_dir(family_export, backend="ort-cpu", threads=1, max_requests=2, max_batch=2) as gen:
-        served = OpenAIServer(gen, port=0).start()
-        try:
-            yield served
-        finally:
-            wait_idle(served)
-            served.stop()
+    with served(family_export, max_requests=2, max_batch=2) as (_, server):
+        yield server
 
 
 @pytest.fixture(scope="module")
