@@ -74,13 +74,11 @@ class Tools:
         calls = [{"type": "object", "properties": {"name": {"const": name}, "arguments": closed(self.parameters[name])},
                   "required": ["name", "arguments"], "additionalProperties": False} for name in names]
         call = calls[0] if len(calls) == 1 else {"anyOf": calls}
-        if self.choice == "auto" and answer is None:
-            return Guide("tool_call", json.dumps(ToolCallGuide(OPEN + "\n", call, "\n" + CLOSE, text=True).source()),
-                         "tool_choice")
-        if answer is None or self.choice != "auto":
-            return Guide("tool_call", json.dumps(ToolCallGuide(OPEN + "\n", call, "\n" + CLOSE).source()), "tool_choice")
-        return Guide("tool_call", json.dumps(ToolCallGuide(OPEN + "\n", call, "\n" + CLOSE,
-                                                           json.loads(answer.source)).source()), answer.field)
+        auto = self.choice == "auto"
+        shaped = answer if auto else None  # with a call certain, the answer has no text to shape
+        guide = ToolCallGuide(OPEN + "\n", call, "\n" + CLOSE, json.loads(shaped.source) if shaped else None,
+                              text=auto and shaped is None)
+        return Guide("tool_call", json.dumps(guide.source()), shaped.field if shaped else "tool_choice")
 
 
 def read_tools(tools: Any, tool_choice: Any) -> Tools | None:
