@@ -124,26 +124,6 @@ def _decode(gen: Generator, case: DemoCase, **settings: Any) -> GenerationResult
     return gen.generate(messages=case.example.messages(), **case.request, **{**DEMO_SETTINGS, **settings})
 
 
-def correct(example: Example, result: GenerationResult) -> bool:
-    """The answer is the example's: its one call (name and arguments), its JSON value, or its text."""
-    if example.call is not None:
-        calls = [(c["function"]["name"], _json(c["function"]["arguments"])) for c in result.tool_calls or []]
-        return not result.text and calls == [example.call]
-    if example.schema is not None:
-        return _json(result.text) == json.loads(example.answer)
-    return example.answer.strip() == result.text.strip()
-
-
-def _json(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except ValueError:
-        return _NOT_JSON
-
-
-_NOT_JSON = object()  # equal to no answer's value
-
-
 def answer(result: GenerationResult) -> str:
     """The answer as the demo shows it: its text, then each call as name(arguments)."""
     calls = [f"{c['function']['name']}({c['function']['arguments']})" for c in result.tool_calls or []]
@@ -185,7 +165,7 @@ def _pieces(row: DemoRow, gen: Generator) -> list[tuple[str, int]]:
 def _show(row: DemoRow, gen: Generator) -> None:
     res, ex = row.refusion, row.case.example
     steps = len(res.commits)
-    ok = "correct" if correct(ex, res) else f"expected {_expected(ex)!r}"
+    ok = "correct" if families.correct(ex, res) else f"expected {_expected(ex)!r}"
     click.echo(f"\n{row.case.title}")
     pieces = "".join(click.style(t.replace("\n", "\\n"), fg=_colour(s, steps), bold=True) for t, s in _pieces(row, gen))
     click.echo(f"  refusion  {pieces}   ({ok})")
@@ -205,7 +185,7 @@ def _summary(rows: list[DemoRow]) -> None:
 
     tps = {m: total(m, "tokens") / total(m, "wall_seconds") for m in ("refusion", "ar")}
     tpf = {m: total(m, "tokens") / total(m, "forward_count") for m in ("refusion", "ar")}
-    right = {m: sum(correct(r.case.example, getattr(r, m)) for r in rows) for m in ("refusion", "ar")}
+    right = {m: sum(families.correct(r.case.example, getattr(r, m)) for r in rows) for m in ("refusion", "ar")}
     click.echo("\n            tokens/s  tokens/forward  correct")
     for m in ("refusion", "ar"):
         click.echo(f"  {m:9s} {tps[m]:8.1f}  {tpf[m]:14.2f}  {right[m]}/{len(rows)}")
@@ -227,7 +207,7 @@ def _html(rows: list[DemoRow], gen: Generator) -> str:
             for t, s in _pieces(row, gen))
         how = ", ".join(f"{c.step}: {c.how} ({len(c.token_ids)} tokens)" for c in row.refusion.commits)
         s, a, ex = row.refusion.stats, row.ar.stats, row.case.example
-        ok = "correct" if correct(ex, row.refusion) else f"expected {_expected(ex)}"
+        ok = "correct" if families.correct(ex, row.refusion) else f"expected {_expected(ex)}"
         call = f"call: {html.escape(answer(row.refusion))}<br>" if row.refusion.tool_calls else ""
         parts.append(f"<h3>{html.escape(row.case.title)}</h3><code>{spans}</code>"
                      f"<p>{call}{html.escape(ok)}<br>iterations: {html.escape(how)}<br>ReFusion "

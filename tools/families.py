@@ -27,9 +27,12 @@ import json
 import random
 from collections.abc import Callable
 from functools import lru_cache
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from refusion.tools import tasks as T
+
+if TYPE_CHECKING:
+    from refusion.runtime.request import GenerationResult
 
 FAMILIES = ("json", "robot", "tool", "typed")
 HELD_OUT_SEED = 2_000_003
@@ -334,3 +337,24 @@ def training_example(rng: random.Random, family: str) -> T.Example:
         ex = family_example(rng, family, lambda r: T.training_example(r, *bases))
         if ex.prompt in STOP_COMMANDS or ex.prompt not in held_out_prompts():
             return ex
+
+
+def correct(example: T.Example, result: GenerationResult) -> bool:
+    """The answer is the example's: its one call (name and arguments, as JSON values), its JSON value, or its text
+    (tasks.score)."""
+    if example.call is not None:
+        calls = [(c["function"]["name"], _value(c["function"]["arguments"])) for c in result.tool_calls or []]
+        return not result.text and calls == [example.call]
+    if example.schema is not None:
+        return _value(result.text) == json.loads(example.answer)
+    return T.score(example, result.text)
+
+
+def _value(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return _NOT_JSON
+
+
+_NOT_JSON = object()  # equal to no answer's value

@@ -57,13 +57,13 @@ def test_an_answer_is_judged_by_its_call_its_json_or_its_text():
     robot, tool = demo.demo_cases()[-2:]
     assert tool.example.call is not None
     name, arguments = tool.example.call
-    assert demo.correct(tool.example, _result("", (name, json.dumps(arguments, indent=1))))  # the call's value
-    assert not demo.correct(tool.example, _result(tool.example.answer))  # the call's text, not read as a call
-    assert not demo.correct(tool.example, _result("", (name, "{")))  # arguments cut short
-    assert not demo.correct(tool.example, _result("", (name, json.dumps(arguments)), (name, json.dumps(arguments))))
+    assert families.correct(tool.example, _result("", (name, json.dumps(arguments, indent=1))))  # the call's value
+    assert not families.correct(tool.example, _result(tool.example.answer))  # the call's text, not read as a call
+    assert not families.correct(tool.example, _result("", (name, "{")))  # arguments cut short
+    assert not families.correct(tool.example, _result("", (name, json.dumps(arguments)), (name, json.dumps(arguments))))
     command = json.loads(robot.example.answer)
-    assert demo.correct(robot.example, _result(json.dumps(dict(reversed(command.items())))))  # keys in any order
-    assert not demo.correct(robot.example, _result(robot.example.answer[:-1]))
+    assert families.correct(robot.example, _result(json.dumps(dict(reversed(command.items())))))  # keys in any order
+    assert not families.correct(robot.example, _result(robot.example.answer[:-1]))
     sort = demo.demo_cases()[0].example
-    assert demo.correct(sort, _result(f" {sort.answer}\n")) and not demo.correct(sort, _result(sort.answer + " 1"))
+    assert families.correct(sort, _result(f" {sort.answer}\n")) and not families.correct(sort, _result(sort.answer + " 1"))
     assert demo.answer(_result("", (name, '{"minutes": 63}'))) == f'{name}({{"minutes": 63}})'

@@ -23,7 +23,7 @@ from typing import Any
 from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.request import GenerationResult
 from refusion.tools import families
-from refusion.tools.tasks import Example, score
+from refusion.tools.tasks import Example
 
 ROBOT = {"type": "object", "properties": {
     "action": {"enum": ["left", "right", "forward", "stop"]},
@@ -144,16 +144,9 @@ class FamilyCase:
         return follows(self.guide(example), result, example.call is not None)
 
     def accurate(self, example: Example, result: GenerationResult) -> bool:
-        """Valid, and the answer read back is the example's: the same call (name and arguments), the same JSON
-        value, or the same text."""
-        if not self.valid(example, result):
-            return False
-        if example.call is not None:
-            function = (result.tool_calls or [])[0]["function"]
-            return (function["name"], json.loads(function["arguments"])) == example.call
-        if "json_schema" in self.guide(example):
-            return json.loads(result.text) == json.loads(example.answer)
-        return score(example, result.text)
+        """Valid, and the answer read back is the example's (families.correct): the same call (name and arguments),
+        the same JSON value, or the same text."""
+        return self.valid(example, result) and families.correct(example, result)
 
 
 def _schema(example: Example) -> dict[str, Any]:
