@@ -39,6 +39,12 @@ from refusion.tools.cli_common import progress
 from refusion.tools.tasks import held_out
 
 METHODS = ("refusion", "ar")
+
+
+def _in_turn(i: int) -> tuple[str, ...]:
+    """The methods in the order they run on prompt i: rotated, so neither always runs first (the first pays the
+    prompt's prefill, the other reads it from the prefix cache)."""
+    return METHODS[i % len(METHODS):] + METHODS[:i % len(METHODS)]
 RANDOM_PROMPTS = ("robot, go left", "stop now", "Grüße 🙂", "turn right slowly", "what next?", "left or right",
                   "the arm", "go", "move it", "hold", "fast", "where?")
 
@@ -180,7 +186,7 @@ def run_model(gen: Generator, embedded: bool, n: int, repeats: int, timing: Timi
         for repeat in range(repeats):
             spent = {name: 0.0 for name in tallies}
             for i, (prompt, answer) in enumerate(prompts):
-                for mode in METHODS[i % 2:] + METHODS[:i % 2]:  # rotated: the first pays the prompt's prefill
+                for mode in _in_turn(i):
                     for kind in kinds:
                         timing.forcing = kind != "unforced"
                         ask = asks(case, prompt, embedded)
@@ -226,9 +232,7 @@ def run_families(gen: Generator, n: int, repeats: int) -> dict[str, Any]:
         for repeat in range(repeats):
             spent = dict.fromkeys(METHODS, 0.0)
             for i, example in enumerate(examples):
-                # the first method on a prompt pays its prefill, the other reads it from the prefix cache: the order
-                # rotates, so neither always pays (later repeats find every prompt cached, as an app's tool list is)
-                for mode in METHODS[i % 2:] + METHODS[:i % 2]:
+                for mode in _in_turn(i):  # later repeats find every prompt cached, as an app's tool list is
                     t0 = time.perf_counter()
                     result = gen.generate(**case.asks(example), mode=mode)
                     spent[mode] += time.perf_counter() - t0
