@@ -76,6 +76,20 @@ def cpu_model() -> str:
     return next((line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name")), "?")
 
 
+SIMD_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni", "amx_tile")  # what a report names
+
+
+def cpu_flags() -> list[str]:
+    """The SIMD extensions of SIMD_FLAGS the CPU has (/proc/cpuinfo's flags; [] where there is none to read):
+    onnxruntime picks its kernels by them, so a CPU's figures hold only beside its flags."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return []
+    flags = set(next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []))
+    return [f for f in SIMD_FLAGS if f in flags]
+
+
 def host_info(modules: tuple[str, ...] = ("onnxruntime", "torch", "transformers", "numpy")) -> dict[str, Any]:
     """The machine and the versions of `modules` (those installed), for a report's header."""
     info: dict[str, Any] = {"platform": platform.platform(), "python": platform.python_version(),

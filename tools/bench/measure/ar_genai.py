@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from refusion.tools.bench.common import cpu_model, host_info
+from refusion.tools.bench.common import cpu_flags, cpu_model, host_info
 from refusion.tools.bench.replay import Recording, prepare, recorded, replay
 
 RANDOM_SPEC = dict(num_layers=8, hidden_size=1024, num_heads=8, kv_heads=4, head_dim=128, intermediate_size=3072,
@@ -222,8 +222,9 @@ def ratio(r: dict[str, Any], key: str) -> str:
 
 def markdown(data: dict[str, Any]) -> str:
     lines = ["# Our AR and ReFusion against onnxruntime-genai's AR", "",
-             f"CPU: {data['cpu']} (timings move with what else runs: the ratios, measured within one run, are what "
-             f"to read); onnxruntime {data['host'].get('onnxruntime', '?')}, onnxruntime-genai "
+             f"CPU: {data['cpu']} ({', '.join(data.get('cpu_flags', [])) or 'flags not recorded'}; timings move with "
+             "what else runs: the ratios, measured within one run, are what to read); "
+             f"onnxruntime {data['host'].get('onnxruntime', '?')}, onnxruntime-genai "
              f"{data['host'].get('onnxruntime_genai', '?')}; {data['threads']} thread(s), fp32, greedy. Written by "
              "`python -m refusion.tools.bench.measure.ar_genai`.", "",
              "## AR", "",
@@ -319,7 +320,7 @@ def main() -> None:
     counts = {model: args.prompts or PROMPTS[model] for model in models}
     print(f"recording AR and ReFusion on the embedded model's first {max(counts.values())} prompts", flush=True)
     recs = record(args.work, max(counts.values()), args.max_tokens, args.threads)
-    data: dict[str, Any] = {"cpu": cpu_model(), "threads": args.threads,
+    data: dict[str, Any] = {"cpu": cpu_model(), "cpu_flags": cpu_flags(), "threads": args.threads,
                             "host": host_info(("onnxruntime", "onnxruntime_genai", "numpy")), "models": {},
                             "recorded_shapes": {d: shape_summary(recs[d]) for d in DECODERS},
                             "recordings": {d: [rec.to_json() for rec in recs[d]] for d in DECODERS}}
