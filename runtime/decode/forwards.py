@@ -37,8 +37,9 @@ class Forwards:
         row of `vocab_mask` ([heads, mask bytes]) allows (None: every token)."""
         self.trace.forwards[kind] += 1
         at = np.arange(len(ids)) if heads is None else heads
-        out = yield Forward(kind, graph, ids[None].astype(np.int64), pos[None].astype(np.int64), mask, past, write_at,
-                            at[None].astype(np.int64), None if vocab_mask is None else vocab_mask[None])
+        out = yield Forward(kind, graph, ids[None].astype(np.int64, copy=False), pos[None].astype(np.int64, copy=False),
+                            mask, past, write_at, at[None].astype(np.int64, copy=False),
+                            None if vocab_mask is None else vocab_mask[None])
         assert out is not None  # the driver sends every Forward's outputs back
         return out
 
@@ -55,13 +56,15 @@ class Forwards:
         """(token ids, softmax probability of each, alternatives) from a forward's heads: the argmax, or with
         temperature > 0 a draw from the top-K candidates the graph emits (policy.sample_candidates)."""
         top = self.top_logprobs  # the graphs' candidates, most likely first, are the alternatives
-        alternatives = np.stack([out["top_ids"][0][:, :top], out["top_logprobs"][0][:, :top]], axis=-1)
+        ids = out["argmax_ids"][0]
+        alternatives = (np.stack([out["top_ids"][0][:, :top], out["top_logprobs"][0][:, :top]], axis=-1) if top
+                        else np.zeros((len(ids), 0, 2)))  # none asked, the usual case: no stack
         if sample and self.rng is not None:
             p = self.params
             ids, probs = policy.sample_candidates(out["top_ids"][0], out["top_logprobs"][0], p.temperature, p.top_k,
                                                   p.top_p, p.min_p, self.rng)
             return ids, probs, alternatives
-        return out["argmax_ids"][0], out["argmax_probs"][0], alternatives
+        return ids, out["argmax_probs"][0], alternatives
 
     def prefill_plan(self, prompt: np.ndarray, masks_ids: np.ndarray, mask_pos: np.ndarray) -> Calls[Drafts]:
         """The first plan: the prompt (past its cached prefix) and the masks in one infiller pass; the prompt's

@@ -90,8 +90,12 @@ def commit_logprobs(probs: np.ndarray, alternatives: np.ndarray
                     ) -> tuple[tuple[float, ...], tuple[tuple[tuple[int, float], ...], ...]]:
     """What a Commit reports of its tokens: each one's log-probability (probs [n]: a probability of 0 in fp32
     is -inf) and its alternatives (alternatives [n, top, 2] of (id, log-probability); top 0: none asked)."""
-    with np.errstate(divide="ignore"):
-        logprobs = tuple(float(x) for x in np.log(probs.astype(np.float64)))
+    p = probs.astype(np.float64)
+    if p.all():  # the usual case, without np.errstate: it costs more than the log on a 1-token step
+        logprobs = tuple(np.log(p).tolist())
+    else:
+        with np.errstate(divide="ignore"):
+            logprobs = tuple(np.log(p).tolist())
     if not alternatives.shape[1]:
         return logprobs, ()
     return logprobs, tuple(tuple((int(i), float(lp)) for i, lp in row) for row in alternatives)

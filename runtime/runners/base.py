@@ -17,6 +17,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from contextlib import contextmanager
+from functools import cached_property
 from types import TracebackType
 from typing import TYPE_CHECKING
 
@@ -52,6 +53,7 @@ class Runner(ABC):
         self.is_active = False
         self.embeddings = EmbeddingTable.of(manifest.path, manifest.embeddings)  # a host table, mapped on first use
         self.takes_masks = manifest.takes_masks  # the graphs take vocab_mask (format 7 on)
+        self._all_ones: dict[int, np.ndarray] = {}  # _every_token's masks, by batch rows
 
     # -- lifecycle -------------------------------------------------------------------
     def activate(self) -> None:
@@ -110,7 +112,7 @@ class Runner(ABC):
             self._kv.allocate(region, capacity)
             self.kv_capacities[region] = capacity
 
-    @property
+    @cached_property
     def kv_bytes_per_token(self) -> int:
         m = self.manifest
         return 2 * m.num_layers * m.kv_heads * m.head_dim * dtype(m.dtype).itemsize
@@ -232,10 +234,16 @@ class Runner(ABC):
         feed = {**token_feed(self.embeddings, ids, out), "position_ids": pos,
                 "attention_mask": np.ascontiguousarray(mask), "head_positions": np.ascontiguousarray(heads)}
         if self.takes_masks:
-            width = mask_bytes(self.manifest.vocab_size)
-            feed[VOCAB_MASK] = (np.full((ids.shape[0], 1, width), 255, np.uint8) if vocab_mask is None
-                                else np.ascontiguousarray(vocab_mask))
+            feed[VOCAB_MASK] = self._every_token(ids.shape[0]) if vocab_mask is None else np.ascontiguousarray(vocab_mask)
         return feed
+
+    def _every_token(self, rows: int) -> np.ndarray:
+        """vocab_mask's all-ones row for each of `rows` batch rows: made once a batch size, read-only."""
+        mask = self._all_ones.get(rows)
+        if mask is None:
+            mask = self._all_ones[rows] = np.full((rows, 1, mask_bytes(self.manifest.vocab_size)), 255, np.uint8)
+            mask.flags.writeable = False
+        return mask
 
     def _embeds_out(self, ids: np.ndarray) -> np.ndarray | None:
         """Where a host table's rows for `ids` are gathered: a new array (None), or memory the backend uploads from."""

@@ -89,9 +89,11 @@ class OrtRunner(Runner):
 
     def _run_row(self, graph: GraphName, row: RowFeed) -> dict[str, np.ndarray]:
         """The past fed as views of the region's first `past` tokens (no copy); the new tokens' KV copied
-        into the region at write_at. On the CPU a plain run is cheaper than IO binding: binding ~20 tensors a
-        call cost more than copying one forward's new KV (0.76 against 0.81 ms for a 1-token forward of the
-        embedded model)."""
+        into the region at write_at. On the CPU a plain run is cheaper than IO binding, even with the present bound
+        in place in the region: binding ~20 tensors a call costs more than copying one forward's new KV (a
+        1-token forward of the embedded model: 0.25 ms plain, 0.32 ms with a binding a call, 0.28 ms with one
+        binding kept and rebound; the past's length changes every forward, so its inputs must be; docs/benchmark.md,
+        "Where a CPU forward's time goes")."""
         past, write_at, kv = row.past, row.write_at, self._host_kv
         feed = self._feed(row.input_ids, row.position_ids, row.attention_mask, row.heads_at, row.vocab_mask)
         for name, cache in zip(kv.past_names, kv.arrays(row.region)):

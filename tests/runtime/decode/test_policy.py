@@ -140,3 +140,13 @@ def test_params_errors_name_the_value_and_the_fix(kwargs, fragment):
 def test_gen_length_padded_to_whole_slots_as_upstream():
     p = DecodeParams(gen_length=30, slot_size=4, serial_num_blocks=2)
     assert p.padded_gen_length == 32 and p.block_length == 16
+
+
+@pytest.mark.parametrize("probs", [[0.5, 0.25], [0.5, 0.0]])
+def test_commit_logprobs_are_numpys_logs_and_a_zero_is_minus_infinity(probs, recwarn):
+    p = np.array(probs, np.float32)
+    alternatives = np.array([[[3, -0.5]], [[4, -1.5]]])
+    logprobs, alts = policy.commit_logprobs(p, alternatives)
+    assert logprobs == tuple(np.log(p.astype(np.float64), where=p > 0, out=np.full(2, -np.inf)).tolist())
+    assert alts == (((3, -0.5),), ((4, -1.5),)) and not recwarn.list  # a zero warns of no division
+    assert policy.commit_logprobs(p, np.zeros((2, 0, 2)))[1] == ()

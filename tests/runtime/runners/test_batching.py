@@ -209,6 +209,22 @@ def test_an_all_masked_row_is_refused(tiny_export):
             runner.run("infiller", np.zeros((1, 3), np.int64), np.arange(3)[None], mask, 0, 0)
 
 
+
+def test_the_every_token_mask_is_made_once_a_batch_size_and_read_only(tiny_export):
+    """No guide: the runner feeds one all-ones vocab_mask per batch size, made once (not an np.full a forward)."""
+    from refusion.runtime.runners.onnxruntime import OrtRunner
+
+    with OrtRunner(ExportManifest.load(tiny_export), threads=1) as runner:
+        runner.allocate_kv(8)
+        ids, pos = np.zeros((1, 2), np.int64), np.arange(2)[None]
+        feeds = [runner._feed(ids, pos, masks.causal_after(0, 2), np.arange(2)[None]) for _ in range(2)]
+        mask = feeds[0]["vocab_mask"]
+        assert mask is feeds[1]["vocab_mask"] and not mask.flags.writeable and (mask == 255).all()
+        assert runner._feed(np.zeros((3, 2), np.int64), np.zeros((3, 2), np.int64), np.ones((3, 2, 2), bool),
+                            np.zeros((3, 1), np.int64))["vocab_mask"].shape[0] == 3
+        out = runner.run("infiller", ids, pos, masks.causal_after(0, 2), 0, 0)  # onnxruntime takes it as it is
+        assert out["argmax_ids"].shape == (1, 2)
+
 # -- the TensorRT runner ---------------------------------------------------------------------------
 def test_runner_sizes_come_from_engines_json(peaky_export, fakes, tmp_path):
     batched = fake_engines(peaky_export, tmp_path / "b", DecodeLimits(max_prompt=16, gen_length=64, slot_size=4,
