@@ -7,7 +7,9 @@ import json
 from click.testing import CliRunner
 
 from refusion.models import EMBEDDED_MODEL
+from refusion.runtime.core.export_manifest import ExportManifest
 from refusion.runtime.request import GenerationResult
+from refusion.runtime.runners import available_backend
 from refusion.tools import demo, families
 from refusion.tools.export_cli import cli
 
@@ -36,6 +38,9 @@ def test_demo_runs_and_draws_the_decode(tmp_path):
     assert "im_end" not in out and "im_end" not in page  # answers end before the EOS, special tokens not shown
     for step in ("[1/4]", "[2/4]", "[3/4]", "[4/4]", "prompt 6/6"):
         assert step in result.stderr
+    # on onnxruntime's CPU the demo exports the fused-op graphs (results/cpu-forward: faster, the same tokens)
+    cpu = available_backend(tmp_path / "onnx") == "ort-cpu"
+    assert ExportManifest.read(tmp_path / "onnx").ops == ("onnxruntime" if cpu else "standard")
 
 
 def test_demo_cases_are_fixed_held_out_examples():
