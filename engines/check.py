@@ -39,6 +39,8 @@ from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.core.export_manifest import MANIFEST_NAME, ExportManifest
 from refusion.runtime.core.files import sha256_file
 from refusion.runtime.core.profiles import DecodeLimits, select_profile
+from refusion.runtime.decode.chunks import cut, merge
+from refusion.runtime.decode.steps import Forward
 from refusion.runtime.runners.ort_session import CUDA_PROVIDER, Provider, configured_provider, import_onnxruntime
 from refusion.runtime.runners.rows import RowFeed
 from refusion.runtime.runners.tensorrt import TensorRTRunner
@@ -102,7 +104,8 @@ class TensorRTCases(CaseRunner):
     """A TensorRTRunner as the comparator's runner: the case's past KV uploaded into the cache, the
     forward run over it (the infiller writing present right after it), present read back. A batch
     case on engines built with --max-batch: each row a request of its own (its own KV region), the
-    rows run as the engine thread would run them (run_batch: packed where a profile takes them)."""
+    rows run as the scheduler runs them (run_batch: packed where a profile takes them; a forward no profile holds
+    whole cut into the chunks one holds by chunks.cut, its outputs merged back)."""
 
     name = "tensorrt"
 
@@ -115,31 +118,47 @@ class TensorRTCases(CaseRunner):
             return (f"batch {batch}; this TensorRT runner holds {self.runner.max_requests} request(s) "
                     f"(engines built with --max-batch {self.runner.max_batch})")
         heads = feed["head_positions"].shape[1]
-        write_at = past if graph == "infiller" else None
         if (select_profile(list(self.runner.engines.engine.profiles), graph, seq, past, 1, heads) is None
-                and not self.runner.chunk_length(graph, feed["input_ids"], feed["attention_mask"], past, write_at)):
+                and len(self._cut(self._forward(graph, feed, 0))) == 1):
             return f"seq {seq} over past {past} ({heads} heads) lies outside the engine's {graph} profiles"
         return ""
+
+    @staticmethod
+    def _forward(graph: GraphName, feed: Feed, row: int) -> Forward:
+        """Row `row` of the case as the forward the scheduler would hand the runner."""
+        _, _, past = feed_shape(feed)
+        masks = feed.get(VOCAB_MASK)  # a row's masks, one a head (a mask for all heads, repeated)
+        heads = feed["head_positions"][row : row + 1]
+        return Forward("check", graph, feed["input_ids"][row : row + 1], feed["position_ids"][row : row + 1],
+                       feed["attention_mask"][row : row + 1], past, past if graph == "infiller" else None, heads,
+                       None if masks is None else np.ascontiguousarray(
+                           np.broadcast_to(masks[row : row + 1], (1, heads.shape[1], masks.shape[2]))))
+
+    def _cut(self, forward: Forward) -> list[Forward]:
+        """`forward` cut as the scheduler cuts it (chunks.cut); whole where it cannot be (the runner refuses it)."""
+        try:
+            return cut(forward, None, self.runner)
+        except RefusionError:
+            return [forward]
 
     def __call__(self, graph: GraphName, feed: Feed) -> Outputs:
         batch, seq, past = feed_shape(feed)
         runner = self.runner
         runner.activate()
         write_at = past if graph == "infiller" else None
-        rows = []
-        heads = feed["head_positions"].shape[1]
+        forwards = [self._forward(graph, feed, b) for b in range(batch)]
+        pieces = [self._cut(forward) for forward in forwards]
         for b in range(batch):
             runner.allocate_kv(past + seq, b)
             runner.kv_from_host(0, {name: feed[name][b : b + 1] for i in range(runner.manifest.num_layers)
                                     for name in (past_key_name(i), past_value_name(i))}, b)
-            masks = feed.get(VOCAB_MASK)  # a row's masks, one a head (a mask for all heads, repeated)
-            row_masks = None if masks is None else np.ascontiguousarray(
-                np.broadcast_to(masks[b : b + 1], (1, heads, masks.shape[2])))
-            rows.append(RowFeed(feed["input_ids"][b : b + 1], feed["position_ids"][b : b + 1],
-                                feed["attention_mask"][b : b + 1], past, write_at, b, feed["head_positions"][b : b + 1],
-                                row_masks))
-        outs = [out for start in range(0, batch, runner.max_batch)
-                for out in runner.run_batch(graph, rows[start : start + runner.max_batch])]
+        if all(len(chunks) == 1 for chunks in pieces):
+            rows = [RowFeed.of(forward, b) for b, forward in enumerate(forwards)]
+            outs = [out for start in range(0, batch, runner.max_batch)
+                    for out in runner.run_batch(graph, rows[start : start + runner.max_batch])]
+        else:  # each request's chunks in turn, each over the KV those before it wrote, merged as the scheduler does
+            outs = [merge(forward, chunks, [runner.run_batch(graph, [RowFeed.of(c, b)])[0] for c in chunks])
+                    for b, (forward, chunks) in enumerate(zip(forwards, pieces))]
         if write_at is not None:
             for b, out in enumerate(outs):
                 out.update(runner.kv_to_host(write_at, seq, b))

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from refusion.runtime.core.errors import ContextLengthError, RefusionError
 from refusion.runtime.core.export_manifest import ExportManifest
 from refusion.runtime.core.profiles import DEFAULT_PREFILL_CHUNK
-from refusion.runtime.decode import strategy
+from refusion.runtime.decode import profile_needs, strategy
 from refusion.runtime.decode.steps import Tokens
 from refusion.runtime.options import RequestOptions
 from refusion.runtime.params import DECODE_SETTINGS, DecodeParams
@@ -71,7 +71,11 @@ class Generator:
         self.runner = runner
         self.tokenizer = tokenizer
         self.prefix_cache = PrefixCache(runner, int(prefix_cache_mb * 2**20)) if prefix_cache_mb else None
-        self.prefill_chunk = resolve_prefill_chunk(prefill_chunk, runner.max_forward_tokens, runner.prefills_whole)
+        # The default bound where the runner feeds such a chunk over a past in one execution; engines built for
+        # whole prefills do not (there a prefill over no past runs whole, one over a cached prefix in their chunks).
+        takes = runner.chunk_bound("infiller", DEFAULT_PREFILL_CHUNK, DEFAULT_PREFILL_CHUNK, 1) is None
+        self.prefill_chunk = resolve_prefill_chunk(prefill_chunk, runner.max_forward_tokens,
+                                                   DEFAULT_PREFILL_CHUNK if takes else None)
         self.scheduler = Scheduler(runner, self.prefix_cache, self.prefill_chunk)
         # Text over this many UTF-8 bytes cannot fit the model's positions: refused before it is tokenized.
         self.max_prompt_bytes = tokenizer.max_text_bytes(manifest.max_positions) if tokenizer else 0
@@ -348,7 +352,7 @@ class Generator:
                     "tokens a forward feeds here: a plan or a verify forward feeds a whole block and cannot be cut; "
                     "lower the block (more serial_num_blocks, or a smaller gen_length) or load with a larger "
                     "prefill_chunk (--prefill-chunk).")
-        self.runner.check_request(prompt_tokens, params)
+        self.runner.check_request(prompt_tokens, profile_needs(params), params.mode)
         return params
 
     def submit_ids(self, ids: list[int], params: DecodeParams | DiffusionParams,
@@ -416,15 +420,15 @@ class Generator:
             request.cancel()
 
 
-def resolve_prefill_chunk(asked: int | None, engines: int | None, whole: bool = False) -> int | None:
+def resolve_prefill_chunk(asked: int | None, engines: int | None, default: int | None = DEFAULT_PREFILL_CHUNK
+                          ) -> int | None:
     """The bound a Generator runs with (None: none): `asked`, 0 for none, None for the default (the engines' bound
-    where they were built with one; none for engines built for whole prefills, `whole`, whose prefill profile takes
-    no past; else DEFAULT_PREFILL_CHUNK), within what the runner's engines take (their --prefill-chunk, which no
-    bound, or a larger one, can go past)."""
+    where they were built with one, else `default`), within what the runner's engines take (their --prefill-chunk,
+    which no bound, or a larger one, can go past)."""
     if asked is not None and (isinstance(asked, bool) or not isinstance(asked, Integral) or asked < 0):
         raise RefusionError(f"prefill_chunk={asked!r} (--prefill-chunk) must be a number of tokens, or 0 for none.")
     if asked is None:
-        return engines if engines is not None else None if whole else DEFAULT_PREFILL_CHUNK
+        return engines if engines is not None else default
     bound = int(asked) or None
     if engines is not None and (bound is None or bound > engines):
         raise RefusionError(f"prefill_chunk={asked} asks for {'no bound' if bound is None else 'more'}, but these "

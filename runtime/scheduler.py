@@ -7,7 +7,9 @@ active request to its next forward (doing its KV moves and recording its commits
 pending forwards graph by graph, up to the runner's `max_batch` to a call. With a `prefill_chunk` bound, a
 longer forward (a prefill) runs as chunks of at most that many tokens, one a round (runtime/decode/chunks.py),
 and no call feeds more tokens than the bound: other requests' forwards run between two chunks, and a request
-waits behind no forward longer than the bound. A cancelled or expired request ends before its next forward
+waits behind no forward longer than the bound. A forward the runner cannot run in one execution (a TensorRT
+prefill over a cached prefix) is cut the same way, to the runner's bound (Runner.chunk_bound): the scheduler
+alone cuts forwards. A cancelled or expired request ends before its next forward
 (or chunk) and frees its region at once; a request that fails fails alone. The thread is shared fairly: a request
 whose steps took more than FAIR_SHARE_S of its CPU in a round (a costly guide's masks) sits out the rounds after,
 while others are active, until they have had as much of it, so one request's guide work cannot slow every other
@@ -25,7 +27,7 @@ from dataclasses import dataclass
 
 from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.core.signals import main_thread_signals
-from refusion.runtime.decode.chunks import chunkable, merge, split
+from refusion.runtime.decode.chunks import cut, merge
 from refusion.runtime.decode.steps import Forward, KVMove, Outputs, PrefixKV
 from refusion.runtime.prefix_cache import PrefixCache
 from refusion.runtime.request import FinishReason, Request
@@ -245,15 +247,13 @@ class Scheduler:
         return False
 
     def _bounded(self, request: Request, forward: Forward) -> Forward:
-        """`forward`, or its first chunk when it feeds more than prefill_chunk tokens."""
-        bound, seq = self.prefill_chunk, forward.input_ids.shape[1]
-        if bound is None or seq <= bound:
+        """`forward`, or its first chunk where it is cut: past prefill_chunk, or where the runner does not run it in
+        one execution (chunks.cut, the one place a forward is cut)."""
+        chunks = cut(forward, self.prefill_chunk, self.runner)
+        if len(chunks) == 1:
             return forward
-        if not chunkable(forward):
-            raise RefusionError(f"a {forward.kind} forward of {seq} tokens exceeds prefill_chunk={bound} and cannot "
-                                "be cut (only a prefill can); raise prefill_chunk to the request's block length.")
-        chunks = self._chunks[request] = _Chunks(forward, split(forward, bound), [])
-        return chunks.next
+        self._chunks[request] = _Chunks(forward, chunks, [])
+        return chunks[0]
 
     def _run(self, graph: str, batch: list[tuple[Request, Forward]]) -> None:
         rows = [RowFeed.of(f, r.kv_region) for r, f in batch]

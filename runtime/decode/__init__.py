@@ -1,5 +1,5 @@
 """The decode strategies, each a step machine (decode/steps.py), behind one table: all the rest of the
-runtime asks of a mode (DecodeParams, the Generator, the TensorRT runner's request check, the CLIs'
+runtime asks of a mode (DecodeParams, the Generator, the shapes a backend is asked to check, the CLIs'
 choices) it asks of `STRATEGIES`, so a new strategy is a module here and a row below."""
 
 from __future__ import annotations
@@ -55,3 +55,10 @@ def strategy(mode: str) -> Strategy:
     if mode not in STRATEGIES:
         raise RefusionError(f"mode={mode!r} is not one of {', '.join(map(repr, STRATEGIES))}.", "mode")
     return STRATEGIES[mode]
+
+
+def profile_needs(params: Any) -> tuple[int, int, int] | None:
+    """What a request of `params` needs of TensorRT engines' limits (Runner.check_request): its strategy's
+    (gen_length, slot size, serial blocks), or None where no engine profile takes its forwards."""
+    needs = strategy(params.mode).profile_needs
+    return needs(params) if needs is not None else None

@@ -4,13 +4,19 @@ A forward whose tokens write their KV right after its past and attend only to th
 before them (a prefill, a ReFusion prefill with its first plan's masks) computes exactly what its chunks
 compute in turn, each over the KV the chunks before it wrote: causal attention does not look ahead. So the
 scheduler runs a long one as chunks (one a round, other requests' forwards between them) and its step
-machine never knows. Pure functions over the Forward and its outputs; runtime/scheduler.py drives them.
+machine never knows. A forward a backend cannot run in one execution (a TensorRT prefill over a cached prefix,
+which no profile holds whole) is cut the same way, to the chunks the backend states it runs (`cut`). Pure
+functions over the Forward and its outputs; runtime/scheduler.py drives them (and the engines check, as it does).
 """
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import numpy as np
 
+from refusion.runtime.core.contract import GraphName
+from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.decode.steps import Forward, Outputs
 
 # input_probs at a chunk's last token reads that token's own id, not the next chunk's first: not the unchunked
@@ -18,10 +24,19 @@ from refusion.runtime.decode.steps import Forward, Outputs
 UNCHUNKED_ONLY = ("input_probs",)
 
 
+class Backend(Protocol):
+    """What `cut` asks of a runner (runners/base.py's Runner states it)."""
+
+    name: str
+
+    def chunk_bound(self, graph: GraphName, seq: int, past: int, heads: int) -> int | None: ...
+
+
 def chunkable(forward: Forward) -> bool:
-    """Its tokens write their KV right after the past, and none attends to a token fed after it."""
+    """Its tokens write their KV right after the past, none attends to a token fed after it, and its heads are in
+    order (as merge puts them back)."""
     seq, past = forward.input_ids.shape[1], forward.past
-    if forward.write_at != past:
+    if forward.write_at != past or not (np.diff(forward.heads[0]) > 0).all():
         return False
     ahead = np.triu(np.ones((seq, seq), dtype=bool), 1)
     return not (forward.attention_mask[0, :, past:] & ahead).any()
@@ -53,6 +68,28 @@ def split(forward: Forward, bound: int) -> list[Forward]:
                               forward.past + start,
                               (own if own.size else np.array([end - start - 1]))[None].astype(np.int64), masks))
     return chunks
+
+
+def cut(forward: Forward, bound: int | None, backend: Backend) -> list[Forward]:
+    """`forward` as the chunks it runs as, in order: at most `bound` tokens each (None: any), and each one `backend`
+    runs in one execution (its chunk_bound: None where it runs a forward whole, else the most tokens a chunk of it
+    may feed; 0: none), a chunk it does not run whole cut again to that (a chunk over a past, on TensorRT engines
+    built for whole prefills). Refused where a cut is needed and cannot be made."""
+    seq = forward.input_ids.shape[1]
+    most = backend.chunk_bound(forward.graph, seq, forward.past, forward.heads.shape[1])
+    if most is None and (bound is None or seq <= bound):
+        return [forward]
+    limit = min(b for b in (bound, most) if b is not None)
+    if seq <= limit:  # held whole by the backend's bound though not by its profiles' heads: the backend says why
+        return [forward]
+    if most is None and not chunkable(forward):
+        raise RefusionError(f"a {forward.kind} forward of {seq} tokens exceeds prefill_chunk={bound} and cannot be "
+                            "cut (only a prefill can); raise prefill_chunk to the request's block length.")
+    if not (limit and chunkable(forward)):
+        raise RefusionError(f"a {forward.kind} forward of {seq} tokens over a past of {forward.past} fits none of the "
+                            f"{backend.name} engine's profiles, whole or in chunks; rebuild the engines for it "
+                            "(refusion-export build --max-prompt, --gen-length).")
+    return [chunk for piece in split(forward, limit) for chunk in cut(piece, None, backend)]
 
 
 def merge(forward: Forward, chunks: list[Forward], outputs: list[Outputs]) -> Outputs:

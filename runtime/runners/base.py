@@ -19,7 +19,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import cached_property
 from types import TracebackType
-from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -32,10 +31,6 @@ from refusion.runtime.core.signals import main_thread_signals
 from refusion.runtime.runners.kv_pool import KVPool
 from refusion.runtime.runners.rows import RowFeed
 from refusion.runtime.runners.stats import ForwardShape, MoveShape, RowShape, RunnerStats
-
-if TYPE_CHECKING:
-    from refusion.runtime.decode.llada import DiffusionParams
-    from refusion.runtime.params import DecodeParams
 
 
 class Runner(ABC):
@@ -92,15 +87,18 @@ class Runner(ABC):
         engines' block, their decode profile's longest; None: any number (onnxruntime)."""
         return None
 
-    @property
-    def prefills_whole(self) -> bool:
-        """Built for prefills in one forward over no past (TensorRT engines without --prefill-chunk): the Generator
-        does not chunk them unless asked to."""
-        return False
+    def chunk_bound(self, graph: GraphName, seq: int, past: int, heads: int) -> int | None:
+        """None where this backend runs a forward of `graph` feeding `seq` tokens over `past` (`heads` heads) in one
+        execution; else the most tokens a chunk of it may feed, where it is cut into chunks, each over the KV the
+        ones before it wrote (0: it cannot be). The scheduler does the cutting (decode/chunks.py); a runner never
+        does. onnxruntime: None, any shape; TensorRT: from its profiles."""
+        return None
 
-    def check_request(self, prompt_length: int, params: DecodeParams | DiffusionParams) -> None:
-        """Refuse, before any work, a request outside what this backend was built for.
-        onnxruntime takes any shape; TensorRT checks its engines' profiles."""
+    def check_request(self, prompt_length: int, needs: tuple[int, int, int] | None, mode: str) -> None:
+        """Refuse, before any work, a request outside what this backend was built for: a prompt of `prompt_length`
+        tokens and a `mode` strategy's forwards (`needs`: its generated positions, slot size and serial blocks;
+        None: a strategy whose forwards engines hold no profiles for). onnxruntime takes any shape; TensorRT checks
+        its engines' profiles."""
 
     # -- KV cache ----------------------------------------------------------------------
     def allocate_kv(self, capacity: int, region: int = 0) -> None:

@@ -12,8 +12,8 @@ from refusion.runtime.runners.rows import RowFeed
 class ForwardStats:
     """One graph's forwards."""
 
-    forwards: int = 0  # run_batch calls: one (packed) forward each, or each chunk of one the backend split
-    rows: int = 0  # requests' rows in them (a split forward's row once a chunk)
+    forwards: int = 0  # run_batch calls: one (packed) forward each, a chunk of a cut forward one each
+    rows: int = 0  # requests' rows in them
     fed: int = 0  # tokens fed: every row's own tokens
     padded: int = 0  # tokens computed: rows x the longest row's tokens, as the rows are packed
     seconds: float = 0.0  # inside run_batch: packing, KV copies and the backend
@@ -28,12 +28,6 @@ class ForwardStats:
         self.fed += sum(seqs)
         self.padded += len(rows) * max(seqs)
         self.seconds += seconds
-
-    def split(self, chunks: int) -> None:
-        """A forward of one row that the backend ran as `chunks` executions (TensorRT's prefill over a cached
-        prefix): counted as that many forwards, so time per forward is an execution's. Its tokens count once."""
-        self.forwards += chunks - 1
-        self.rows += chunks - 1
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,9 @@ cache.
 
 Several requests' forwards run in one execution on a profile whose batch range holds them: their pasts
 gathered into one [rows, past, H, D] buffer, their presents scattered back (rows no batched profile holds,
-prefills, run one at a time). A prefill over a cached prefix's KV, which no profile holds whole, runs as
-chunks the decode profile holds, each over the KV the ones before it wrote. TensorRT wants 256-byte aligned addresses: present at an unaligned offset
+prefills, run one at a time). The runner never cuts a forward: where no profile holds one (a prefill over a
+cached prefix's KV), `chunk_bound` tells the scheduler the chunks a profile holds, and the scheduler cuts it
+(runtime/decode/chunks.py). TensorRT wants 256-byte aligned addresses: present at an unaligned offset
 goes through aligned staging (tiny test models only; real models' tokens are aligned). Once per (profile,
 input shapes) the output shapes TensorRT infers are checked against the buffers bound for them. Needs
 TensorRT >= 10.1 (`set_device_memory(ptr, size)`, `device_memory_size_v2`); docs/tensorrt.md has the details.
@@ -31,9 +32,6 @@ from refusion.runtime.core.engines_manifest import ENGINE_GRAPH, EngineManifest
 from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.core.export_manifest import ExportManifest
 from refusion.runtime.core.profiles import check_request, select_profile
-from refusion.runtime.decode import strategy
-from refusion.runtime.decode.masks import causal_after
-from refusion.runtime.params import DecodeParams
 from refusion.runtime.runners.base import Runner
 from refusion.runtime.runners.cuda import DeviceBuffer, HostBuffer, Stream
 from refusion.runtime.runners.kv_pool import ALIGNMENT, DeviceKVPool, ScratchBuffers, aligned
@@ -42,8 +40,6 @@ from refusion.runtime.runners.trt_loader import current_target, deserialize_engi
 
 if TYPE_CHECKING:
     import tensorrt
-
-    from refusion.runtime.decode.llada import DiffusionParams
 
 class TensorRTRunner(Runner):
     name = "trt"
@@ -85,16 +81,21 @@ class TensorRTRunner(Runner):
     def decode_tokens(self) -> int:
         return self.limits.block_length
 
-    @property
-    def prefills_whole(self) -> bool:
-        return self.limits.prefill_chunk is None
+    def chunk_bound(self, graph: GraphName, seq: int, past: int, heads: int) -> int | None:
+        """None where a profile holds the forward; else the longest chunk a profile that starts at one token holds
+        over its whole range, [past, past + seq) (a prefill over a cached prefix: the decode profile's block, or the
+        prefill profile's bound), so every chunk the scheduler cuts runs on it; 0 where none does."""
+        profiles = list(self.engines.engine.profiles)
+        if select_profile(profiles, graph, seq, past, 1, heads) is not None:
+            return None
+        return max((p.seq[2] for p in profiles
+                    if p.graph == graph and p.seq[0] == 1 and p.past[0] <= past and past + seq <= p.past[2]), default=0)
 
-    def check_request(self, prompt_length: int, params: DecodeParams | DiffusionParams) -> None:
-        needs = strategy(params.mode).profile_needs
+    def check_request(self, prompt_length: int, needs: tuple[int, int, int] | None, mode: str) -> None:
         if needs is None:
-            raise RefusionError(f"the {params.mode} strategy's forwards fit none of the TensorRT engine's profiles; "
+            raise RefusionError(f"the {mode} strategy's forwards fit none of the TensorRT engine's profiles; "
                                 "run it on onnxruntime (--backend ort-cpu or ort-cuda).")
-        check_request(self.limits, prompt_length, *needs(params))
+        check_request(self.limits, prompt_length, *needs)
 
     # -- lifecycle ---------------------------------------------------------------------------
     def _activate(self) -> None:
@@ -217,23 +218,13 @@ class TensorRTRunner(Runner):
     # -- forwards ----------------------------------------------------------------------------
     def _run(self, graph: GraphName, rows: list[RowFeed]) -> list[dict[str, np.ndarray]]:
         """One row alone in place; several grouped by the profile each needs alone, packed up to that profile's
-        batch range: the packed (seq, past) are one row's each, so the group's profile holds them. A row no
-        profile holds that runs in chunks (`chunk_length`) runs alone."""
+        batch range: the packed (seq, past) are one row's each, so the group's profile holds them."""
         if len(rows) == 1:
             return [self._run_row(graph, rows[0])]
         groups: dict[int, list[int]] = {}
-        alone: list[int] = []
-        profiles = list(self.engines.engine.profiles)
         for i, row in enumerate(rows):  # every row checked before any device work
-            seq = row.input_ids.shape[1]
-            if (select_profile(profiles, graph, seq, row.past, 1, row.head_count) is None
-                    and self.chunk_length(graph, row.input_ids, row.attention_mask, row.past, row.write_at)):
-                alone.append(i)
-            else:
-                groups.setdefault(self._profile(graph, seq, row.past, row.head_count), []).append(i)
+            groups.setdefault(self._profile(graph, row.input_ids.shape[1], row.past, row.head_count), []).append(i)
         out: dict[int, dict[str, np.ndarray]] = {}
-        for i in alone:
-            out[i] = self._run_row(graph, rows[i])
         for index, members in groups.items():
             width = self.engines.engine.profiles[index].batch[2]
             for start in range(0, len(members), width):
@@ -248,10 +239,6 @@ class TensorRTRunner(Runner):
         """One request's forward: past bound in place in its region, present written straight into it."""
         ids, past, write_at, heads = row.input_ids, row.past, row.write_at, row.heads_at
         seq, count = ids.shape[1], heads.shape[1]
-        if select_profile(list(self.engines.engine.profiles), graph, seq, past, 1, count) is None:
-            chunk = self.chunk_length(graph, ids, row.attention_mask, past, write_at)
-            if chunk:
-                return self._run_chunked(chunk, ids, row.position_ids, past, row.region, heads, row.vocab_mask)
         index = self._profile(graph, seq, past, count)  # before any device work
         context = self._contexts[index]
         self._bind_feed(context, ids, row.position_ids, row.attention_mask, heads, row.vocab_mask)
@@ -267,45 +254,6 @@ class TensorRTRunner(Runner):
                 buf, stride = staging
                 self._count_copies(graph, self._kv.place(row.region, write_at, buf, seq, 0, stride))
             return self._fetch(graph, outputs)
-
-    def chunk_length(self, graph: GraphName, ids: np.ndarray, mask: np.ndarray, past: int, write_at: int | None) -> int:
-        """A prefill over a past (the part of a prompt the prefix cache did not hold) is longer than a decode
-        profile takes and has a past the prefill profile does not: as it is causal after its past and writes
-        right after it, it runs as chunks, each over the KV the chunks before it wrote, which computes the same.
-        The chunk length (the longest an infiller profile takes over that past), or 0 when not such a forward."""
-        seq = ids.shape[1]
-        if graph != "infiller" or write_at != past or not np.array_equal(mask, causal_after(past, seq)):
-            return 0
-        fits = [p.seq[2] for p in self.engines.engine.profiles
-                if p.graph == graph and p.past[0] <= past and past + seq <= p.past[2] and p.seq[0] == 1]
-        return max(fits, default=0)
-
-    def _run_chunked(self, chunk: int, ids: np.ndarray, pos: np.ndarray, past: int, region: int,
-                     heads: np.ndarray, vocab_mask: np.ndarray | None) -> dict[str, np.ndarray]:
-        """Each chunk computes the heads that fall in it (a chunk without any, one at its last token that nothing
-        reads: a forward computes at least one); they are put back in the order asked. Each chunk is a forward of
-        its own in RunnerStats. No `input_probs`: at a chunk's last token it reads that token's own id, where the
-        unchunked forward reads the next chunk's first; a prefill's reader takes drafts only, and a future one
-        that wanted it fails at the missing key instead of reading a wrong value."""
-        out: dict[str, np.ndarray] = {}
-        at = heads[0]
-        starts = range(0, ids.shape[1], chunk)
-        for start in starts:
-            n = min(chunk, ids.shape[1] - start)
-            mine = np.flatnonzero((at >= start) & (at < start + n))
-            local = (at[mine] - start if mine.size else np.array([n - 1]))[None].astype(np.int64)
-            masks = None if vocab_mask is None or not mine.size else vocab_mask[:, mine]  # the chunk's heads' rows
-            part = self._run_row("infiller", RowFeed(ids[:, start:start + n], pos[:, start:start + n],
-                                                     causal_after(past + start, n), past + start, past + start, region,
-                                                     local, masks))
-            for name, array in part.items():
-                if name == "input_probs":
-                    continue
-                if name not in out:
-                    out[name] = np.empty((1, at.size, *array.shape[2:]), array.dtype)
-                out[name][:, mine] = array[:, : mine.size]
-        self.stats.graph("infiller").split(len(starts))
-        return out
 
     def _run_packed(self, graph: GraphName, index: int, rows: list[RowFeed]) -> list[dict[str, np.ndarray]]:
         """Rows of several requests in one execution on profile `index`: pasts gathered, presents scattered."""

@@ -104,7 +104,7 @@ def test_a_block_longer_than_the_bound_is_refused_and_bad_bounds_too(chunked):
         chunked.submit(prompt_ids=_prompt(20, 1), gen_length=32, slot_size=4, serial_num_blocks=1)
     assert resolve_prefill_chunk(0, None) is None and resolve_prefill_chunk(None, 64) == 64
     assert resolve_prefill_chunk(None, None) == DEFAULT_PREFILL_CHUNK and resolve_prefill_chunk(32, 64) == 32
-    assert resolve_prefill_chunk(None, None, whole=True) is None and resolve_prefill_chunk(64, None, whole=True) == 64
+    assert resolve_prefill_chunk(None, None, default=None) is None and resolve_prefill_chunk(64, None, default=None) == 64
     for asked in (128, 0):
         with pytest.raises(RefusionError, match=f"prefill_chunk={asked} asks for .* engines feed at most 64 tokens"):
             resolve_prefill_chunk(asked, 64)

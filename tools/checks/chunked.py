@@ -1,5 +1,5 @@
 """The GPU check's chunked prefill: a prefill over a cached prefix that no TensorRT profile holds whole, which the
-runner runs as decode-profile chunks (TensorRTRunner.chunk_length), on real TensorRT. Its heads and present KV
+scheduler cuts into the chunks a profile holds (chunks.cut over TensorRTRunner.chunk_bound), on real TensorRT. Its heads and present KV
 against onnxruntime's unchunked forward (the comparator), ReFusion and AR generation with the prefix cache (whose
 hits make such prefills) against the cache off, on TensorRT and on onnxruntime, and its time against one prefill
 of the same tokens: the measurement that decides whether a hit should rather prefill from token 0 (review 4, S2;
@@ -103,7 +103,10 @@ def cache_on_as_off(export: Path, engines: Path) -> bool:
 def chunk_latency(engines: Path, repeats: int) -> None:
     """Median time of the chunked forward (REMAINDER tokens and a block over the PREFIX) against one prefill of all
     PREFIX + REMAINDER + block tokens, each computing the block's heads: what a prefix cache hit saves or costs."""
+    from refusion.runtime.decode.chunks import cut
     from refusion.runtime.decode.masks import causal_after
+    from refusion.runtime.decode.steps import Forward
+    from refusion.runtime.runners.rows import RowFeed
     from refusion.runtime.runners.tensorrt import TensorRTRunner
 
     runner = TensorRTRunner.from_dir(engines)
@@ -119,9 +122,11 @@ def chunk_latency(engines: Path, repeats: int) -> None:
             seq = total - past
             times = []
             for _ in range(repeats + 3):
+                forward = Forward("prefill", "infiller", ids[:, past:], pos[:, past:], causal_after(past, seq), past,
+                                  past, heads - past)
                 t0 = time.perf_counter()
-                runner.run("infiller", ids[:, past:], pos[:, past:], causal_after(past, seq), past, past,
-                           heads=heads - past)
+                for chunk in cut(forward, None, runner):  # as the scheduler runs it
+                    runner.run_batch("infiller", [RowFeed.of(chunk, 0)])
                 times.append(time.perf_counter() - t0)
             return statistics.median(times[3:]) * 1e3
 

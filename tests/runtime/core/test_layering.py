@@ -21,8 +21,9 @@ ALLOWED = {
     "runtime/decode": ("refusion.runtime.core", "refusion.runtime.decode", "refusion.runtime.params",
                        "refusion.runtime.structured"),
     "runtime/structured": ("refusion.runtime.core", "refusion.runtime.structured", "refusion.runtime.options"),
-    "runtime/runners": ("refusion.runtime.core", "refusion.runtime.runners", "refusion.runtime.decode",
-                        "refusion.runtime.params"),
+    # a runner takes rows (of a Forward: its type alone), never the strategies' table or the params (issue 43:
+    # the scheduler cuts, the Generator asks the strategies what a request needs)
+    "runtime/runners": ("refusion.runtime.core", "refusion.runtime.runners", "refusion.runtime.decode.steps"),
     "runtime": (RUNTIME,),
     "export": (RUNTIME, EXPORT),
     "engines": (RUNTIME, EXPORT, ENGINES),

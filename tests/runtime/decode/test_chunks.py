@@ -6,8 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.decode import masks
-from refusion.runtime.decode.chunks import bounds, chunkable, merge, split
+from refusion.runtime.decode.chunks import bounds, chunkable, cut, merge, split
 from refusion.runtime.decode.steps import Forward
 
 
@@ -61,3 +62,43 @@ def test_merge_takes_each_heads_row_from_its_chunk_and_drops_stand_ins_and_input
     merged = merge(forward, chunks, outputs)
     assert merged["argmax_ids"].tolist() == [[2, 201, 202]] and merged["top_ids"].shape == (1, 3, 3)
     assert "input_probs" not in merged
+
+
+class _Engines:
+    """A backend that runs forwards whole over no past up to `whole` tokens and, over a past, up to `block`."""
+
+    name = "fake"
+
+    def __init__(self, whole: int, block: int):
+        self.whole, self.block = whole, block
+
+    def chunk_bound(self, graph: str, seq: int, past: int, heads: int) -> int | None:
+        most = self.whole if past == 0 else self.block
+        return None if seq <= most else most
+
+
+def test_cut_is_the_bound_and_the_backends_chunks_one_place():
+    """The scheduler's one cut: whole where neither the bound nor the backend asks; to the bound; and where the
+    backend runs a chunk over a past shorter than the bound (engines built for whole prefills), cut again to it."""
+    prefill = _prefill(0, 40, [39])
+    assert cut(prefill, None, _Engines(64, 16)) == [prefill]
+    assert [(c.past, c.input_ids.shape[1]) for c in cut(prefill, 20, _Engines(64, 64))] == [(0, 20), (20, 20)]
+    assert [(c.past, c.input_ids.shape[1]) for c in cut(prefill, 20, _Engines(64, 8))] == [
+        (0, 20), (20, 6), (26, 7), (33, 7)]  # the second piece, over a past, in the backend's chunks
+    over = _prefill(10, 40, [0, 39])
+    chunks = cut(over, None, _Engines(64, 16))
+    assert [(c.past, c.input_ids.shape[1]) for c in chunks] == [(10, 13), (23, 13), (36, 14)]
+    outs = [{"argmax_ids": np.array([[c.past]] * 1).reshape(1, -1).repeat(c.heads.shape[1], 1)} for c in chunks]
+    assert merge(over, chunks, outs)["argmax_ids"].tolist() == [[10, 36]]
+
+
+def test_a_forward_that_cannot_be_cut_is_refused_naming_why():
+    ahead = _prefill(5, 30, [29])
+    ahead.attention_mask[0, 0, 5 + 3] = True
+    with pytest.raises(RefusionError, match="exceeds prefill_chunk=16 and cannot be cut"):
+        cut(ahead, 16, _Engines(64, 64))
+    with pytest.raises(RefusionError, match="over a past of 5 fits none of the fake engine's profiles"):
+        cut(ahead, None, _Engines(8, 8))
+    with pytest.raises(RefusionError, match="fits none of the fake engine's profiles"):
+        cut(_prefill(5, 30, [29]), None, _Engines(0, 0))
+    assert cut(ahead, 64, _Engines(64, 64)) == [ahead]  # within both: whole, cut or not

@@ -7,6 +7,7 @@ import pytest
 
 from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.core.export_manifest import ExportManifest
+from refusion.runtime.decode import profile_needs
 from refusion.runtime.decode.llada import FORWARD_KIND, DiffusionParams, num_transfer_tokens
 from refusion.runtime.decode.steps import Tokens
 from refusion.runtime.runners.onnxruntime import OrtRunner
@@ -119,4 +120,5 @@ def test_no_tensorrt_profile_takes_its_forwards(peaky_export, fakes, tmp_path):
 
     with TensorRTRunner.from_dir(fake_engines(peaky_export, tmp_path / "engines")) as trt:
         with pytest.raises(RefusionError, match="the llada strategy's forwards fit none of the TensorRT engine's"):
-            trt.check_request(len(PROMPT), DiffusionParams(gen_length=GEN, steps=GEN, block_length=8))
+            trt.check_request(len(PROMPT), profile_needs(DiffusionParams(gen_length=GEN, steps=GEN, block_length=8)),
+                              "llada")

@@ -18,6 +18,7 @@ import pytest
 
 from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.core.export_manifest import ExportManifest
+from refusion.runtime.decode import profile_needs
 from refusion.runtime.decode.steps import Tokens
 from refusion.runtime.params import DecodeParams
 from refusion.runtime.runners import cuda
@@ -53,12 +54,12 @@ def test_decode_parity_with_the_ort_runner(peaky_export, fakes, tmp_path):
             prompt, eos = PROMPTS[i % 2], eos_ids[i % 3]
             params = DecodeParams(gen_length=gen, slot_size=k, serial_num_blocks=blocks, slot_threshold=st,
                                   token_threshold=tt)
-            trt.check_request(len(prompt), params)
+            trt.check_request(len(prompt), profile_needs(params), params.mode)
             ours = _decode(trt, prompt, eos, params)
             assert ours == _decode(ort, prompt, eos, params), (k, gen, blocks, st, tt)
             branches |= set(ours[1])
         ar = DecodeParams(gen_length=20, mode="ar")
-        trt.check_request(len(PROMPTS[1]), ar)
+        trt.check_request(len(PROMPTS[1]), profile_needs(ar), ar.mode)
         assert _decode(trt, PROMPTS[1], -1, ar) == _decode(ort, PROMPTS[1], -1, ar)
         assert trt._contexts[2].runs == graphs.count("planner") > 0  # the plan profile, every planner forward
         assert trt._contexts[0].runs + trt._contexts[1].runs == graphs.count("infiller")
@@ -83,7 +84,7 @@ def test_int4_engine_decodes_as_the_ort_runner(peaky_int4, peaky_int4_head, fake
     with TensorRTRunner.from_dir(engines) as trt, ort:
         for prompt, (k, gen, blocks) in zip(PROMPTS, LAYOUTS):
             params = DecodeParams(gen_length=gen, slot_size=k, serial_num_blocks=blocks)
-            trt.check_request(len(prompt), params)
+            trt.check_request(len(prompt), profile_needs(params), params.mode)
             ours = _decode(trt, prompt, 7, params)
             assert ours == _decode(ort, prompt, 7, params), (k, gen, blocks)
         ar = DecodeParams(gen_length=20, mode="ar")
@@ -170,10 +171,10 @@ def test_outside_the_profiles_is_refused_before_device_work(peaky_export, fakes,
             trt.run("planner", ids, ids, np.ones((1, seq, 10 + seq), dtype=bool), 10)
         assert len(cudart.copies) == copies
         with pytest.raises(RefusionError, match="--max-prompt 16"):
-            trt.check_request(17, DecodeParams(gen_length=64, slot_size=4, serial_num_blocks=2))
+            trt.check_request(17, profile_needs(DecodeParams(gen_length=64, slot_size=4, serial_num_blocks=2)), "refusion")
         with pytest.raises(RefusionError, match="--gen-length 80"):
-            trt.check_request(5, DecodeParams(gen_length=80, mode="ar"))
-        trt.check_request(5, DecodeParams(gen_length=64, mode="ar"))
+            trt.check_request(5, profile_needs(DecodeParams(gen_length=80, mode="ar")), "ar")
+        trt.check_request(5, profile_needs(DecodeParams(gen_length=64, mode="ar")), "ar")
 
 
 def test_engine_that_does_not_match_refusion_json_is_refused(peaky_export, exports, fakes, tmp_path):
@@ -460,30 +461,41 @@ def test_a_cuda_mismatch_is_named_in_one_line(peaky_export, fakes, tmp_path, mon
     assert cudart.allocations == {}
 
 
-def test_a_prefill_over_a_past_runs_in_chunks_each_counted_without_input_probs(peaky_export, fakes, tmp_path):
+def test_a_prefill_over_a_past_is_cut_by_the_scheduler_into_chunks_the_engine_holds(peaky_export, fakes, tmp_path):
     """A prefill over a cached prefix, longer than the decode profile takes (a block: 16) and with a past the
-    prefill profile does not take, runs as decode-profile chunks: 40 tokens as 16 + 16 + 8, each head where the
-    unchunked forward (onnxruntime) puts it, each chunk a forward in RunnerStats (review 4, K3), and no
-    input_probs, which at a chunk's last token would read its own id, not the next chunk's first (W1)."""
+    prefill profile does not take: the runner refuses it whole and states the chunk its profiles hold
+    (chunk_bound); chunks.cut, as the scheduler calls it, cuts 40 tokens into 3 forwards of at most 16, each head
+    where onnxruntime's one forward puts it, each chunk a forward in RunnerStats, and no input_probs (at a chunk's
+    last token it would read its own id, not the next chunk's first)."""
     from refusion.runtime.core.profiles import DecodeLimits
+    from refusion.runtime.decode.chunks import cut, merge
     from refusion.runtime.decode.masks import causal_after
+    from refusion.runtime.decode.steps import Forward
+    from refusion.runtime.runners.rows import RowFeed
 
     limits = DecodeLimits(max_prompt=64, gen_length=32, slot_size=4, serial_blocks=2)
     engines = fake_engines(peaky_export, tmp_path / "engines", limits)
     ids = np.random.default_rng(0).integers(0, 300, (1, 50))
     pos = np.arange(50)[None]
     heads = np.array([[0, 15, 16, 17, 31, 39]])  # a chunk's last token and the next one's first among them
+    forward = Forward("prefill", "infiller", ids[:, 10:], pos[:, 10:], causal_after(10, 40), 10, 10, heads)
     outs = []
     for runner in (TensorRTRunner.from_dir(engines), OrtRunner(ExportManifest.load(peaky_export), threads=1)):
         with runner:
             runner.allocate_kv(64)
             runner.run("infiller", ids[:, :10], pos[:, :10], causal_after(0, 10), 0, 0, heads=np.array([[9]]))
             before = runner.stats.copy()
-            outs.append(runner.run("infiller", ids[:, 10:], pos[:, 10:], causal_after(10, 40), 10, 10, heads=heads))
+            chunks = cut(forward, None, runner)
+            ran = [runner.run_batch("infiller", [RowFeed.of(c, 0)])[0] for c in chunks]
+            outs.append(ran[0] if len(chunks) == 1 else merge(forward, chunks, ran))
             counted = runner.stats.since(before).graph("infiller")
-            outs.append((counted.forwards, counted.rows, counted.fed, counted.padded))
+            outs.append((counted.forwards, counted.rows, counted.fed, counted.padded, runner.chunk_bound(
+                "infiller", 40, 10, 6)))
+            if runner.name == "trt":
+                with pytest.raises(RefusionError, match="infiller forward of 40 tokens"):
+                    runner.run("infiller", ids[:, 10:], pos[:, 10:], causal_after(10, 40), 10, 10, heads=heads)
     got, trt_counted, want, ort_counted = outs
-    assert trt_counted == (3, 3, 40, 40) and ort_counted == (1, 1, 40, 40)
+    assert trt_counted == (3, 3, 40, 40, 16) and ort_counted == (1, 1, 40, 40, None)
     assert set(got) == set(want) - {"input_probs"}
     for name in got:
         np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-6, err_msg=name)
@@ -523,7 +535,9 @@ def test_activation_checks_the_engine_size_and_hashes_it_only_to_verify(peaky_ex
 def test_engines_built_with_a_prefill_bound_take_chunks_of_it_and_decode_as_onnxruntime(peaky_export, fakes, tmp_path):
     """Issue 34: engines built with --prefill-chunk 16 have a prefill profile of 1..16 tokens over a past (not the
     whole prompt over none); the Generator takes the bound from them, so a 200-token prompt is prefilled as chunks,
-    each a forward of the engine within its profiles (none the runner cuts again), with onnxruntime's tokens."""
+    each a forward of the engine within its profiles, with onnxruntime's tokens; the scheduler alone cuts (issue 43):
+    onnxruntime at the same bound makes the same forwards, and with the prefix cache on a repeated prompt's
+    prefill over its cached prefix is cut alike on both."""
     from refusion.runtime.core.profiles import DecodeLimits
     from refusion.runtime.generator import Generator
     from refusion.runtime.runners.stats import ForwardShape
@@ -535,17 +549,27 @@ def test_engines_built_with_a_prefill_bound_take_chunks_of_it_and_decode_as_onnx
     with Generator.from_dir(peaky_export, backend="ort-cpu", threads=1, prefill_chunk=0, prefix_cache_mb=0) as ort:
         want = [ort.generate(prompt_ids=prompt, **settings).committed_ids,
                 ort.generate(prompt_ids=prompt, gen_length=12, mode="ar").committed_ids]
-    with Generator.from_dir(engines, backend="trt", prefix_cache_mb=0) as trt:
+
+    def decode(gen: Generator) -> tuple[list[list[int]], list[ForwardShape]]:
+        gen.runner.stats.record = []
+        ids = [gen.generate(prompt_ids=prompt, **settings).committed_ids,
+               gen.generate(prompt_ids=prompt, gen_length=12, mode="ar").committed_ids]
+        return ids, [c for c in gen.runner.stats.record if isinstance(c, ForwardShape)]
+
+    with Generator.from_dir(peaky_export, backend="ort-cpu", threads=1, prefill_chunk=16, prefix_cache_mb=4,
+                            max_requests=1) as ort:
+        _, ort_calls = decode(ort)
+    with Generator.from_dir(engines, backend="trt", prefix_cache_mb=4) as trt:
         assert trt.prefill_chunk == 16
         prefill = trt.runner.engines.engine.profiles[0]
         assert prefill.seq[2] == 16 and prefill.past[2] == 256 + 16 - 1
-        trt.runner.stats.record = []
-        got = [trt.generate(prompt_ids=prompt, **settings).committed_ids,
-               trt.generate(prompt_ids=prompt, gen_length=12, mode="ar").committed_ids]
-        calls = [c for c in trt.runner.stats.record if isinstance(c, ForwardShape)]
+        got, calls = decode(trt)
         assert all(row.fed <= 16 for call in calls for row in call.rows)
         assert trt.runner.stats.graph("infiller").forwards == sum(call.graph == "infiller" for call in calls)
+        assert trt.prefix_cache is not None and trt.prefix_cache.stats.hit_tokens > 0  # the AR request's prefill
     assert got == want
+    assert [(c.graph, [(r.fed, r.past, r.write_at) for r in c.rows]) for c in calls] == \
+        [(c.graph, [(r.fed, r.past, r.write_at) for r in c.rows]) for c in ort_calls]
 
 
 def test_a_guided_request_binds_vocab_mask_and_decodes_as_on_onnxruntime(peaky_export, fakes, tmp_path):

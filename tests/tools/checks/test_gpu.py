@@ -210,7 +210,7 @@ def test_the_chunked_prefill_step_on_the_fakes(exports, fakes, tmp_path, monkeyp
         assert f"PASS: {runner}: 6 generations over a shared 128-token prefix, the prefix cache on as off" in out
         assert f"INFO: {runner}, prefix cache on: " in out and f"INFO: {runner}, prefix cache on: 0 " not in out
     assert "latency: prefill of 512 tokens in one forward " in out and "384 tokens in 6 chunks of at most 64" in out
-    monkeypatch.setattr(TensorRTRunner, "chunk_length", lambda self, *args: 0)
+    monkeypatch.setattr(TensorRTRunner, "chunk_bound", lambda self, *args: 0)
     assert not chunked.chunks_as_onnxruntime(exports["fp16"], engines)
     assert "left out: 320 tokens over a 128-token past (infiller): seq 320 over past 128" in capsys.readouterr().out
 
