@@ -39,6 +39,17 @@ __all__ = ["GenerationResult", "GenerationStats", "Generator", "GeneratorStatus"
 
 
 @dataclass(frozen=True)
+class Resolved:
+    """A request's keywords resolved once (Generator.options), what submit_ids runs: its decode settings, its
+    request options, the functions it offers and the guide its answer follows, compiled (None: none)."""
+
+    params: DecodeParams | DiffusionParams
+    options: RequestOptions = RequestOptions()
+    tools: Tools | None = None
+    grammar: Grammar | None = None
+
+
+@dataclass(frozen=True)
 class PrefixCacheStatus:
     blocks: int  # blocks holding a prompt prefix's KV now
     bytes: int  # KV the cache's regions hold on the runner (at most its budget)
@@ -184,7 +195,7 @@ class Generator:
         the turns after it then reuse this prefix from the prefix cache for a while, where dropping one turn
         at a time would change the prefix every turn and prefill it whole. Returns the messages kept and how
         many were dropped; raises when even the last turn alone does not fit."""
-        params, _ = self.options(**options)
+        params = self.options(**options).params
         room = self.manifest.max_positions - strategy(params.mode).positions(params)
 
         def length(kept: list[dict[str, Any]]) -> int:
@@ -254,10 +265,13 @@ class Generator:
         """Decode settings; those left out (or None) take the values the export recorded for this model."""
         return DecodeParams.with_defaults(self.manifest.defaults, **settings)
 
-    def options(self, **options: Any) -> tuple[DecodeParams, RequestOptions]:
-        """A request's keywords, checked: its decode settings (DecodeParams; those left out take the export's
-        recorded values) and its request options (RequestOptions: stop, stop_token_ids, logprobs, timeout_s, and
-        a guide, compiled here: one the engine cannot enforce is refused before any work)."""
+    def options(self, tools: list[dict[str, Any]] | None = None, tool_choice: Any = None,
+                **options: Any) -> Resolved:
+        """A request's keywords, checked and resolved once: its decode settings (DecodeParams; those left out take
+        the export's recorded values), its request options (RequestOptions: stop, stop_token_ids, logprobs,
+        timeout_s, a guide), the functions it offers (`tools`, `tool_choice`: Tools), and the guide its answer
+        follows with them, compiled here: one the engine cannot enforce is refused before any work."""
+        calls = read_tools(tools, tool_choice)
         asked = {name: options.pop(name) for name in RequestOptions.names() if name in options}
         unknown = [name for name in options if name not in DECODE_SETTINGS]
         if unknown:
@@ -279,8 +293,7 @@ class Generator:
         if request.stop and self.tokenizer is None:
             raise RefusionError(f"stop={list(request.stop)!r} needs the tokenizer to read the answer's text, and "
                                 f"{self.manifest.path} carries none; stop at token ids (stop_token_ids) instead.", "stop")
-        self.grammar(request)
-        return params, request
+        return Resolved(params, request, calls, self.grammar(request, calls))
 
     def grammar(self, options: RequestOptions, tools: Tools | None = None) -> Grammar | None:
         """The guide `options` ask for, as `tools` reads it with theirs (Tools.guide: a certain call, or a call or
@@ -323,12 +336,10 @@ class Generator:
         response_format). `tools` (OpenAI's functions, offered through the chat template) and `tool_choice` ("auto",
         "none", "required" or {"type": "function", "function": {"name": ...}}): the result carries the calls in
         `tool_calls`. Bad input raises here, before anything runs."""
-        calls = read_tools(tools, tool_choice)
-        params, request = self.options(**options)
-        self.grammar(request, calls)  # a guide refused before the prompt is rendered
+        resolved = self.options(tools, tool_choice, **options)  # a guide refused before the prompt is rendered
         ids = self.prompt_ids(prompt, messages=messages, prompt_ids=prompt_ids, chat=chat, enable_thinking=enable_thinking,
-                              tools=calls)
-        return self.submit_ids(ids, params, request, calls, shrink=options.get("gen_length") is None)
+                              tools=resolved.tools)
+        return self.submit_ids(ids, resolved, shrink=options.get("gen_length") is None)
 
     def check_fits(self, params: DecodeParams | DiffusionParams, prompt_tokens: int = 1,
                    shrink: bool = False) -> DecodeParams | DiffusionParams:
@@ -355,22 +366,23 @@ class Generator:
         self.runner.check_request(prompt_tokens, profile_needs(params), params.mode)
         return params
 
-    def submit_ids(self, ids: list[int], params: DecodeParams | DiffusionParams,
-                   options: RequestOptions = RequestOptions(), tools: Tools | None = None,
+    def submit_ids(self, ids: list[int], resolved: Resolved | DecodeParams | DiffusionParams,
                    shrink: bool = False) -> Request:
-        """Start a generation of these token ids with these params (any strategy's: decode.STRATEGIES); `tools`:
-        the functions the prompt offers, whose calls the result reads; `shrink`: gen_length is the export's, so
-        with max_tokens left out the canvas may shrink to what the prompt leaves (check_fits)."""
-        params = self.check_fits(params, len(ids), shrink)
+        """Start a generation of these token ids as `resolved` (Generator.options; or bare params, any strategy's:
+        decode.STRATEGIES, with no request options); `shrink`: gen_length is the export's, so with max_tokens left
+        out the canvas may shrink to what the prompt leaves (check_fits)."""
+        if not isinstance(resolved, Resolved):
+            resolved = Resolved(resolved)
+        params = self.check_fits(resolved.params, len(ids), shrink)
+        options, grammar = resolved.options, resolved.grammar
         m = self.manifest
         detokenize = self.tokenizer.decode if self.tokenizer else None
-        grammar = self.grammar(options, tools)
         if grammar is not None and strategy(params.mode).guided is None:
             raise RefusionError(f"mode {params.mode!r} follows no guide (structured output); use mode refusion or ar.", "mode")
         bounds = [b for b in (self.runner.decode_tokens, self.prefill_chunk) if b is not None]
         tokens = Tokens(ids, m.mask_token_id, m.eos_token_id, top_logprobs=options.top_logprobs, guide=grammar,
                         feed_bound=min(bounds, default=None))
-        request = Request(tokens, params, detokenize, self.runner.name, options, tools)
+        request = Request(tokens, params, detokenize, self.runner.name, options, resolved.tools)
         return self.scheduler.submit(request)
 
     def generate(self, prompt: str | None = None, *, messages=None, prompt_ids=None, chat: bool = False,

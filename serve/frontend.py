@@ -31,8 +31,8 @@ class ServeRequest:
     prompt: str | None  # the text; or None, and one of messages and prompt_ids
     stream: bool = False
     chat: bool = False
-    timeout_s: float | None = None
-    settings: dict[str, Any] = field(default_factory=dict)  # Generator.submit's keywords given; the rest: the export's
+    settings: dict[str, Any] = field(default_factory=dict)  # Generator.submit's keywords given (timeout_s among
+    # them, a setting like the others); the rest: the export's
     messages: list[dict[str, str]] | None = None  # a conversation, through the export's chat template
     prompt_ids: list[int] | None = None  # token ids, fed as they are
 
@@ -129,7 +129,7 @@ class Frontend(Generic[Handle]):
         try:
             # Tokenizing and submitting stay outside the lock that cancellation and final responses take.
             request = self.gen.submit(job.prompt, messages=job.messages, prompt_ids=job.prompt_ids, chat=job.chat,
-                                      timeout_s=job.timeout_s, **job.settings)
+                                      **job.settings)
         except BaseException:
             with self._lock:
                 self._admitted -= 1

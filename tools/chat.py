@@ -107,11 +107,11 @@ class ChatSession:
         self.reset()
 
     def params(self) -> DecodeParams:
-        return self.gen.options(**self.settings)[0]
+        return self.gen.options(**self.settings).params
 
     def check(self, settings: dict[str, Any]) -> None:
         """Refuse settings that every turn would fail with: bad values, or more than this export can run."""
-        self.gen.check_fits(self.gen.options(**settings)[0])
+        self.gen.check_fits(self.gen.options(**settings).params)
 
     def reset(self) -> None:
         self.history = [{"role": "system", "content": self.system}] if self.system else []

@@ -170,7 +170,6 @@ def read_request(endpoint: str, body: Mapping[str, Any], model: str) -> ApiReque
     if settings.get("top_logprobs") and not settings.get("logprobs"):
         raise ApiError(400, "top_logprobs needs logprobs=true (the alternatives are reported beside each token's "
                             "log-probability).", "top_logprobs")
-    timeout_s = settings.pop("timeout_s", None)
     if endpoint == CHAT:
         if "messages" not in values:
             raise ApiError(400, 'messages is missing; send "messages": [{"role": "user", "content": "..."}].',
@@ -180,7 +179,7 @@ def read_request(endpoint: str, body: Mapping[str, Any], model: str) -> ApiReque
         if "prompt" not in values:
             raise ApiError(400, 'prompt is missing; send "prompt": "..." (or token ids).', "prompt")
         jobs = [ServeRequest(text, prompt_ids=ids) for text, ids in _prompts(values["prompt"])]
-    jobs = [replace(job, stream=stream, timeout_s=timeout_s, settings=settings) for job in jobs]
+    jobs = [replace(job, stream=stream, settings=settings) for job in jobs]
     calls = "tools" in settings and settings.get("tool_choice") != "none"
     return ApiRequest(endpoint, tuple(jobs), n, include_usage, bool(settings.get("logprobs", False)),
                       values.get("return_token_ids", False), calls)

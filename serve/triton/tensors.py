@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from refusion.runtime.core.errors import RefusionError
-from refusion.runtime.core.settings import BY_NAME, SETTINGS, Setting
+from refusion.runtime.core.settings import SETTINGS, Setting
 from refusion.serve.frontend import ServeRequest
 
 
@@ -68,9 +68,8 @@ def read_request(tensors: Mapping[str, np.ndarray]) -> ServeRequest:
     if "text_input" not in values:
         raise RefusionError("text_input is missing: send the prompt as text_input (a string).")
     settings = {spec.setting: values[spec.name] for spec in INPUTS if spec.setting and spec.name in values}
-    timeout_s = BY_NAME["timeout_s"].check(settings.pop("timeout_s", None))
     return ServeRequest(values["text_input"], bool(values.get("stream", False)), bool(values.get("chat", False)),
-                        timeout_s, settings)
+                        settings)
 
 
 def _values(spec: ServedTensor, array: np.ndarray) -> list[Any]:

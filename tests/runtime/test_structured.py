@@ -14,7 +14,7 @@ pytest.importorskip("llguidance")
 
 from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.decode.llada import DiffusionParams
-from refusion.runtime.generator import Generator
+from refusion.runtime.generator import Generator, Resolved
 from refusion.runtime.options import RequestOptions
 from refusion.tools.bench.guides import RANDOM_SETTINGS as RANDOM
 from refusion.tools.bench.guides import TOOLS
@@ -39,7 +39,9 @@ def test_a_guide_needs_the_tokenizer_and_a_strategy_that_follows_one(tiny):
     with pytest.raises(RefusionError, match="carries no tokenizer files"):
         bare.submit(prompt_ids=[1, 2, 3], regex="a")
     with pytest.raises(RefusionError, match="mode 'llada' follows no guide"):
-        tiny.submit_ids([1, 2, 3], DiffusionParams(gen_length=8, steps=8, block_length=8), RequestOptions(regex="a"))
+        options = RequestOptions(regex="a")
+        tiny.submit_ids([1, 2, 3], Resolved(DiffusionParams(gen_length=8, steps=8, block_length=8), options,
+                                            grammar=tiny.grammar(options)))
 
 
 def test_without_llguidance_a_guide_is_refused_naming_the_extra(tiny_export, monkeypatch):
@@ -175,3 +177,15 @@ def test_calls_and_their_results_go_back_into_the_conversation(random_model):
     assert f'<tool_call>\n{{"name": "{call["function"]["name"]}", "arguments": ' in text
     assert '<tool_response>\n{"ok": true}\n</tool_response>' in text
     assert random_model.generate(messages=conversation, tools=TOOLS, **RANDOM).finish_reason in ("eos", "length")
+
+
+def test_a_request_is_resolved_once(tiny, monkeypatch):
+    """Generator.options resolves a request's keywords once, its guide compiled there and handed to submit_ids
+    (issue 43, item 3): one compile call a submit, where the guide was looked up at three places."""
+    asked = []
+    real = tiny.guides.compile
+    monkeypatch.setattr(tiny.guides, "compile", lambda guide: asked.append(guide.field) or real(guide))
+    resolved = tiny.options(regex="[ab]{2}", max_tokens=4)
+    assert isinstance(resolved, Resolved) and resolved.grammar is not None and asked == ["regex"]
+    tiny.submit(prompt_ids=[1, 2, 3], regex="[ab]{2}", max_tokens=4).result()
+    assert asked == ["regex"] * 2  # the submit's one resolution

@@ -35,19 +35,19 @@ def test_a_full_request_reads_into_prompt_and_settings():
         "stop_token_ids": np.array([5, 9], np.int32), "gen_length": np.array([32], np.int32),
         "top_k": np.array([40], np.int32), "top_p": np.array([0.9], np.float32), "min_p": np.array([0.05], np.float32),
         "return_log_probs": np.array([True])})
-    assert (job.prompt, job.stream, job.chat, job.timeout_s) == ("héllo", True, True, 2.5)
+    assert (job.prompt, job.stream, job.chat) == ("héllo", True, True)
     # float32 thresholds arrive as the decimals the client wrote, not 0.8999999761...
     assert job.settings == {"max_tokens": 64, "stop": ["\n\n", "User:"], "stop_token_ids": [5, 9], "mode": "ar",
                             "slot_size": 8, "serial_num_blocks": 2, "slot_threshold": 0.9, "token_threshold": 0.3,
                             "gen_length": 32, "temperature": 0.0, "top_k": 40, "top_p": 0.9, "min_p": 0.05,
-                            "logprobs": True, "seed": 7}
+                            "logprobs": True, "seed": 7, "timeout_s": 2.5}  # a setting like the others
     assert all(type(v) in (int, float, str, bool) or isinstance(v, list) for v in job.settings.values())
     assert read_request({"text_input": text("hi"), "stop_words": np.array([], dtype=np.object_)}).settings == {"stop": []}
 
 
 def test_settings_left_out_are_left_to_the_export():
     job = read_request({"text_input": text("hi")})
-    assert (job.stream, job.chat, job.timeout_s, job.settings) == (False, False, None, {})
+    assert (job.stream, job.chat, job.settings) == (False, False, {})
 
 
 @pytest.mark.parametrize("tensors, message", [
@@ -57,7 +57,6 @@ def test_settings_left_out_are_left_to_the_export():
     ({"text_input": text("hi"), "stream": text("yes")}, "stream is object"),
     ({"text_input": np.array([1], np.int32)}, "text_input is int32"),
     ({"text_input": np.array([b"\xff\xfe"], dtype=np.object_)}, "text_input is not valid UTF-8"),
-    ({"text_input": text("hi"), "timeout_s": np.array([0.0], np.float32)}, "timeout_s=0.0 must be a positive"),
     ({"text_input": text("hi"), "slot_size": np.array([], np.int32)}, "slot_size holds 0 values"),
     ({"text_input": text("hi"), "stop_words": np.array([1, 2], np.int32)}, "stop_words is int32"),
 ])
