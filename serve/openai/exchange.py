@@ -96,7 +96,7 @@ async def submit(frontend: Frontend[Arrival], api: ApiRequest, arrival: Arrival)
             for choice in range(api.n):
                 places -= 1  # a submit gives its place back itself if it fails
                 generations.append(await run_in_threadpool(frontend.submit, _nth(job, choice), arrival))
-                if choice == 0 and api.n > 1 and frontend.gen.prefix_cache is not None:
+                if choice == 0 and api.n > 1 and frontend.gen.status().prefix_cache is not None:
                     await _first_commit(generations[-1])
     except BaseException:
         frontend.give_back(places)
