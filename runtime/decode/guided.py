@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from refusion.runtime.core.errors import RefusionError
-from refusion.runtime.decode import masks
+from refusion.runtime.decode import masks, policy
 from refusion.runtime.decode.forwards import Forwards
 from refusion.runtime.decode.kv_cache import KVCache
 from refusion.runtime.decode.steps import Commit, DecodeTrace, PrefixKV, StepMachine, Tokens
@@ -146,7 +146,7 @@ class _Loop:
                 first = False
             # R's tokens under the masks along it (a prefill cut into chunks returns no input_probs: it has no R)
             probs = out["input_probs"][0][:r] if r else np.zeros(0, np.float32)
-            accepted = int(np.cumprod(probs > params.token_threshold).sum())
+            accepted = policy.accepted_prefix(probs > params.token_threshold)  # none is taken for granted here
             trace.branches["drafts_verified"] += r
             trace.branches["drafts_accepted"] += accepted
             if eos in run[:accepted]:
@@ -185,10 +185,7 @@ def _verifiable(matcher: Matcher, drafts: list[int], confidence: list[float], mo
     """The drafted run to verify: the slots after the frontier while a slot's first draft clears `threshold` (the
     first always), at most `most` tokens, cut at the first draft the guide rejects, its forced tokens written in
     where a draft strays from them. The matcher is left where it was."""
-    chosen = 0
-    while chosen < len(drafts) and (chosen == 0 or confidence[chosen] > threshold):
-        chosen += k
-    candidates = drafts[: max(0, min(chosen, most))]
+    candidates = drafts[: max(0, min(policy.leading_slots(confidence, k, threshold), most))]
     run: list[int] = []
     while len(run) < len(candidates):
         taken = candidates[len(run): len(run) + matcher.valid(candidates[len(run):])]

@@ -17,6 +17,22 @@ def choose_slots(first_token_probs: np.ndarray, slot_threshold: float) -> tuple[
     return np.array([int(np.argmax(first_token_probs))]), True
 
 
+def leading_slots(confidence: list[float], slot_size: int, slot_threshold: float) -> int:
+    """Tokens of the drafted slots after the frontier a guided forward verifies: the first slot always, then each
+    next while its first draft's confidence clears the threshold (the guided loop's slot rule; choose_slots is the
+    unguided one, over slots anywhere in the canvas)."""
+    chosen = 0
+    while chosen < len(confidence) and (chosen == 0 or confidence[chosen] > slot_threshold):
+        chosen += slot_size
+    return chosen
+
+
+def accepted_prefix(accepted: np.ndarray) -> int:
+    """How many tokens, in order, are accepted before the first that is not (accepted: bool, any shape, read
+    flat): a drafted run is taken up to its first rejected token."""
+    return int(np.cumprod(accepted.reshape(-1)).sum())
+
+
 def verification_tags(probs: np.ndarray, token_threshold: float) -> tuple[np.ndarray, int]:
     """probs [n, k]: AR probability of each drafted token. The first token of every slot counts
     as accepted. Returns (per-slot accepted-prefix tags [n, k], length of the accepted prefix of
@@ -24,8 +40,7 @@ def verification_tags(probs: np.ndarray, token_threshold: float) -> tuple[np.nda
     accepted = probs > token_threshold
     accepted[:, 0] = True
     tags = np.cumprod(accepted, axis=1)
-    prefix = int(np.cumprod(accepted.reshape(-1)).sum())
-    return tags.astype(np.int64), prefix
+    return tags.astype(np.int64), accepted_prefix(accepted)
 
 
 def infill_tags(previous: np.ndarray, probs: np.ndarray, token_threshold: float) -> np.ndarray:

@@ -150,3 +150,19 @@ def test_commit_logprobs_are_numpys_logs_and_a_zero_is_minus_infinity(probs, rec
     assert logprobs == tuple(np.log(p.astype(np.float64), where=p > 0, out=np.full(2, -np.inf)).tolist())
     assert alts == (((3, -0.5),), ((4, -1.5),)) and not recwarn.list  # a zero warns of no division
     assert policy.commit_logprobs(p, np.zeros((2, 0, 2)))[1] == ()
+
+
+@pytest.mark.parametrize("confidence, chosen", [
+    ([0.1] * 8, 4),  # the first slot always
+    ([0.1, 0.1, 0.1, 0.1, 0.9, 0.0, 0.0, 0.0], 8),  # the next slot's first draft clears the threshold
+    ([0.9, 0.9, 0.9, 0.9, 0.2, 0.9, 0.9, 0.9, 0.9], 4),  # one that does not ends the run, whatever follows
+    ([], 0), ([0.9, 0.9], 4),
+])
+def test_the_guided_loop_verifies_the_leading_slots_while_each_first_draft_is_confident(confidence, chosen):
+    assert policy.leading_slots(confidence, 4, 0.5) == chosen
+
+
+def test_a_run_is_accepted_up_to_its_first_rejected_token():
+    assert policy.accepted_prefix(np.array([0.9, 0.8, 0.05, 0.9]) > 0.1) == 2
+    assert policy.accepted_prefix(np.array([0.05, 0.9]) > 0.1) == 0 and policy.accepted_prefix(np.zeros(0) > 0) == 0
+    assert policy.accepted_prefix(np.array([[True, True], [False, True]])) == 2  # read flat, as verification's prefix
