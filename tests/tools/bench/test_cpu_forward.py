@@ -1,5 +1,5 @@
 """tools/bench/measure/cpu_forward.py's pieces that run without onnxruntime-genai: the CPU's flags and the feeds it
-builds for either graph family, from the session's own inputs."""
+builds (graph_nodes.graph_feed) for either graph family, from the session's own inputs."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import pytest
 pytest.importorskip("onnxruntime")
 
 from refusion.tools.bench.common import SIMD_FLAGS, cpu_flags  # noqa: E402
-from refusion.tools.bench.measure.cpu_forward import graph_feed, session  # noqa: E402
+from refusion.tools.bench.measure.cpu_forward import session  # noqa: E402
+from refusion.tools.bench.measure.graph_nodes import graph_feed  # noqa: E402
 
 
 def test_cpu_flags_name_the_simd_extensions_in_their_table_order():

@@ -29,6 +29,7 @@ import numpy as np
 from refusion.runtime.decode.masks import causal_after
 from refusion.tools.bench.common import cpu_flags, cpu_model, host_info, write_report
 from refusion.tools.bench.measure.ar_genai import checkpoint, exports
+from refusion.tools.bench.measure.graph_nodes import graph_feed
 
 # (tokens fed, past, heads): ar_genai's recorded means for AR and ReFusion on the embedded model
 SHAPES = {"ar": (1, 40, 1), "refusion": (24, 30, 15)}
@@ -48,30 +49,6 @@ def interleaved(calls: dict[str, Callable[[], Any]], repeats: int = REPEATS) -> 
             call()
             times[name].append(time.perf_counter() - t0)
     return {name: statistics.median(t) * 1e6 for name, t in times.items()}
-
-
-def graph_feed(session: Any, fed: int, past: int, heads: int, head_dim: int) -> dict[str, np.ndarray]:
-    """A causal feed of `fed` tokens over `past` for either graph family, from the session's own inputs: ours
-    (bool [1, fed, past + fed] mask, KV [1, past, kv_heads, d], head positions, vocab_mask) or onnxruntime-genai's
-    (int64 [1, past + fed] mask, KV [1, kv_heads, past, d])."""
-    rng = np.random.default_rng(0)
-    feed: dict[str, np.ndarray] = {}
-    for i in session.get_inputs():
-        if i.name == "input_ids":
-            feed[i.name] = rng.integers(0, 100, (1, fed))
-        elif i.name == "position_ids":
-            feed[i.name] = np.arange(past, past + fed)[None]
-        elif i.name == "attention_mask":
-            feed[i.name] = causal_after(past, fed) if "bool" in i.type else np.ones((1, past + fed), np.int64)
-        elif i.name == "head_positions":
-            feed[i.name] = np.arange(fed - heads, fed)[None]
-        elif i.name == "vocab_mask":
-            feed[i.name] = np.full((1, 1, i.shape[2]), 255, np.uint8)
-        elif i.shape[2] == "past_sequence_length":  # onnxruntime-genai's: [batch, kv_heads, past, head_dim]
-            feed[i.name] = rng.standard_normal((1, i.shape[1], past, head_dim)).astype(np.float32)
-        else:  # ours: [batch, past, kv_heads, head_dim]
-            feed[i.name] = rng.standard_normal((1, past, *i.shape[2:])).astype(np.float32)
-    return feed
 
 
 def session(path: Path, profile: bool = False) -> Any:

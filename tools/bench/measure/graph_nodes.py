@@ -29,23 +29,29 @@ SHAPES = ((1, 1), (16, 16), (16, 1), (22, 22), (22, 1))
 OUT = Path("results/graph-nodes")  # from the checkout's root
 
 
-def _feed(session: Any, seq: int, heads: int) -> dict[str, np.ndarray]:
-    """Random ids over a random past; the heads (when the graph takes them) at the last `heads` positions."""
+def graph_feed(session: Any, fed: int, past: int, heads: int, head_dim: int | None = None) -> dict[str, np.ndarray]:
+    """Random ids over a random past, causal, built from the session's own inputs, for either graph family: ours
+    (bool [1, fed, past + fed] mask, KV [1, past, kv_heads, head_dim], the heads at the last `heads` positions,
+    every token allowed) or onnxruntime-genai's (int64 [1, past + fed] mask, KV [1, kv_heads, past, head_dim]: its
+    head_dim is symbolic, so given)."""
     rng = np.random.default_rng(0)
     feed: dict[str, np.ndarray] = {}
     for i in session.get_inputs():
         if i.name == "input_ids":
-            feed[i.name] = rng.integers(0, 100, (1, seq))
+            feed[i.name] = rng.integers(0, 100, (1, fed))
         elif i.name == "position_ids":
-            feed[i.name] = np.arange(PAST, PAST + seq)[None]
+            feed[i.name] = np.arange(past, past + fed)[None]
         elif i.name == "attention_mask":
-            feed[i.name] = causal_after(PAST, seq)
+            feed[i.name] = causal_after(past, fed) if "bool" in i.type else np.ones((1, past + fed), np.int64)
         elif i.name == "head_positions":
-            feed[i.name] = np.arange(seq - heads, seq)[None]
+            feed[i.name] = np.arange(fed - heads, fed)[None]
         elif i.name == "vocab_mask":  # every token allowed (no guide)
             feed[i.name] = np.full((1, 1, i.shape[2]), 255, np.uint8)
-        else:  # past KV [1, past, kv_heads, head_dim]
-            feed[i.name] = rng.standard_normal((1, PAST, *i.shape[2:])).astype(np.float32)
+        elif i.shape[2] == "past_sequence_length":  # onnxruntime-genai's
+            assert head_dim is not None, "onnxruntime-genai's KV axes name no head_dim: give it"
+            feed[i.name] = rng.standard_normal((1, i.shape[1], past, head_dim)).astype(np.float32)
+        else:  # ours
+            feed[i.name] = rng.standard_normal((1, past, *i.shape[2:])).astype(np.float32)
     return feed
 
 
@@ -89,7 +95,7 @@ def main() -> None:
                                     "nodes_optimized": sum(optimized.values()), "ops": dict(written.most_common()),
                                     "ops_optimized": dict(optimized.most_common())}
     times: dict[str, dict[str, list[float]]] = {label: {f"{s}/{h}": [] for s, h in SHAPES} for label in sessions}
-    feeds = {label: {f"{s}/{h}": _feed(sess, s, h) for s, h in SHAPES} for label, sess in sessions.items()}
+    feeds = {label: {f"{s}/{h}": graph_feed(sess, s, PAST, h) for s, h in SHAPES} for label, sess in sessions.items()}
     labels = list(sessions)
     for repeat in range(REPEATS):
         for key in times[labels[0]]:
