@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Literal
 
-from refusion.runtime.core.defaults import DecodeDefaults
+from refusion.runtime.core.defaults import DecodeDefaults, RecordedSettings
 from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.core.settings import DECODE, DEFAULTS
 from refusion.runtime.decode import STRATEGIES
@@ -14,14 +14,10 @@ Mode = Literal["refusion", "ar"]  # decode.MODES, spelled out for type checkers 
 
 
 @dataclass(frozen=True)
-class DecodeParams:
-    """The decode settings of a request: the `decode` rows of runtime/core/settings.py, each checked there."""
+class DecodeParams(RecordedSettings):
+    """The decode settings of a request: the `decode` rows of runtime/core/settings.py, each checked there (the
+    recorded ones first, declared in RecordedSettings)."""
 
-    gen_length: int = DEFAULTS["gen_length"]
-    slot_size: int = DEFAULTS["slot_size"]
-    serial_num_blocks: int = DEFAULTS["serial_num_blocks"]
-    slot_threshold: float = DEFAULTS["slot_threshold"]
-    token_threshold: float = DEFAULTS["token_threshold"]
     temperature: float = DEFAULTS["temperature"]
     seed: int | None = DEFAULTS["seed"]
     mode: Mode = DEFAULTS["mode"]

@@ -17,14 +17,21 @@ from refusion.runtime.core.settings import DEFAULTS, RECORDED
 
 
 @dataclass(frozen=True)
-class DecodeDefaults:
-    """The settings runtime/core/settings.py marks `recorded`, with its defaults (the paper's gsm8k row)."""
+class RecordedSettings:
+    """The settings runtime/core/settings.py marks `recorded` (an export records them), with their defaults (the
+    paper's gsm8k row): declared once, the first fields of both an export's DecodeDefaults and a request's
+    DecodeParams (runtime/params.py)."""
 
     gen_length: int = DEFAULTS["gen_length"]
     slot_size: int = DEFAULTS["slot_size"]
     serial_num_blocks: int = DEFAULTS["serial_num_blocks"]
     slot_threshold: float = DEFAULTS["slot_threshold"]
     token_threshold: float = DEFAULTS["token_threshold"]
+
+
+@dataclass(frozen=True)
+class DecodeDefaults(RecordedSettings):
+    """An export's recorded settings, checked by their rows and whole: gen_length in whole blocks of whole slots."""
 
     def __post_init__(self) -> None:
         for setting in RECORDED:
