@@ -332,8 +332,8 @@ class Generator:
         """Start a generation and return its handle at once: `.result()`, iteration over settled
         text, `.cancel()`, `.done`. `options`: decode settings (gen_length, max_tokens, slot_size, ...; left
         out, the export's) and request options (stop, stop_token_ids, logprobs, timeout_s: it ends with
-        finish_reason "timeout" within one forward of the deadline; a guide: json_schema, regex, choice, grammar or
-        response_format). `tools` (OpenAI's functions, offered through the chat template) and `tool_choice` ("auto",
+        finish_reason "timeout" within one forward of the deadline; a guide: json_schema, regex, choice or
+        grammar). `tools` (OpenAI's functions, offered through the chat template) and `tool_choice` ("auto",
         "none", "required" or {"type": "function", "function": {"name": ...}}): the result carries the calls in
         `tool_calls`. Bad input raises here, before anything runs."""
         resolved = self.options(tools, tool_choice, **options)  # a guide refused before the prompt is rendered

@@ -18,7 +18,6 @@ class RequestOptions:
     top_logprobs: int = DEFAULTS["top_logprobs"]  # ... and this many alternatives to each (at most the candidates)
     timeout_s: float | None = DEFAULTS["timeout_s"]  # the request ends with finish_reason "timeout" at this deadline
     # structured output, one guide at most (runtime/structured/guide.py); JSON ones held as their JSON text
-    response_format: str | None = DEFAULTS["response_format"]  # OpenAI's: json_object, json_schema (text: none)
     json_schema: str | None = DEFAULTS["json_schema"]  # the answer is JSON valid under this schema
     regex: str | None = DEFAULTS["regex"]  # ... matches this regular expression whole
     choice: tuple[str, ...] | None = DEFAULTS["choice"]  # ... is one of these strings (given, at least one)

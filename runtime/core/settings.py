@@ -248,9 +248,6 @@ SETTINGS = (
             role="request", low=0, open="low", note="seconds", cli="--timeout", openai=("timeout_s",),
             openai_extra=True, triton="timeout_s"),
     # -- structured output: the answer follows one guide, or the request is refused (docs/decoding.md) ----------
-    Setting("response_format", "json", "OpenAI's response_format: {\"type\": \"json_object\"}, or {\"type\": "
-            "\"json_schema\", \"json_schema\": {\"name\": ..., \"schema\": {...}}} (text: no guide)", role="request",
-            high=GUIDE_BYTES, note="a guide is bounded", cli="", openai=("response_format",), guide=True),
     Setting("json_schema", "json", "the answer is JSON valid under this JSON schema", role="request",
             high=GUIDE_BYTES, note="a guide is bounded", cli_file=True, openai=("guided_json",), openai_extra=True,
             triton="json_schema", guide=True),

@@ -1,7 +1,7 @@
 """A request's guide: the one structure its answer must follow, read from its options (the `guide` rows of
-runtime/core/settings.py): a JSON schema (json_schema, or OpenAI's response_format), a regular expression, a choice
-of strings, or a grammar. Pure: a grammar engine (engine.py) compiles what this names, and every refusal names
-the field the guide came from.
+runtime/core/settings.py): a JSON schema, a regular expression, a choice of strings, or a grammar (a frontend
+translates its own forms into these: OpenAI's response_format, in serve/openai/). Pure: a grammar engine
+(engine.py) compiles what this names, and every refusal names the field the guide came from.
 
 A JSON schema's objects that list their `properties` are closed: one that does not say `additionalProperties`
 takes no other key (`closed`), as OpenAI's strict mode and xgrammar read it, where JSON Schema would take any. Every
@@ -22,7 +22,6 @@ if TYPE_CHECKING:
     from refusion.runtime.options import RequestOptions
 
 GuideKind = Literal["json_schema", "regex", "choice", "grammar", "tool_call"]
-ANY_OBJECT = '{"type":"object"}'  # response_format json_object: any JSON object
 
 
 @dataclass(frozen=True)
@@ -62,11 +61,9 @@ def guide_of(options: RequestOptions) -> Guide | None:
     """The guide `options` ask for, or None; a RefusionError naming the field when they ask for two, or for one
     that is not what its field takes."""
     given: list[Guide] = []
-    if options.response_format is not None:
-        given += _response_format(json.loads(options.response_format))
     for setting in GUIDES:
         value = getattr(options, setting.name)
-        if setting.name == "response_format" or value is None:  # left out (a choice given is never empty)
+        if value is None:  # left out (a choice given is never empty)
             continue
         if setting.name == "choice":
             given.append(_choice(value))
@@ -78,34 +75,6 @@ def guide_of(options: RequestOptions) -> Guide | None:
         raise RefusionError(f"{given[0].field} and {given[1].field} both ask for structured output; a request "
                             "follows one guide: give one of them.", given[0].field)
     return given[0] if given else None
-
-
-def _response_format(value: dict[str, Any]) -> list[Guide]:
-    """OpenAI's response_format: text (no guide), json_object (any JSON object) or json_schema."""
-    kind = value.get("type")
-    if kind == "text" and set(value) == {"type"}:
-        return []
-    if kind == "json_object" and set(value) == {"type"}:
-        return [Guide("json_schema", ANY_OBJECT, "response_format")]
-    if kind == "json_schema":
-        spec = value.get("json_schema")
-        extra = [k for k in value if k not in ("type", "json_schema")]
-        if extra:
-            raise RefusionError(f"response_format.{extra[0]} is not a field of a json_schema response_format; it "
-                                "takes type and json_schema.", f"response_format.{extra[0]}")
-        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
-            raise RefusionError('response_format.json_schema must be an object with the schema in "schema": '
-                                '{"type": "json_schema", "json_schema": {"name": "answer", "schema": {...}}}.',
-                                "response_format.json_schema")
-        unknown = [k for k in spec if k not in ("name", "schema", "strict", "description")]
-        if unknown:
-            raise RefusionError(f"response_format.json_schema.{unknown[0]} is not one of name, description, schema, "
-                                "strict.", f"response_format.json_schema.{unknown[0]}")
-        schema = json.dumps(closed(spec["schema"]), ensure_ascii=False, separators=(",", ":"))
-        return [Guide("json_schema", schema, "response_format.json_schema.schema")]
-    shown = json.dumps(kind)[:40] if kind is not None else "missing"
-    raise RefusionError(f"response_format.type is {shown}; it must be \"text\", \"json_object\" or \"json_schema\" "
-                        "(with json_schema.schema), and nothing else beside type.", "response_format.type")
 
 
 def _choice(values: tuple[str, ...]) -> Guide:

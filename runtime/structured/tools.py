@@ -60,9 +60,9 @@ class Tools:
                 for i, f in enumerate(self.functions) if not self.named or f["function"]["name"] == self.choice]
 
     def guide(self, answer: Guide | None = None) -> Guide | None:
-        """The guide of a request with these tools and `answer`, the guide its text answer follows (response_format,
-        a guided_* field; None: none), as OpenAI reads the two together: with "required" or a named function, a
-        call, certain (its arguments valid under the function's parameters; `answer` shapes no text: a call has
+        """The guide of a request with these tools and `answer`, the guide its text answer follows (a json_schema, a
+        regex...: OpenAI's response_format or a guided_* field; None: none), as OpenAI reads the two together: with
+        "required" or a named function, a call, certain (its arguments valid under the function's parameters; `answer` shapes no text: a call has
         none); with "auto" and a JSON schema answer, a call or that answer, one guide; with "auto" and no answer, a
         call or text with no call in it, so that a call the model begins is a valid one (ReFusion's out-of-order
         drafts, unguided, garble a call's JSON); with "none", or "auto" and an answer of another kind (a regex, a

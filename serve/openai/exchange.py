@@ -15,6 +15,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect, Request
 from starlette.types import Receive
 
+from refusion.runtime.core.errors import ContextLengthError, RefusionError
 from refusion.runtime.core.settings import SETTINGS
 from refusion.runtime.request import Request as Generation
 from refusion.serve.frontend import Final, Frontend, ServeRequest, Status
@@ -98,10 +99,12 @@ async def submit(frontend: Frontend[Arrival], api: ApiRequest, arrival: Arrival)
                 generations.append(await run_in_threadpool(frontend.submit, _nth(job, choice), arrival))
                 if choice == 0 and api.n > 1 and frontend.gen.status().prefix_cache is not None:
                     await _first_commit(generations[-1])
-    except BaseException:
+    except BaseException as e:
         frontend.give_back(places)
         for generation in generations:
             frontend.abandon(generation)
+        if isinstance(e, RefusionError) and not isinstance(e, (ApiError, ContextLengthError)):
+            raise RefusionError(*api.as_client(str(e), e.field)) from None  # named as the client sent it
         raise
     return generations
 

@@ -55,7 +55,8 @@ async def create_response(http: Request, frontend: Frontend[Arrival], config: Ap
 
 def _failure(final: Final, wanted: ResponsesRequest) -> ApiError:
     """A runtime error as the ApiError its client gets, naming the field by its Responses name."""
-    return renamed(ApiError(final.status.value, *as_sent(final.error, final.field)), wanted.sources)
+    return renamed(ApiError(final.status.value, *as_sent(*wanted.api.as_client(final.error, final.field))),
+                   wanted.sources)
 
 
 async def _events(frontend: Frontend[Arrival], generation: Generation, wanted: ResponsesRequest,

@@ -21,8 +21,8 @@ from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from refusion.runtime.core.errors import RefusionError
+from refusion.runtime.core.nesting import MAX_JSON_DEPTH, json_depth
 from refusion.runtime.core.settings import BY_NAME, GUIDES, SETTINGS
-from refusion.runtime.structured.guide import ANY_OBJECT
 from refusion.serve.frontend import ServeRequest
 from refusion.serve.openai.responses import ApiError
 from refusion.serve.security import read_json_object
@@ -67,6 +67,8 @@ FIELDS = (
     ApiField("stream", "bool", "send the answer as server-sent events as it settles, then `data: [DONE]`"),
     ApiField("stream_options", "object", "with stream: {\"include_usage\": true} adds a last chunk with the usage"),
     *_setting_fields(),
+    ApiField("response_format", "json", "OpenAI's response_format: {\"type\": \"json_object\"}, or {\"type\": "
+             "\"json_schema\", \"json_schema\": {\"name\": ..., \"schema\": {...}}} (text: no guide), a json_schema guide"),
     ApiField("logprobs", "int", "each returned token's log-probability, and this many alternatives to it (at most "
              "the export's candidates)", "logprobs", endpoints=(COMPLETIONS,)),
     ApiField("n", "int", "choices per prompt: n requests that share the prompt's KV (through the prefix cache)"),
@@ -89,6 +91,7 @@ FIELDS = (
              "streaming)", refusion=True),
 )
 
+ANY_OBJECT = '{"type":"object"}'  # json_object (response_format's, structured_outputs'): any JSON object
 # vLLM's structured_outputs keys: each the guide setting it gives (json_object: true gives any JSON object).
 STRUCTURED_OUTPUTS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar",
                       "json_object": "json_schema"}
@@ -116,6 +119,17 @@ class ApiRequest:
     logprobs: bool = False
     token_ids: bool = False  # return_token_ids
     tool_calls: bool = False  # answers are read for tool calls (tools given, tool_choice not none)
+    # (setting, the field it was sent as) where a field of the client's became a setting of another name (a
+    # response_format: json_schema), so that a refusal names what the client sent
+    sent_as: tuple[tuple[str, str], ...] = ()
+
+    def as_client(self, message: str, field: str | None) -> tuple[str, str | None]:
+        """A runtime refusal's message and field with a translated setting named as the client sent it."""
+        for setting, sent in self.sent_as:
+            if field is not None and (field == setting or field.startswith(setting + ".")):
+                return (sent + message[len(setting):] if message.startswith(setting) else message,
+                        sent + field[len(setting):])
+        return message, field
 
     @property
     def stream(self) -> bool:
@@ -162,7 +176,16 @@ def read_request(endpoint: str, body: Mapping[str, Any], model: str) -> ApiReque
     stream = values.get("stream", False)
     include_usage = _stream_options(values.get("stream_options"), stream)
     settings = {f.keyword: values[f.name] for f in fields.values() if f.keyword and f.name in values}
-    settings.update(_structured_outputs(values))
+    guides, sent_as = _structured_outputs(values)
+    settings.update(guides)
+    schema, sent = _response_format(values.get("response_format"))
+    if schema is not None:
+        given = [name for setting in GUIDES if setting.name in settings
+                 for name in [sent_as.get(setting.name, setting.openai[0])]]
+        if given:
+            raise ApiError(400, f"response_format and {given[0]} both ask for structured output; a request follows "
+                                "one guide: give one of them.", "response_format")
+        settings["json_schema"], sent_as = schema, {"json_schema": sent}
     if isinstance(settings.get("tool_choice"), dict) and settings["tool_choice"].get("type") == "allowed_tools":
         settings["tools"], settings["tool_choice"] = _allowed_tools(settings["tool_choice"], settings.get("tools"))
     if endpoint == COMPLETIONS and "logprobs" in settings:  # logprobs N: the tokens' own, and N alternatives
@@ -182,7 +205,7 @@ def read_request(endpoint: str, body: Mapping[str, Any], model: str) -> ApiReque
     jobs = [replace(job, stream=stream, settings=settings) for job in jobs]
     calls = "tools" in settings and settings.get("tool_choice") != "none"
     return ApiRequest(endpoint, tuple(jobs), n, include_usage, bool(settings.get("logprobs", False)),
-                      values.get("return_token_ids", False), calls)
+                      values.get("return_token_ids", False), calls, tuple(sent_as.items()))
 
 
 def _unknown(endpoint: str, name: str, fields: Mapping[str, ApiField]) -> ApiError:
@@ -246,12 +269,12 @@ def _stream_options(options: Any, stream: bool) -> bool:
     return include
 
 
-def _structured_outputs(values: Mapping[str, Any]) -> dict[str, Any]:
+def _structured_outputs(values: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
     """vLLM's structured_outputs as the guide settings it gives ({"json": schema}: json_schema, as guided_json
     gives it); a key unknown, of the wrong type, or a second guide beside it is a 400 naming it."""
     given = values.get("structured_outputs")
     if given is None:
-        return {}
+        return {}, {}
     if not isinstance(given, dict):
         raise ApiError(400, 'structured_outputs must be an object, e.g. {"json": {...}} or {"regex": "..."}.',
                        "structured_outputs")
@@ -272,13 +295,53 @@ def _structured_outputs(values: Mapping[str, Any]) -> dict[str, Any]:
             value = _checked(ApiField(name, setting.kind, setting.help, setting.name), value)
         settings[setting.name] = value
         sent.append(name)
-    others = [name for setting in GUIDES for name in setting.openai if values.get(name) is not None
-              and not (name == "response_format" and values[name] == {"type": "text"})]
+    others = [name for setting in GUIDES for name in setting.openai if values.get(name) is not None]
+    if _response_format(values.get("response_format"))[0] is not None:  # text asks for none
+        others.insert(0, "response_format")
     if len(sent + others) > 1:
         first, second = (sent + others)[:2]
         raise ApiError(400, f"{first} and {second} both ask for structured output; a request follows one guide: give "
-                            "one of them.", sent[0])
-    return settings
+                            "one of them.", first)
+    return settings, {setting: name for setting, name in zip(settings, sent)}
+
+
+def _response_format(value: Any) -> tuple[str | dict[str, Any] | None, str]:
+    """OpenAI's response_format as the json_schema guide it asks for (None: text, no guide), and the field that
+    guide is named by in a refusal: json_object any JSON object, json_schema its schema."""
+    if value is None:
+        return None, "response_format"
+    if isinstance(value, str):  # its JSON text, as a json field may be sent: measured before json.loads recurses
+        depth = json_depth(value.encode("utf-8", "surrogatepass"))
+        if depth > MAX_JSON_DEPTH:
+            raise ApiError(400, f"response_format nests {depth} deep, over the limit of {MAX_JSON_DEPTH} (a guide is "
+                                "bounded); give a flatter one.", "response_format")
+        try:
+            value = json.loads(value)
+        except ValueError:
+            raise ApiError(400, "response_format is not valid JSON text; send an object.", "response_format") from None
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text" and set(value) == {"type"}:
+        return None, "response_format"
+    if kind == "json_object" and set(value) == {"type"}:
+        return ANY_OBJECT, "response_format"
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        extra = [k for k in value if k not in ("type", "json_schema")]
+        if extra:
+            raise ApiError(400, f"response_format.{extra[0]} is not a field of a json_schema response_format; it "
+                                "takes type and json_schema.", f"response_format.{extra[0]}")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+            raise ApiError(400, 'response_format.json_schema must be an object with the schema in "schema": '
+                                '{"type": "json_schema", "json_schema": {"name": "answer", "schema": {...}}}.',
+                           "response_format.json_schema")
+        unknown = [k for k in spec if k not in ("name", "schema", "strict", "description")]
+        if unknown:
+            raise ApiError(400, f"response_format.json_schema.{unknown[0]} is not one of name, description, schema, "
+                                "strict.", f"response_format.json_schema.{unknown[0]}")
+        return spec["schema"], "response_format.json_schema.schema"
+    shown = json.dumps(kind)[:40] if kind is not None else "missing"
+    raise ApiError(400, f"response_format.type is {shown}; it must be \"text\", \"json_object\" or \"json_schema\" "
+                        "(with json_schema.schema), and nothing else beside type.", "response_format.type")
 
 
 def _allowed_tools(choice: dict[str, Any], tools: Any) -> tuple[Any, str]:

@@ -112,18 +112,18 @@ def test_a_required_or_named_call_is_certain_and_valid(random_model, mode):
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},  # a Pydantic model's schema:
                                            "age": {"type": "integer", "minimum": 0, "maximum": 99}},  # no
           "required": ["name", "age"]}  # additionalProperties, which a guide reads as false
-TYPED = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
 
 
 @pytest.mark.parametrize("mode", ["refusion", "ar"])
 def test_tools_and_a_typed_answer_in_one_request_give_a_call_or_that_answer(random_model, mode):
     """OpenAI's reading, which agents rely on (tools, then a typed final answer): with "auto" the model calls a tool
-    or answers in the response_format; with "required" or a named function it calls one (a call has no text)."""
+    or answers in the typed answer's schema (OpenAI's response_format, which its server translates into json_schema);
+    with "required" or a named function it calls one (a call has no text)."""
     import jsonschema
 
     seen = set()
     for seed in range(8):
-        result = random_model.generate(messages=ASK, tools=TOOLS, response_format=TYPED, mode=mode, temperature=1.0,
+        result = random_model.generate(messages=ASK, tools=TOOLS, json_schema=PERSON, mode=mode, temperature=1.0,
                                        seed=seed, max_tokens=96)
         if result.tool_calls:
             assert result.finish_reason == "tool_calls" and result.text == ""
@@ -134,7 +134,7 @@ def test_tools_and_a_typed_answer_in_one_request_give_a_call_or_that_answer(rand
             seen.add("answer")
     assert seen == {"call", "answer"}  # both forms are open to it: the first token may be `<tool_call>` or `{`
     for choice in ("required", {"type": "function", "function": {"name": "move"}}):
-        result = random_model.generate(messages=ASK, tools=TOOLS, tool_choice=choice, response_format=TYPED, mode=mode,
+        result = random_model.generate(messages=ASK, tools=TOOLS, tool_choice=choice, json_schema=PERSON, mode=mode,
                                        max_tokens=96)
         assert result.finish_reason == "tool_calls" and len(result.tool_calls) == 1
     # a regex shapes the whole answer, calls read out of it (vLLM's guided fields): here it writes a call

@@ -151,7 +151,7 @@ def _nested(depth: int) -> dict:
     return outer
 
 
-@pytest.mark.parametrize("name", ["json_schema", "response_format"])
+@pytest.mark.parametrize("name", ["json_schema"])
 @pytest.mark.parametrize("deep, depth", [("[" * 1000 + "]" * 1000, 1000), ('{"a":' * 3000 + "1" + "}" * 3000, 3000),
                                          (_nested(10_000), 10_000)], ids=["text-1000", "text-3000", "dict-10000"])
 def test_a_json_guide_nests_no_deeper_than_a_body_may(name, deep, depth):
@@ -162,7 +162,7 @@ def test_a_json_guide_nests_no_deeper_than_a_body_may(name, deep, depth):
         BY_NAME[name].check(deep)
 
 
-@pytest.mark.parametrize("name", ["json_schema", "response_format"])
+@pytest.mark.parametrize("name", ["json_schema"])
 def test_a_json_guide_at_the_nesting_limit_is_taken(name):
     setting = BY_NAME[name]
     at = _nested(MAX_JSON_DEPTH)

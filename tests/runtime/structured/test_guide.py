@@ -1,5 +1,6 @@
 """A request's guide is read from its options: one at most, each form as its field takes it, every refusal naming
-the field (runtime/structured/guide.py; pure, no grammar engine)."""
+the field (runtime/structured/guide.py; pure, no grammar engine). OpenAI's response_format is the OpenAI server's
+to translate (tests/serve/openai/test_structured.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 
 from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.options import RequestOptions
-from refusion.runtime.structured.guide import ANY_OBJECT, Guide, guide_of
+from refusion.runtime.structured.guide import Guide, guide_of
 
 SCHEMA = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}
 CLOSED = {**SCHEMA, "additionalProperties": False}  # what a guide follows: an object with properties takes no other
@@ -17,17 +18,12 @@ CLOSED = {**SCHEMA, "additionalProperties": False}  # what a guide follows: an o
 
 @pytest.mark.parametrize("options, guide", [
     (dict(), None),
-    (dict(response_format={"type": "text"}), None),
-    (dict(response_format={"type": "json_object"}), Guide("json_schema", ANY_OBJECT, "response_format")),
-    (dict(response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA, "strict": True}}),
-     Guide("json_schema", json.dumps(CLOSED, separators=(",", ":")), "response_format.json_schema.schema")),
     (dict(json_schema=SCHEMA), Guide("json_schema", json.dumps(CLOSED, separators=(",", ":")), "json_schema")),
     (dict(json_schema=json.dumps(SCHEMA, indent=2)), Guide("json_schema", json.dumps(CLOSED, separators=(",", ":")),
                                                            "json_schema")),
     (dict(regex=r"\d+"), Guide("regex", r"\d+", "regex")),
     (dict(choice=["yes", "no"]), Guide("choice", '["yes", "no"]', "choice")),
     (dict(grammar='start: "a"'), Guide("grammar", 'start: "a"', "grammar")),
-    (dict(response_format={"type": "text"}, regex="a"), Guide("regex", "a", "regex")),  # text is no guide
 ])
 def test_each_field_gives_its_guide(options, guide):
     assert guide_of(RequestOptions(**options)) == guide
@@ -35,12 +31,6 @@ def test_each_field_gives_its_guide(options, guide):
 
 @pytest.mark.parametrize("options, message", [
     (dict(regex="a", choice=["b"]), "regex and choice both ask for structured output"),
-    (dict(response_format={"type": "json_object"}, json_schema=SCHEMA), "response_format and json_schema both"),
-    (dict(response_format={"type": "xml"}), 'response_format.type is "xml"'),
-    (dict(response_format={"type": "json_object", "schema": {}}), "response_format.type is \"json_object\""),
-    (dict(response_format={"type": "json_schema"}), "response_format.json_schema must be an object"),
-    (dict(response_format={"type": "json_schema", "json_schema": {"schema": SCHEMA, "x": 1}}),
-     "response_format.json_schema.x is not one of"),
     (dict(json_schema="[1, 2]"), "json_schema='[1, 2]' must be a JSON object"),
     (dict(json_schema="{"), "json_schema='{' is not JSON text"),
     (dict(regex=""), "regex='' must be a non-empty string"),
