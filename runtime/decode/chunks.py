@@ -74,7 +74,8 @@ def cut(forward: Forward, bound: int | None, backend: Backend) -> list[Forward]:
     """`forward` as the chunks it runs as, in order: at most `bound` tokens each (None: any), and each one `backend`
     runs in one execution (its chunk_bound: None where it runs a forward whole, else the most tokens a chunk of it
     may feed; 0: none), a chunk it does not run whole cut again to that (a chunk over a past, on TensorRT engines
-    built for whole prefills). Refused where a cut is needed and cannot be made."""
+    built for whole prefills). Past prefill_chunk a forward that cannot be cut is refused; one the backend cannot
+    run whole nor in chunks is left whole, for the backend to refuse naming its own limits."""
     seq = forward.input_ids.shape[1]
     most = backend.chunk_bound(forward.graph, seq, forward.past, forward.heads.shape[1])
     if most is None and (bound is None or seq <= bound):
@@ -85,10 +86,8 @@ def cut(forward: Forward, bound: int | None, backend: Backend) -> list[Forward]:
     if most is None and not chunkable(forward):
         raise RefusionError(f"a {forward.kind} forward of {seq} tokens exceeds prefill_chunk={bound} and cannot be "
                             "cut (only a prefill can); raise prefill_chunk to the request's block length.")
-    if not (limit and chunkable(forward)):
-        raise RefusionError(f"a {forward.kind} forward of {seq} tokens over a past of {forward.past} fits none of the "
-                            f"{backend.name} engine's profiles, whole or in chunks; rebuild the engines for it "
-                            "(refusion-export build --max-prompt, --gen-length).")
+    if not (limit and chunkable(forward)):  # the backend refuses it whole, naming the limit and how to rebuild
+        return [forward]
     return [chunk for piece in split(forward, limit) for chunk in cut(piece, None, backend)]
 
 

@@ -92,13 +92,13 @@ def test_cut_is_the_bound_and_the_backends_chunks_one_place():
     assert merge(over, chunks, outs)["argmax_ids"].tolist() == [[10, 36]]
 
 
-def test_a_forward_that_cannot_be_cut_is_refused_naming_why():
+def test_a_forward_past_the_bound_that_cannot_be_cut_is_refused_and_one_past_the_backend_is_left_to_it():
     ahead = _prefill(5, 30, [29])
     ahead.attention_mask[0, 0, 5 + 3] = True
     with pytest.raises(RefusionError, match="exceeds prefill_chunk=16 and cannot be cut"):
         cut(ahead, 16, _Engines(64, 64))
-    with pytest.raises(RefusionError, match="over a past of 5 fits none of the fake engine's profiles"):
-        cut(ahead, None, _Engines(8, 8))
-    with pytest.raises(RefusionError, match="fits none of the fake engine's profiles"):
-        cut(_prefill(5, 30, [29]), None, _Engines(0, 0))
+    # one the backend runs neither whole nor in chunks stays whole: the backend refuses it naming its own limits
+    assert cut(ahead, None, _Engines(8, 8)) == [ahead]
+    prefill = _prefill(5, 30, [29])
+    assert cut(prefill, None, _Engines(0, 0)) == [prefill]
     assert cut(ahead, 64, _Engines(64, 64)) == [ahead]  # within both: whole, cut or not
