@@ -45,8 +45,8 @@ def ar_steps(tokens: Tokens, params: DecodeParams, trace: DecodeTrace) -> StepMa
     for step in range(1, gen_len + 1):
         c = cache.length
         # the next token is read at the last position alone: a prefill runs one vocabulary head
-        out = yield from fwd.run(kind, "infiller", ids, pos, masks.causal_after(c, len(ids)), c, c,
-                                 np.array([len(ids) - 1]))
+        out = yield from fwd.run(kind, "infiller", ids, pos, masks.causal_after(c, len(ids)), c, write_at=c,
+                                 heads=np.array([len(ids) - 1]))
         cache.commit(len(ids))
         if step == 1:
             yield PrefixKV(tuple(tokens.prompt))

@@ -30,7 +30,7 @@ class Forwards:
         self.slot_size = params.slot_size  # the infill rows' length (ReFusion's loop sets it for a short last slot)
         self.rng = np.random.default_rng(params.seed) if params.temperature > 0 else None
 
-    def run(self, kind: str, graph: GraphName, ids: np.ndarray, pos: np.ndarray, mask: np.ndarray, past: int,
+    def run(self, kind: str, graph: GraphName, ids: np.ndarray, pos: np.ndarray, mask: np.ndarray, past: int, *,
             write_at: int | None = None, heads: np.ndarray | None = None,
             vocab_mask: np.ndarray | None = None) -> Calls[Outputs]:
         """One forward; the heads at `heads` (indices into ids; default every position), each over the tokens its
@@ -49,7 +49,7 @@ class Forwards:
         head at j - 1's next-token probability, so the heads run at [0, seq - 1) alone. Token 0 has none in
         this pass; it reads 1.0, as the loop accepts every slot's (and window's) first token whatever it reads."""
         heads = np.arange(max(len(ids) - 1, 1))  # a single token still computes one head, its reading unused
-        out = yield from self.run(kind, "infiller", ids, pos, mask, past, write_at, heads)
+        out = yield from self.run(kind, "infiller", ids, pos, mask, past, write_at=write_at, heads=heads)
         return np.concatenate([np.ones(1, np.float32), out["input_probs"][0][: len(ids) - 1]])
 
     def draft(self, out: Outputs, sample: bool) -> Drafts:
@@ -73,8 +73,8 @@ class Forwards:
         ids = np.concatenate([prompt[c:], masks_ids])
         pos = np.concatenate([np.arange(c, len(prompt)), mask_pos])
         fed = len(prompt) - c  # the prompt's positions read nothing: only the masks' heads run
-        out = yield from self.run("prefill_plan", "infiller", ids, pos, masks.causal_after(c, len(ids)), c, c,
-                                  np.arange(fed, len(ids)))
+        out = yield from self.run("prefill_plan", "infiller", ids, pos, masks.causal_after(c, len(ids)), c, write_at=c,
+                                  heads=np.arange(fed, len(ids)))
         self.cache.commit(fed)
         return self.draft(out, sample=True)
 

@@ -111,7 +111,7 @@ class _Loop:
             if len(pending) - prompt > bound:  # more forced tokens than a forward feeds whole: their KV first, a
                 c, n = cache.length, min(bound + prompt, len(pending) - 1)  # chunk at a time, the last left to read
                 yield from self.fwd.run("guided_kv", "infiller", np.array(pending[:n]), np.arange(c, c + n),  # at
-                                        masks.causal_after(c, n), c, c, np.array([n - 1]))
+                                        masks.causal_after(c, n), c, write_at=c, heads=np.array([n - 1]))
                 cache.commit(n)
                 continue
             room = min(ahead, bound + prompt - len(pending))  # R and M: a lookahead, within the bound
@@ -138,8 +138,8 @@ class _Loop:
             vocab_mask = np.full((len(heads), width), 255, np.uint8)
             vocab_mask[: r + 1] = along  # the guide's masks where the next token is read; M's drafts are free
             out = yield from self.fwd.run("guided_prefill" if first else "guided", "infiller", ids,
-                                          np.arange(c, c + len(ids)), masks.causal_after(c, len(ids)), c, c, heads,
-                                          vocab_mask)
+                                          np.arange(c, c + len(ids)), masks.causal_after(c, len(ids)), c, write_at=c,
+                                          heads=heads, vocab_mask=vocab_mask)
             cache.commit(p)
             if first:
                 yield PrefixKV(tuple(tokens.prompt))  # the prompt's KV is a causal prefill's
