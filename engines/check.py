@@ -119,7 +119,7 @@ class TensorRTCases(CaseRunner):
                     f"(engines built with --max-batch {self.runner.max_batch})")
         heads = feed["head_positions"].shape[1]
         if (select_profile(list(self.runner.engines.engine.profiles), graph, seq, past, 1, heads) is None
-                and len(self._cut(self._forward(graph, feed, 0))) == 1):
+                and len(cut(self._forward(graph, feed, 0), None, self.runner)) == 1):
             return f"seq {seq} over past {past} ({heads} heads) lies outside the engine's {graph} profiles"
         return ""
 
@@ -134,20 +134,13 @@ class TensorRTCases(CaseRunner):
                        None if masks is None else np.ascontiguousarray(
                            np.broadcast_to(masks[row : row + 1], (1, heads.shape[1], masks.shape[2]))))
 
-    def _cut(self, forward: Forward) -> list[Forward]:
-        """`forward` cut as the scheduler cuts it (chunks.cut); whole where it cannot be (the runner refuses it)."""
-        try:
-            return cut(forward, None, self.runner)
-        except RefusionError:
-            return [forward]
-
     def __call__(self, graph: GraphName, feed: Feed) -> Outputs:
         batch, seq, past = feed_shape(feed)
         runner = self.runner
         runner.activate()
         write_at = past if graph == "infiller" else None
         forwards = [self._forward(graph, feed, b) for b in range(batch)]
-        pieces = [self._cut(forward) for forward in forwards]
+        pieces = [cut(forward, None, self.runner) for forward in forwards]  # as the scheduler cuts them
         for b in range(batch):
             runner.allocate_kv(past + seq, b)
             runner.kv_from_host(0, {name: feed[name][b : b + 1] for i in range(runner.manifest.num_layers)
