@@ -155,7 +155,7 @@ class _Loop:
             # token, the mask reading's draft over M
             picked, picked_probs, alternatives = self.fwd.draft(out, sample=True)
             others = [tuple((int(i), float(lp)) for i, lp in row) for row in alternatives[: accepted + 1]]
-            lps = _logprobs(np.concatenate([probs[:accepted], picked_probs[accepted : accepted + 1]]))
+            lps = policy.log_probabilities(np.concatenate([probs[:accepted], picked_probs[accepted : accepted + 1]]))
             before = len(self.sequence)
             yield from self.commit(run[:accepted], lps[:accepted], others[:accepted], "draft")
             cache.commit(len(self.sequence) - before)  # R's accepted tokens' KV is in place
@@ -173,11 +173,6 @@ class _Loop:
             masks_from = r + 2 if accepted == r else r + 1
             drafts = [*run[leftover], *(int(t) for t in picked[masks_from:])]
             confidence = [*confidence[leftover], *(float(x) for x in picked_probs[masks_from:])]
-
-
-def _logprobs(probs: np.ndarray) -> list[float]:
-    with np.errstate(divide="ignore"):  # a probability of 0 in fp32 is -inf
-        return [float(x) for x in np.log(probs.astype(np.float64))]
 
 
 def _verifiable(matcher: Matcher, drafts: list[int], confidence: list[float], most: int, k: int,

@@ -101,16 +101,20 @@ def sample_candidates(ids: np.ndarray, logprobs: np.ndarray, temperature: float,
     return ids[rows, chosen], np.exp(lp[rows, chosen]).astype(np.float32)
 
 
+def log_probabilities(probs: np.ndarray) -> list[float]:
+    """Each probability's log, in float64 (a probability of 0 in fp32 is -inf)."""
+    p = probs.astype(np.float64)
+    if p.all():  # the usual case, without np.errstate: it costs more than the log on a 1-token step
+        return np.log(p).tolist()
+    with np.errstate(divide="ignore"):
+        return np.log(p).tolist()
+
+
 def commit_logprobs(probs: np.ndarray, alternatives: np.ndarray
                     ) -> tuple[tuple[float, ...], tuple[tuple[tuple[int, float], ...], ...]]:
     """What a Commit reports of its tokens: each one's log-probability (probs [n]: a probability of 0 in fp32
     is -inf) and its alternatives (alternatives [n, top, 2] of (id, log-probability); top 0: none asked)."""
-    p = probs.astype(np.float64)
-    if p.all():  # the usual case, without np.errstate: it costs more than the log on a 1-token step
-        logprobs = tuple(np.log(p).tolist())
-    else:
-        with np.errstate(divide="ignore"):
-            logprobs = tuple(np.log(p).tolist())
+    logprobs = tuple(log_probabilities(probs))
     if not alternatives.shape[1]:
         return logprobs, ()
     return logprobs, tuple(tuple((int(i), float(lp)) for i, lp in row) for row in alternatives)
