@@ -176,15 +176,18 @@ def read_request(endpoint: str, body: Mapping[str, Any], model: str) -> ApiReque
     stream = values.get("stream", False)
     include_usage = _stream_options(values.get("stream_options"), stream)
     settings = {f.keyword: values[f.name] for f in fields.values() if f.keyword and f.name in values}
-    guides, sent_as = _structured_outputs(values)
-    settings.update(guides)
+    guides, named = _structured_outputs(values)
     schema, sent = _response_format(values.get("response_format"))
+    # one guide a request: the OpenAI-only fields' beside each other and the guided_* fields (those alone the
+    # runtime refuses two of)
+    given = [*named, *(["response_format"] if schema is not None else []),
+             *(name for setting in GUIDES for name in setting.openai if values.get(name) is not None)]
+    if ("structured_outputs" in values or schema is not None) and len(given) > 1:
+        raise ApiError(400, f"{given[0]} and {given[1]} both ask for structured output; a request follows one guide: "
+                            "give one of them.", given[0])
+    settings.update(guides)
+    sent_as = dict(zip(guides, named))
     if schema is not None:
-        given = [name for setting in GUIDES if setting.name in settings
-                 for name in [sent_as.get(setting.name, setting.openai[0])]]
-        if given:
-            raise ApiError(400, f"response_format and {given[0]} both ask for structured output; a request follows "
-                                "one guide: give one of them.", "response_format")
         settings["json_schema"], sent_as = schema, {"json_schema": sent}
     if isinstance(settings.get("tool_choice"), dict) and settings["tool_choice"].get("type") == "allowed_tools":
         settings["tools"], settings["tool_choice"] = _allowed_tools(settings["tool_choice"], settings.get("tools"))
@@ -269,12 +272,13 @@ def _stream_options(options: Any, stream: bool) -> bool:
     return include
 
 
-def _structured_outputs(values: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+def _structured_outputs(values: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
     """vLLM's structured_outputs as the guide settings it gives ({"json": schema}: json_schema, as guided_json
-    gives it); a key unknown, of the wrong type, or a second guide beside it is a 400 naming it."""
+    gives it), and the names they were sent as, in order (read_request refuses a second guide); a key unknown or
+    of the wrong type is a 400 naming it."""
     given = values.get("structured_outputs")
     if given is None:
-        return {}, {}
+        return {}, []
     if not isinstance(given, dict):
         raise ApiError(400, 'structured_outputs must be an object, e.g. {"json": {...}} or {"regex": "..."}.',
                        "structured_outputs")
@@ -295,14 +299,7 @@ def _structured_outputs(values: Mapping[str, Any]) -> tuple[dict[str, Any], dict
             value = _checked(ApiField(name, setting.kind, setting.help, setting.name), value)
         settings[setting.name] = value
         sent.append(name)
-    others = [name for setting in GUIDES for name in setting.openai if values.get(name) is not None]
-    if _response_format(values.get("response_format"))[0] is not None:  # text asks for none
-        others.insert(0, "response_format")
-    if len(sent + others) > 1:
-        first, second = (sent + others)[:2]
-        raise ApiError(400, f"{first} and {second} both ask for structured output; a request follows one guide: give "
-                            "one of them.", first)
-    return settings, {setting: name for setting, name in zip(settings, sent)}
+    return settings, sent
 
 
 def _response_format(value: Any) -> tuple[str | dict[str, Any] | None, str]:
