@@ -39,14 +39,14 @@ from refusion.tools.cli_common import progress
 from refusion.tools.tasks import held_out
 
 METHODS = ("refusion", "ar")
+RANDOM_PROMPTS = ("robot, go left", "stop now", "Grüße 🙂", "turn right slowly", "what next?", "left or right",
+                  "the arm", "go", "move it", "hold", "fast", "where?")
 
 
 def _in_turn(i: int) -> tuple[str, ...]:
     """The methods in the order they run on prompt i: rotated, so neither always runs first (the first pays the
     prompt's prefill, the other reads it from the prefix cache)."""
     return METHODS[i % len(METHODS):] + METHODS[:i % len(METHODS)]
-RANDOM_PROMPTS = ("robot, go left", "stop now", "Grüße 🙂", "turn right slowly", "what next?", "left or right",
-                  "the arm", "go", "move it", "hold", "fast", "where?")
 
 
 # ----------------------------------------------------------------------------- the engine, timed
