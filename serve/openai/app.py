@@ -28,7 +28,6 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 from refusion.runtime.core.errors import ContextLengthError, RefusionError
 from refusion.runtime.core.export_manifest import MANIFEST_NAME
@@ -38,11 +37,11 @@ from refusion.runtime.structured.tools import before_calls
 from refusion.runtime.text import covering
 from refusion.serve.frontend import Final, Frontend
 from refusion.serve.openai.exchange import AppConfig, admit, as_sent, check_json, read_body, submit, until_end_or_gone
+from refusion.serve.openai.guards import HostCheck, KeyCheck
 from refusion.serve.openai.metrics import CONTENT_TYPE, Arrival, ServerMetrics
 from refusion.serve.openai.responses import ApiError, Reply, TokenText, answer_logprobs, error_body, sse, token_logprobs
 from refusion.serve.openai.responses_route import create_response
 from refusion.serve.openai.schema import CHAT, COMPLETIONS, ApiRequest, parse_json, read_request
-from refusion.serve.security import authorized, host_allowed
 
 log = logging.getLogger("refusion.serve.openai")
 
@@ -52,8 +51,8 @@ def create_app(frontend: Frontend[Arrival], metrics: ServerMetrics, config: AppC
     app = FastAPI(title="refusion", docs_url=None, redoc_url=None, openapi_url=None)
     gen = frontend.gen
     if config.api_key is not None:
-        app.add_middleware(_KeyCheck, key=config.api_key, refused=lambda: metrics.refused.labels("401").inc())
-    app.add_middleware(_HostCheck, allowed=config.allowed_hosts, refused=lambda: metrics.refused.labels("400").inc())
+        app.add_middleware(KeyCheck, key=config.api_key, refused=lambda: metrics.refused.labels("401").inc())
+    app.add_middleware(HostCheck, allowed=config.allowed_hosts, refused=lambda: metrics.refused.labels("400").inc())
     tokenizer = gen.tokenizer
 
     token_text = TokenText(tokenizer)  # an id's text, and its true bytes (chat logprobs' `bytes`)
@@ -161,44 +160,6 @@ def create_app(frontend: Frontend[Arrival], metrics: ServerMetrics, config: AppC
         return await create_response(http, frontend, config, gen.manifest.fingerprint)
 
     return app
-
-
-class _KeyCheck:
-    """ASGI middleware: a request without the key gets 401 before its body is read (/health needs none, for
-    load balancers); the key is compared in constant time (serve/security.py)."""
-
-    def __init__(self, app: ASGIApp, key: str, refused: Callable[[], None]):
-        self.app, self.key, self.refused = app, key, refused
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] == "/health":
-            return await self.app(scope, receive, send)
-        header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
-        if authorized(header, self.key):
-            return await self.app(scope, receive, send)
-        self.refused()
-        message = ("this server needs its API key: send Authorization: Bearer KEY (the openai client: "
-                   "api_key=KEY)." if not header else "the API key given is not this server's.")
-        response = JSONResponse(error_body(401, message, code="invalid_api_key"), 401, {"WWW-Authenticate": "Bearer"})
-        await response(scope, receive, send)
-
-
-class _HostCheck:
-    """ASGI middleware: a request whose Host header names no host of this server gets 400 before anything else
-    (serve/security.py host_allowed), so that a page that rebinds its own name to this address reads nothing."""
-
-    def __init__(self, app: ASGIApp, allowed: frozenset[str], refused: Callable[[], None]):
-        self.app, self.allowed, self.refused = app, allowed, refused
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        host = dict(scope["headers"]).get(b"host") if scope["type"] == "http" else None
-        if host is None or host_allowed(host.decode("latin-1"), self.allowed):
-            return await self.app(scope, receive, send)
-        self.refused()
-        message = (f"the Host header {host.decode('latin-1')[:100]!r} names no host of this server, which takes IP "
-                   "addresses, localhost and the names its --address and --allowed-host give (a web page reaches "
-                   "a local server under a name of its own; the server refuses it).")
-        await JSONResponse(error_body(400, message, code="invalid_host"), 400)(scope, receive, send)
 
 
 async def _events(frontend: Frontend[Arrival], generations: list[Generation], api: ApiRequest, reply: Reply,
