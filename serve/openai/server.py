@@ -22,6 +22,7 @@ import time
 from collections.abc import Iterator, Sequence
 
 import uvicorn
+from fastapi import FastAPI
 
 from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.generator import Generator
@@ -59,12 +60,9 @@ class OpenAIServer:
             raise RefusionError(f"{gen.manifest.path} carries no tokenizer files, and the OpenAI API takes text; "
                                 "export from a checkpoint that has its tokenizer.")
         self.gen, self.model_name, self.drain_timeout_s = gen, model_name, drain_timeout_s
-        self.metrics = ServerMetrics()
-        self.frontend: Frontend[Arrival] = Frontend(gen, max_queue, on_end=self.metrics.ended)
-        self.metrics.watch(self.frontend)
         limit = max_body if max_body is not None else body_limit(gen.max_prompt_bytes)
-        app = create_app(self.frontend, self.metrics, AppConfig(model_name, limit, body_timeout_s, api_key,
-                                                                frozenset({address, *allowed_hosts})))
+        app, self.frontend, self.metrics = served_app(gen, max_queue, AppConfig(
+            model_name, limit, body_timeout_s, api_key, frozenset({address, *allowed_hosts})))
         self.socket = _bind(bind_address(address), port)
         self.address, self.port = address, self.socket.getsockname()[1]
         limits = ConnectionLimits(connections_allowed(max_connections), header_timeout_s, body_timeout_s)
@@ -123,6 +121,14 @@ class OpenAIServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def served_app(gen: Generator, max_queue: int, config: AppConfig) -> tuple[FastAPI, Frontend[Arrival], ServerMetrics]:
+    """The app over `gen`, behind a request limit of its running requests plus `max_queue`, and its metrics."""
+    metrics = ServerMetrics()
+    frontend: Frontend[Arrival] = Frontend(gen, max_queue, on_end=metrics.ended)
+    metrics.watch(frontend)
+    return create_app(frontend, metrics, config), frontend, metrics
 
 
 class _Uvicorn(uvicorn.Server):
