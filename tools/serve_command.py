@@ -42,6 +42,7 @@ _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 APIS = ("openai", "triton")
 _TRITON_ONLY = ("grpc_port", "metrics_port")
 _OPENAI_ONLY = ("allowed_host",)
+_RAY_ONLY = ("replicas", "min_replicas", "max_replicas", "gpus_per_replica", "ray_address")
 
 
 @click.command("serve")
@@ -79,6 +80,17 @@ _OPENAI_ONLY = ("allowed_host",)
 @click.option("--guide-budget-ms", type=float, default=ServeSettings.guide_budget_ms, show_default=True,
               help="The grammar engine's work a guided request may take a token (a mask, a commit); a request over "
                    "it ends with an error naming its guide, and the others go on.")
+@click.option("--replicas", type=int, default=None,
+              help="With --api openai: serve through Ray Serve, this many replicas, each a process with its own "
+                   "model, KV and prefix cache, requests routed by prompt prefix (the ray extra; docs/serving.md, "
+                   "\"Scaling out with Ray Serve\"). Default: one process, no Ray.")
+@click.option("--min-replicas", type=int, default=None, help="With --max-replicas: autoscaling's lower bound.")
+@click.option("--max-replicas", type=int, default=None,
+              help="Let Serve scale the replicas by load, up to this many (from --replicas at the start).")
+@click.option("--gpus-per-replica", type=float, default=None, help="With --replicas: GPUs each replica reserves.")
+@click.option("--ray-address", default=None,
+              help="With --replicas: an existing Ray cluster (HOST:PORT, ray://HOST:PORT, auto); default: start a "
+                   "local one, stopped with the server.")
 @click.option("--drain-timeout", type=int, default=30, show_default=True,
               help="On SIGTERM or Ctrl-C: seconds for requests in flight to finish before they are cancelled.")
 @click.option("--verbose", is_flag=True, help="The server's info log too (OpenAI: an access log line per request).")
@@ -88,13 +100,15 @@ def serve(ctx: click.Context, model_dir: Path, api: str, model_name: str, http_p
           metrics_port: int, address: str, allowed_host: tuple[str, ...], key: str | None, backend: str,
           threads: int | None,
           max_requests: int | None, max_batch: int | None, max_queue: int, prefix_cache_mb: float,
-          prefill_chunk: int | None, guide_budget_ms: float, drain_timeout: int, verbose: bool) -> None:
+          prefill_chunk: int | None, guide_budget_ms: float, replicas: int | None, min_replicas: int | None,
+          max_replicas: int | None, gpus_per_replica: float | None, ray_address: str | None, drain_timeout: int,
+          verbose: bool) -> None:
     """Serve the export or engines in MODEL_DIR: an OpenAI-compatible API in this process (--api openai,
     the default), or NVIDIA Triton (--api triton: HTTP generate and generate_stream, gRPC streaming, health and
     metrics). Requests run concurrently, their forwards batched step by step. It listens on this host only
     unless --address says otherwise; bodies, JSON nesting and prompts are bounded (docs/serving.md, "Security
     and limits"). SIGTERM or Ctrl-C drains and stops; the exit code is 1 (with an error line) if the server
-    failed."""
+    failed. With --replicas, the OpenAI server runs as a Ray Serve application of that many replicas."""
     settings = ServeSettings(str(model_dir.resolve()), backend, threads, max_requests, max_batch, max_queue,
                              prefix_cache_mb, prefill_chunk, guide_budget_ms)
     key = api_key(key)
@@ -104,6 +118,23 @@ def serve(ctx: click.Context, model_dir: Path, api: str, model_name: str, http_p
         raise RefusionError(f"{given[0]} is Triton's; the OpenAI server takes everything on --http-port (add --api "
                             "triton for Triton's ports)." if api == "openai" else f"{given[0]} is the OpenAI server's; "
                             "Triton's gateways do not check the Host header (drop it, or serve --api openai).")
+    ray_given = [f"--{name.replace('_', '-')}" for name in _RAY_ONLY
+                 if ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT]
+    if ray_given and api != "openai":
+        raise RefusionError(f"{ray_given[0]} scales the OpenAI server out through Ray Serve; Triton scales its own "
+                            "way (docs/serving.md, \"Scaling out\"): drop it, or serve --api openai.")
+    if ray_given:
+        from refusion.serve.rayserve.app import ScaleOut
+
+        scale = ScaleOut(str(model_dir), replicas=replicas if replicas is not None else min_replicas or 1,
+                         min_replicas=min_replicas, max_replicas=max_replicas, threads=threads or 1,
+                         gpus_per_replica=gpus_per_replica or 0.0, model_name=model_name, api_key=key,
+                         allowed_hosts=list(allowed_host), backend=backend, max_requests=max_requests,
+                         max_batch=max_batch, max_queue=max_queue, prefix_cache_mb=prefix_cache_mb,
+                         prefill_chunk=prefill_chunk, guide_budget_ms=guide_budget_ms,
+                         drain_timeout_s=float(drain_timeout))
+        _serve_ray(scale, address, http_port, ray_address)
+        return
     if api == "openai":
         check_export(model_dir, settings)  # the export and the runner options, before anything loads
         warning = exposure_warning(bind_address(address), key)
@@ -176,6 +207,17 @@ def _serve_openai(model_dir: Path, settings: ServeSettings, model_name: str, htt
         finally:
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
+    progress("stopped")
+
+
+def _serve_ray(scale: Any, address: str, http_port: int, ray_address: str | None) -> None:
+    from refusion.serve.rayserve.launch import serve_replicated
+
+    warning = exposure_warning(bind_address(address), scale.api_key)
+    if warning:
+        click.echo(warning, err=True)
+    serve_replicated(scale, address=bind_address(address), port=http_port, ray_address=ray_address,
+                     progress=progress)
     progress("stopped")
 
 

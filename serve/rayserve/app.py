@@ -29,14 +29,13 @@ from refusion.runtime.runners import runner_options
 from refusion.serve.openai.exchange import AppConfig
 from refusion.serve.openai.server import BODY_TIMEOUT_S
 from refusion.serve.rayserve.ingress import IngressConfig, OpenAIIngress
-from refusion.serve.rayserve.replica import OpenAIReplica, ReplicaConfig
+from refusion.serve.rayserve.replica import CONTROL_CALLS, OpenAIReplica, ReplicaConfig
 from refusion.serve.security import API_KEY_ENV, body_limit
 from refusion.serve.triton.launcher import check_export
 from refusion.serve.triton.settings import ServeSettings
 
 REPLICA, INGRESS = "OpenAIReplica", "OpenAIIngress"
 _ROUTER = "refusion.serve.rayserve.router.PrefixAffinityRouter"  # Serve imports it where the ingress routes
-_CONTROL = 4  # calls a replica takes beyond its requests: the ingress asking for its /health and /metrics
 
 
 @dataclass(frozen=True)
@@ -55,7 +54,7 @@ class ScaleOut:
     backend: str = "auto"
     max_requests: int | None = None  # a replica's, as `refusion-run serve --max-requests`
     max_batch: int | None = None
-    max_queue: int = 64  # a replica's queue; Serve's own queue in front of the replicas holds as many more
+    max_queue: int = 64  # a replica's queue, as `refusion-run serve --max-queue`
     prefix_cache_mb: float = ServeSettings.prefix_cache_mb
     prefill_chunk: int | None = None
     guide_budget_ms: float = ServeSettings.guide_budget_ms
@@ -108,14 +107,17 @@ def build_app(args: dict[str, Any] | ScaleOut) -> Application:
     max_prompt_bytes = check_export(Path(settings.model_dir), settings)
     runner = runner_options(ExportManifest.read(Path(settings.model_dir)), settings.backend, settings.threads,
                             max_requests=settings.max_requests, max_batch=settings.max_batch)
-    holds = (runner.max_requests or 64) + settings.max_queue  # trt's own default comes from its engine
+    # A replica holds its running requests and its queue, as one server does (trt's default: its engine's); Serve
+    # sends it no more at once, the ingress's /health and /metrics asks among them (replica.py), and queues the
+    # rest; the ingress refuses (429) what is beyond every replica's places.
+    holds = (runner.max_requests or 64) + settings.max_queue
     key = scale.api_key if scale.api_key is not None else os.environ.get(API_KEY_ENV) or None
     replica = serve.deployment(
         name=REPLICA, num_replicas=None if scale.max_replicas else scale.replicas,
         autoscaling_config={"min_replicas": scale.min_replicas or 1, "max_replicas": scale.max_replicas,
                             "initial_replicas": scale.replicas} if scale.max_replicas else None,
         ray_actor_options={"num_cpus": scale.threads, "num_gpus": scale.gpus_per_replica},
-        max_ongoing_requests=holds + _CONTROL, max_queued_requests=settings.max_queue,
+        max_ongoing_requests=holds + CONTROL_CALLS,
         graceful_shutdown_timeout_s=scale.drain_timeout_s, health_check_period_s=5,
         request_router_config=RequestRouterConfig(request_router_class=_ROUTER),  # type: ignore[arg-type]  # Ray types it oddly
     )(OpenAIReplica)
@@ -125,7 +127,7 @@ def build_app(args: dict[str, Any] | ScaleOut) -> Application:
                     frozenset(scale.allowed_hosts))
     return ingress.bind(replica.bind(ReplicaConfig(settings, scale.model_name)),
                         IngressConfig(app, REPLICA, (scale.min_replicas or 1) if scale.max_replicas else scale.replicas,
-                                      scale.route_timeout_s))
+                                      holds * (scale.max_replicas or scale.replicas), scale.route_timeout_s))
 
 
 def _typed(name: str, kind: Any, value: Any) -> Any:

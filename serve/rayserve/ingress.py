@@ -56,6 +56,7 @@ class IngressConfig:
     app: AppConfig  # the model's name, the body's limits, the key, the Host names: as the single server's
     replica_deployment: str  # the replicas' deployment's name, in this application
     target_replicas: int  # replicas the application runs when whole (autoscaling: its minimum)
+    max_requests: int  # relayed at once, every replica's places (running + queued); more are refused, 429
     route_timeout_s: float = 30.0  # for a replica to take a request (while none runs)
 
 
@@ -72,6 +73,7 @@ class OpenAIIngress:
         self.refused = Counter("refusion_requests_refused", "Requests refused before generating, by HTTP status",
                                ["status"], registry=self.registry)
         self.app_name = serve.get_replica_context().app_name
+        self.relaying = 0  # requests relayed and not yet answered
 
     def __serve_build_asgi_app__(self) -> ASGIApp:
         app: ASGIApp = self._route
@@ -108,16 +110,23 @@ class OpenAIIngress:
         prompt = await run_in_threadpool(prompt_text, body)  # linear in the body, which the limit bounds
         request = Relayed(scope["method"], scope["path"], scope["query_string"], tuple(scope["headers"]), body,
                           scope.get("client"), prompt)
-        call = self._stream(request)
-        messages = call.__aiter__()
+        if self.relaying >= self.config.max_requests:
+            raise ApiError(429, f"the replicas hold {self.relaying} requests, their limit (each its running requests "
+                                "+ --max-queue); retry later or add replicas.", code="server_full",
+                           headers={"Retry-After": "1"})
+        self.relaying += 1
         gone = asyncio.ensure_future(_disconnect(receive))
         start: Message | None = None  # held until the body's first part: a replica lost before it is a clean 503
         sent = False
+        call = None
         try:
+            call = self._stream(request)
+            messages = call.__aiter__()
             accepted = await _next(messages, gone, self.config.route_timeout_s)
             assert accepted is not None and accepted["type"] == ACCEPTED, accepted
             replica = (REPLICA_HEADER, accepted["replica"].encode())
-            while (message := await _next(messages, gone)) is not None:
+            ended = False  # the answer's last part is sent: its client may go now, nothing is lost
+            while (message := await _next(messages, None if ended else gone)) is not None:
                 if message["type"] == "http.response.start":
                     start = {**message, "headers": [*message.get("headers", []), replica]}
                     continue
@@ -125,13 +134,16 @@ class OpenAIIngress:
                     await send(start)
                     sent = True
                 await send(message)
+                ended = message["type"] == "http.response.body" and not message.get("more_body", False)
             if not sent and start is not None:  # an answer without a body
                 await send(start)
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
         except _Gone:
-            call.cancel()
+            if call is not None:
+                call.cancel()
         except (BackPressureError, RayActorError, RequestCancelledError, TimeoutError) as e:
-            call.cancel()
+            if call is not None:
+                call.cancel()
             refusal = _retryable(e)
             if not sent:
                 raise refusal from None
@@ -140,6 +152,7 @@ class OpenAIIngress:
                 await send({"type": "http.response.body", "body": sse(refusal.body()), "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
+            self.relaying -= 1
             gone.cancel()
 
     def _stream(self, request: Relayed, replica: str | None = None) -> DeploymentResponseGenerator[Message]:
@@ -147,8 +160,16 @@ class OpenAIIngress:
         pin = {PIN: replica} if replica is not None else {}
         return cast(DeploymentResponseGenerator[Message], self.replicas.options(stream=True).relay.remote(request, **pin))
 
-    async def _ask(self, replica: str, path: str) -> Any:
-        """A replica's own answer to GET `path`, by its id: (status, body bytes), or None if it gave none."""
+    async def _replica_ids(self) -> list[str]:
+        """The replicas the router sends to; Serve makes the router on the first call through the handle."""
+        if not replicas_of(self.app_name):
+            await self._ask(None, "/health")
+        return replicas_of(self.app_name)
+
+    async def _ask(self, replica: str | None, path: str) -> Any:
+        """A replica's own answer to GET `path` (the replica given by its id, or any): (status, body bytes), or
+        None if it gave none. Not two at once: the calls made while answering one HTTP request share Serve's
+        internal request id, by which its router hands a chosen replica to the call waiting for it."""
         request = Relayed("GET", path, b"", ((b"host", b"localhost"),), b"", None)
         parts: list[bytes] = []
         status = None
@@ -169,8 +190,8 @@ class OpenAIIngress:
 
     async def _health(self) -> Response:
         running, app_status = await run_in_threadpool(self._serve_state)
-        ids = replicas_of(self.app_name)
-        answers = await asyncio.gather(*(self._ask(replica, "/health") for replica in ids))
+        ids = await self._replica_ids()
+        answers = [await self._ask(replica, "/health") for replica in ids]  # one by one: _ask says why
         each = [{"id": replica, **(json.loads(answer[1]) if answer is not None else {"status": "unreachable"})}
                 for replica, answer in zip(ids, answers)]
         target = self.config.target_replicas
@@ -190,8 +211,8 @@ class OpenAIIngress:
         return running, str(app.status.value if hasattr(app.status, "value") else app.status)
 
     async def _metrics(self) -> bytes:
-        ids = replicas_of(self.app_name)
-        answers = await asyncio.gather(*(self._ask(replica, "/metrics") for replica in ids))
+        ids = await self._replica_ids()
+        answers = [await self._ask(replica, "/metrics") for replica in ids]
         texts = {replica: answer[1].decode() for replica, answer in zip(ids, answers) if answer is not None}
         texts["ingress"] = generate_latest(self.registry).decode()
         registry = CollectorRegistry()
@@ -216,15 +237,16 @@ class _Merged:
         return merged.values()
 
 
-async def _next(messages: AsyncIterator[Message], gone: asyncio.Future[None],
+async def _next(messages: AsyncIterator[Message], gone: asyncio.Future[None] | None,
                 timeout_s: float | None = None) -> Message | None:
-    """The answer's next message (None at its end); _Gone once the client has gone, TimeoutError past
-    `timeout_s`."""
+    """The answer's next message (None at its end); _Gone once the client has gone (if `gone` is watched),
+    TimeoutError past `timeout_s`."""
     step = asyncio.ensure_future(messages.__anext__())
-    waited: set[asyncio.Future[Any]] = {step, gone}
+    waited: set[asyncio.Future[Any]] = {step} if gone is None else {step, gone}
     done, _ = await asyncio.wait(waited, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
     if step not in done:
         step.cancel()
+        step.add_done_callback(lambda task: task.cancelled() or task.exception())  # its end is of no interest
         raise _Gone() if gone in done else TimeoutError()
     try:
         return step.result()

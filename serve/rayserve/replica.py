@@ -1,7 +1,7 @@
 """One replica of the Ray Serve application: a Generator (its runner, KV pool and prefix cache) behind the
 single-process server's app (serve/openai/app.py), which runs each relayed request (relay.py) as if its client
 had sent it. The ingress has checked the Host header and the key; everything else is the app's: the body and
-prompt limits, the request limit (`max_requests` running + `max_queue` queued, then 429), the errors, /metrics.
+prompt limits, the errors, /metrics; Serve keeps the request limit in front of it (app.py).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from refusion.serve.rayserve.relay import Relayed, run_app
 from refusion.serve.security import body_limit
 from refusion.serve.triton.settings import ServeSettings
 
+CONTROL_CALLS = 4  # room for the ingress's /health and /metrics asks beyond the requests a replica holds
 ACCEPTED = "relay.accepted"  # the first message of every relayed answer: the replica has the request
 
 
@@ -35,8 +36,9 @@ class OpenAIReplica:
         self.gen = Generator.from_dir(s.model_dir, backend=s.backend, threads=s.threads, max_requests=s.max_requests,
                                       max_batch=s.max_batch, prefix_cache_mb=s.prefix_cache_mb,
                                       prefill_chunk=s.prefill_chunk, guide_budget_ms=s.guide_budget_ms)
-        # The ingress checked Host and key, before reading the body; the replica is reached only through it.
-        self.app, self.frontend, _ = served_app(self.gen, s.max_queue, AppConfig(
+        # The ingress checked Host and key, before reading the body; the replica is reached only through it. Serve
+        # sends it no more calls than it holds (app.py), control calls included: a replica never refuses one.
+        self.app, self.frontend, _ = served_app(self.gen, s.max_queue + CONTROL_CALLS, AppConfig(
             config.model_name, body_limit(self.gen.max_prompt_bytes), BODY_TIMEOUT_S, None, frozenset({"*"})))
         self.id = serve.get_replica_context().replica_id.to_full_id_str()
 
