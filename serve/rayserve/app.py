@@ -60,6 +60,7 @@ class ScaleOut:
     guide_budget_ms: float = ServeSettings.guide_budget_ms
     drain_timeout_s: float = 30.0  # a replica stopping lets its requests end this long (Serve's graceful shutdown)
     route_timeout_s: float = 30.0  # for a replica to take a request, while none runs; then 503
+    prefix_routing: bool = True  # False: Serve's default power of two choices alone (to measure the difference)
 
     def __post_init__(self) -> None:
         for name in ("replicas", "threads"):
@@ -119,7 +120,9 @@ def build_app(args: dict[str, Any] | ScaleOut) -> Application:
         ray_actor_options={"num_cpus": scale.threads, "num_gpus": scale.gpus_per_replica},
         max_ongoing_requests=holds + CONTROL_CALLS,
         graceful_shutdown_timeout_s=scale.drain_timeout_s, health_check_period_s=5,
-        request_router_config=RequestRouterConfig(request_router_class=_ROUTER),  # type: ignore[arg-type]  # Ray types it oddly
+        request_router_config=RequestRouterConfig(
+            request_router_class=_ROUTER,  # type: ignore[arg-type]  # Ray's pydantic model types it oddly
+            request_router_kwargs={"affinity": scale.prefix_routing}),
     )(OpenAIReplica)
     ingress = serve.deployment(name=INGRESS, num_replicas=1, ray_actor_options={"num_cpus": 0},
                                max_ongoing_requests=100_000)(serve.ingress()(OpenAIIngress))
@@ -134,6 +137,10 @@ def _typed(name: str, kind: Any, value: Any) -> Any:
     """A config value as its field's type: `serve run`'s key=value arguments arrive as strings."""
     if not isinstance(value, str) or "str" in str(kind):
         return [value] if name == "allowed_hosts" and isinstance(value, str) else value
+    if "bool" in str(kind):
+        if value.lower() not in ("true", "false"):
+            raise RefusionError(f"build_app: {name}={value!r} is not true or false.")
+        return value.lower() == "true"
     try:
         return float(value) if "float" in str(kind) else int(value)
     except ValueError:

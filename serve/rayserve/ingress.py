@@ -123,18 +123,19 @@ class OpenAIIngress:
             call = self._stream(request)
             messages = call.__aiter__()
             accepted = await _next(messages, gone, self.config.route_timeout_s)
-            assert accepted is not None and accepted["type"] == ACCEPTED, accepted
-            replica = (REPLICA_HEADER, accepted["replica"].encode())
+            assert accepted is not None and accepted[0]["type"] == ACCEPTED, accepted
+            replica = (REPLICA_HEADER, accepted[0]["replica"].encode())
             ended = False  # the answer's last part is sent: its client may go now, nothing is lost
-            while (message := await _next(messages, None if ended else gone)) is not None:
-                if message["type"] == "http.response.start":
-                    start = {**message, "headers": [*message.get("headers", []), replica]}
-                    continue
-                if not sent and start is not None:
-                    await send(start)
-                    sent = True
-                await send(message)
-                ended = message["type"] == "http.response.body" and not message.get("more_body", False)
+            while (batch := await _next(messages, None if ended else gone)) is not None:
+                for message in batch:
+                    if message["type"] == "http.response.start":
+                        start = {**message, "headers": [*message.get("headers", []), replica]}
+                        continue
+                    if not sent and start is not None:
+                        await send(start)
+                        sent = True
+                    await send(message)
+                    ended = message["type"] == "http.response.body" and not message.get("more_body", False)
             if not sent and start is not None:  # an answer without a body
                 await send(start)
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
@@ -155,10 +156,12 @@ class OpenAIIngress:
             self.relaying -= 1
             gone.cancel()
 
-    def _stream(self, request: Relayed, replica: str | None = None) -> DeploymentResponseGenerator[Message]:
-        """The replicas' answer to `request`, as it comes (to one replica, by its id, if given)."""
+    def _stream(self, request: Relayed, replica: str | None = None) -> DeploymentResponseGenerator[list[Message]]:
+        """The replicas' answer to `request` as it comes, in batches of messages (to one replica, by its id, if
+        given)."""
         pin = {PIN: replica} if replica is not None else {}
-        return cast(DeploymentResponseGenerator[Message], self.replicas.options(stream=True).relay.remote(request, **pin))
+        return cast(DeploymentResponseGenerator[list[Message]],
+                    self.replicas.options(stream=True).relay.remote(request, **pin))
 
     async def _replica_ids(self) -> list[str]:
         """The replicas the router sends to; Serve makes the router on the first call through the handle."""
@@ -176,11 +179,12 @@ class OpenAIIngress:
 
         async def collect() -> None:
             nonlocal status
-            async for message in self._stream(request, replica):
-                if message["type"] == "http.response.start":
-                    status = message["status"]
-                elif message["type"] == "http.response.body":
-                    parts.append(message.get("body", b""))
+            async for batch in self._stream(request, replica):
+                for message in batch:
+                    if message["type"] == "http.response.start":
+                        status = message["status"]
+                    elif message["type"] == "http.response.body":
+                        parts.append(message.get("body", b""))
 
         try:
             await asyncio.wait_for(collect(), _ASK_S)
@@ -237,9 +241,9 @@ class _Merged:
         return merged.values()
 
 
-async def _next(messages: AsyncIterator[Message], gone: asyncio.Future[None] | None,
-                timeout_s: float | None = None) -> Message | None:
-    """The answer's next message (None at its end); _Gone once the client has gone (if `gone` is watched),
+async def _next(messages: AsyncIterator[list[Message]], gone: asyncio.Future[None] | None,
+                timeout_s: float | None = None) -> list[Message] | None:
+    """The answer's next batch of messages (None at its end); _Gone once the client has gone (if `gone` is watched),
     TimeoutError past `timeout_s`."""
     step = asyncio.ensure_future(messages.__anext__())
     waited: set[asyncio.Future[Any]] = {step} if gone is None else {step, gone}

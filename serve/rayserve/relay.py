@@ -34,9 +34,11 @@ class Relayed:
     prompt: str = ""
 
 
-async def run_app(app: ASGIApp, request: Relayed) -> AsyncIterator[Message]:
-    """Each ASGI message `app` sends in answer to `request`. Closing the iterator early (the call cancelled: its
-    client went away) tells the app its client disconnected and waits for it to end its requests."""
+async def run_app(app: ASGIApp, request: Relayed) -> AsyncIterator[list[Message]]:
+    """The ASGI messages `app` sends in answer to `request`, in order, each time those sent since the last (one
+    Ray item a batch: under load a stream's events come several at once). Closing the iterator early (the call
+    cancelled: its client went away) tells the app its client disconnected and waits for it to end its
+    requests."""
     scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
              "method": request.method, "scheme": "http", "path": request.path, "raw_path": request.path.encode(),
              "query_string": request.query, "root_path": "", "headers": list(request.headers),
@@ -59,8 +61,15 @@ async def run_app(app: ASGIApp, request: Relayed) -> AsyncIterator[Message]:
     task = asyncio.ensure_future(app(scope, receive, send))
     task.add_done_callback(lambda _: sent.put_nowait(None))
     try:
-        while (message := await sent.get()) is not None:
-            yield message
+        ended = False
+        while not ended:
+            batch = [await sent.get()]
+            while not sent.empty():
+                batch.append(sent.get_nowait())
+            ended = batch[-1] is None
+            messages = [message for message in batch if message is not None]
+            if messages:
+                yield messages
         task.result()  # the app answers its own errors; what escapes it is a bug, raised to the ingress
     finally:
         if not task.done():

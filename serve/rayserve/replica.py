@@ -42,12 +42,12 @@ class OpenAIReplica:
             config.model_name, body_limit(self.gen.max_prompt_bytes), BODY_TIMEOUT_S, None, frozenset({"*"})))
         self.id = serve.get_replica_context().replica_id.to_full_id_str()
 
-    async def relay(self, request: Relayed, replica: str | None = None) -> AsyncIterator[Message]:
-        """`request`'s answer as the app sends it, after a first message that says which replica took it.
-        `replica`: the router's pin (router.PIN), unused here."""
-        yield {"type": ACCEPTED, "replica": self.id}
-        async for message in run_app(self.app, request):
-            yield message
+    async def relay(self, request: Relayed, replica: str | None = None) -> AsyncIterator[list[Message]]:
+        """`request`'s answer as the app sends it, in batches (relay.run_app), after a first message that says
+        which replica took it. `replica`: the router's pin (router.PIN), unused here."""
+        yield [{"type": ACCEPTED, "replica": self.id}]
+        async for messages in run_app(self.app, request):
+            yield messages
 
     def check_health(self) -> None:
         """Serve's periodic check: a replica whose scheduler has died is replaced."""

@@ -21,8 +21,9 @@ PIN = "replica"  # the keyword that sends a call to one replica, by its full id
 
 
 class PrefixAffinityRouter(RequestRouter):
-    def initialize_state(self, imbalance: int = 4, block_chars: int = 64, **_: Any) -> None:
-        self.imbalance = imbalance
+    def initialize_state(self, affinity: bool = True, imbalance: int = 4, block_chars: int = 64, **_: Any) -> None:
+        """`affinity` False: Serve's default policy alone (power of two choices), to measure what affinity buys."""
+        self.affinity, self.imbalance = affinity, imbalance
         self.owners = prefix_owners.PrefixOwners(block_chars)
         # Serve pickles this class by value, this module's globals with it: the registry lives in another module.
         prefix_owners.ROUTED[self.app_name] = self.replica_ids
@@ -38,7 +39,7 @@ class PrefixAffinityRouter(RequestRouter):
         if not candidate_replicas:
             return []
         pair = random.sample(candidate_replicas, min(2, len(candidate_replicas)))
-        owner = self.owners.owner(_prompt(pending_request), by_id)
+        owner = self.owners.owner(_prompt(pending_request), by_id) if self.affinity else None
         if owner is None or self._too_busy(by_id[owner], candidate_replicas):
             return [pair]
         return [[by_id[owner]], pair]

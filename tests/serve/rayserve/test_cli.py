@@ -3,11 +3,14 @@ starts and stops; bad input is one error line, exit 1, and nothing left running.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -17,6 +20,7 @@ pytest.importorskip("ray", reason="--replicas needs the ray extra: pip install -
 openai = pytest.importorskip("openai")
 
 from tests.gate import HANG_GUARD_S  # noqa: E402
+from tests.helpers import REPO  # noqa: E402
 
 REFUSION_RUN = Path(sys.executable).parent / "refusion-run"
 
@@ -78,3 +82,40 @@ def test_bad_input_is_one_error_line_and_nothing_left_running(tiny_export, optio
     errors = [line for line in output.splitlines() if line.startswith("error:")]
     assert server.returncode == 1 and len(errors) == 1 and errors[0].startswith(says), output
     assert "Traceback" not in output and _ray_processes() == []
+
+
+def test_the_docs_config_file_deploys_with_serve_run(tiny_export, tmp_path) -> None:
+    """docs/serving.md's Serve config file, as written but for its port, from a directory that has the export at
+    out/refusion-onnx as the docs' first example leaves it."""
+    doc = (REPO / "docs" / "serving.md").read_text()
+    config = doc.split("```yaml\n# refusion-serve.yaml", 1)[1].split("```", 1)[0]
+    port = _free_port()
+    (tmp_path / "refusion-serve.yaml").write_text(config.replace("port: 8000", f"port: {port}"))
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "refusion-onnx").symlink_to(tiny_export)
+    server = subprocess.Popen([str(Path(sys.executable).parent / "serve"), "run", "refusion-serve.yaml"], cwd=tmp_path,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+        deadline = time.monotonic() + HANG_GUARD_S * 2
+        while not _healthy(port):  # serve run says nothing of its own when the application is up
+            assert server.poll() is None and time.monotonic() < deadline, "serve run did not deploy the application"
+            time.sleep(0.5)
+        answer = client.chat.completions.create(model="refusion", messages=[{"role": "user", "content": "sort: 3 1 2"}],
+                                                max_tokens=8, temperature=0)
+        assert answer.choices[0].message.content == "1 2 3"
+        server.send_signal(signal.SIGINT)
+        server.communicate(timeout=HANG_GUARD_S)
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.communicate()
+    assert _ray_processes() == []
+
+
+def _healthy(port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as response:
+            return json.load(response)["status"] == "ready"
+    except OSError:
+        return False

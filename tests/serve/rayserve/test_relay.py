@@ -47,11 +47,12 @@ def _relayed(body: dict[str, Any] | bytes, path: str = "/v1/chat/completions") -
 
 async def _answer(app: Any, request: Relayed) -> tuple[int, bytes, list[bytes]]:
     status, parts = 0, []
-    async for message in run_app(app, request):
-        if message["type"] == "http.response.start":
-            status = message["status"]
-        else:
-            parts.append(message.get("body", b""))
+    async for batch in run_app(app, request):
+        for message in batch:
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            else:
+                parts.append(message.get("body", b""))
     return status, b"".join(parts), parts
 
 
