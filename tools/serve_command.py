@@ -6,11 +6,12 @@ client`: one request to either over HTTP, in the API `serve` speaks by default (
                  [--grpc-port 8001 --metrics-port 8002 (triton)] [--address 127.0.0.1] [--allowed-host NAME (openai)]
                  [--api-key KEY]
                  [--max-requests N] [--max-batch N] [--max-queue N] [--prefix-cache-mb MB] [--backend ...]
+                 [--replicas N [--min-replicas N --max-replicas N] [--gpus-per-replica G] [--ray-address ADDR]]
     refusion-run client "prompt" [--url http://127.0.0.1:8000] [--api openai|triton] [--api-key KEY] [--chat]
                  [--stream] [--json] [--client-timeout S] [decode options]
 
 docs/serving.md has the requests (the openai client, curl, tritonclient), the fields and tensors, why the
-default is the OpenAI API, and what was measured.
+default is the OpenAI API, scaling out through Ray Serve (--replicas: serve/rayserve/), and what was measured.
 """
 
 from __future__ import annotations
