@@ -88,7 +88,7 @@ def test_the_docs_config_file_deploys_with_serve_run(tiny_export, tmp_path) -> N
     """docs/serving.md's Serve config file, as written but for its port, from a directory that has the export at
     out/refusion-onnx as the docs' first example leaves it."""
     doc = (REPO / "docs" / "serving.md").read_text()
-    config = doc.split("```yaml\n# refusion-serve.yaml", 1)[1].split("```", 1)[0]
+    config = doc.split("```yaml\n", 1)[1].split("```", 1)[0]  # the page's one YAML block
     port = _free_port()
     (tmp_path / "refusion-serve.yaml").write_text(config.replace("port: 8000", f"port: {port}"))
     (tmp_path / "out").mkdir()
