@@ -2,7 +2,7 @@
 strategies never see a runner, and know of structured output only its grammar interface, which needs nothing of
 theirs; the runtime never imports export/, engines/, serve/ or tools/; engines/ never imports tools/, and its build
 TensorRT's loader but not the runner; serve/ only the runtime (its frontend seam not even a frontend); the PyTorch
-reference oracle nothing of ours; nothing installed imports the tests; and no module imports itself back through
+reference oracle nothing of ours; only serve/rayserve imports Ray; nothing installed imports the tests; and no module imports itself back through
 others (an import circle), but the listed ones."""
 
 from __future__ import annotations
@@ -66,6 +66,16 @@ def test_nothing_installed_imports_the_tests():
     bad = [f"{f.relative_to(REPO)}: {name}" for where in INSTALLED for f in _files(where)
            for name in sorted(_imports(f)) if name == "tests" or name.startswith("tests.")]
     assert not bad, "installed code importing tests/:\n" + "\n".join(bad)
+
+
+RAY_USERS = ("serve/rayserve", "tools/bench/measure/scale_out.py")  # the ray extra's: nothing else imports Ray
+
+
+def test_only_the_ray_serve_application_imports_ray():
+    users = {f for where in RAY_USERS for f in _files(where)}
+    bad = [f"{f.relative_to(REPO)}: {name}" for where in INSTALLED for f in _files(where) if f not in users
+           for name in sorted(_imports(f)) if name == "ray" or name.startswith("ray.")]
+    assert not bad, "Ray imported outside serve/rayserve (the ray extra):\n" + "\n".join(bad)
 
 
 def test_every_package_folder_is_installed_under_its_name():
