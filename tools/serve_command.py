@@ -66,7 +66,8 @@ _RAY_ONLY = ("replicas", "min_replicas", "max_replicas", "gpus_per_replica", "ra
 @click.option("--api-key", "key", default=None,
               help=f"Clients must send Authorization: Bearer KEY (default: ${API_KEY_ENV}, else no key).")
 @click.option("--backend", type=click.Choice(BACKENDS), default="auto", show_default=True)
-@click.option("--threads", type=int, default=None, help="onnxruntime intra-op threads (default: all cores).")
+@click.option("--threads", type=int, default=None,
+              help="onnxruntime intra-op threads (default: all cores; with --replicas, 1 a replica, the CPUs it reserves).")
 @click.option("--max-requests", type=int, default=None,
               help="Requests decoding at once, a KV region each (default: the backend's; more wait in the queue).")
 @click.option("--max-batch", type=int, default=None, help="Their forwards packed per call (default: the backend's).")
@@ -94,7 +95,8 @@ _RAY_ONLY = ("replicas", "min_replicas", "max_replicas", "gpus_per_replica", "ra
                    "local one, stopped with the server.")
 @click.option("--drain-timeout", type=int, default=30, show_default=True,
               help="On SIGTERM or Ctrl-C: seconds for requests in flight to finish before they are cancelled.")
-@click.option("--verbose", is_flag=True, help="The server's info log too (OpenAI: an access log line per request).")
+@click.option("--verbose", is_flag=True, help="The server's info log too (OpenAI: an access log line per request; "
+                                              "--replicas: every Ray worker's log).")
 @quiet_option
 @click.pass_context
 def serve(ctx: click.Context, model_dir: Path, api: str, model_name: str, http_port: int, grpc_port: int,
@@ -134,7 +136,7 @@ def serve(ctx: click.Context, model_dir: Path, api: str, model_name: str, http_p
                          max_batch=max_batch, max_queue=max_queue, prefix_cache_mb=prefix_cache_mb,
                          prefill_chunk=prefill_chunk, guide_budget_ms=guide_budget_ms,
                          drain_timeout_s=float(drain_timeout))
-        _serve_ray(scale, address, http_port, ray_address)
+        _serve_ray(scale, address, http_port, ray_address, verbose)
         return
     if api == "openai":
         check_export(model_dir, settings)  # the export and the runner options, before anything loads
@@ -211,14 +213,14 @@ def _serve_openai(model_dir: Path, settings: ServeSettings, model_name: str, htt
     progress("stopped")
 
 
-def _serve_ray(scale: Any, address: str, http_port: int, ray_address: str | None) -> None:
+def _serve_ray(scale: Any, address: str, http_port: int, ray_address: str | None, verbose: bool) -> None:
     from refusion.serve.rayserve.launch import serve_replicated
 
     warning = exposure_warning(bind_address(address), scale.api_key)
     if warning:
         click.echo(warning, err=True)
     serve_replicated(scale, address=bind_address(address), port=http_port, ray_address=ray_address,
-                     progress=progress)
+                     progress=progress, verbose=verbose)
     progress("stopped")
 
 

@@ -152,6 +152,13 @@ class OpenAIIngress:
             if _is_stream(start):  # the stream's own way of saying it failed, as app.py's events do
                 await send({"type": "http.response.body", "body": sse(refusal.body()), "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except Exception as e:  # noqa: BLE001 - a bug: as app.py, a 500 naming its type, the traceback to the log
+            log.exception("internal error relaying a request")
+            if call is not None:
+                call.cancel()
+            if not sent:
+                raise ApiError(500, f"internal error ({type(e).__name__}); the server's log has its traceback.") from None
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
             self.relaying -= 1
             gone.cancel()

@@ -23,9 +23,10 @@ _PROBE_S = 5.0  # for a cluster's address to answer a TCP connection
 
 
 def serve_replicated(scale: ScaleOut, *, address: str, port: int, ray_address: str | None,
-                     progress: Callable[[str], None], stop: threading.Event | None = None) -> None:
+                     progress: Callable[[str], None], stop: threading.Event | None = None,
+                     verbose: bool = False) -> None:
     """Deploy, serve until SIGTERM, SIGINT or SIGHUP (from the main thread) or `stop` is set, then drain and
-    stop."""
+    stop. `verbose`: the Ray workers' logs (the replicas', Serve's access lines) on this process's stderr."""
     stop = stop or threading.Event()
     try:
         import ray
@@ -40,7 +41,8 @@ def serve_replicated(scale: ScaleOut, *, address: str, port: int, ray_address: s
     if ray_address is not None:
         _check_reachable(ray_address)
     progress(f"connecting to the Ray cluster at {ray_address}" if ray_address else "starting a local Ray cluster")
-    ray.init(address=ray_address, include_dashboard=False, logging_level=logging.WARNING, log_to_driver=False,
+    ray.init(address=ray_address, include_dashboard=False, log_to_driver=verbose,
+             logging_level=logging.INFO if verbose else logging.WARNING,
              configure_logging=True)
     with _cleanup(ray, serve, own_cluster=ray_address is None), _stopped_by_signals(stop):
         _check_placement(scale, ray.cluster_resources())
