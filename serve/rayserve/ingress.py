@@ -4,7 +4,8 @@ whole within the same body limits, and relayed (relay.py) to a replica the route
 (router.py). The replica's app answers it; this relays the answer back as it comes, a stream's events included.
 
     GET /health    the application's state: 200 ready (every replica running) or degraded (fewer, at least one),
-                   503 unavailable (none) or draining; each replica's own /health beside it
+                   503 unavailable (none) or draining; each replica's own /health beside it, with its id and
+                   process id
     GET /metrics   every replica's metrics, labelled `replica`, and this ingress's refusals (replica="ingress")
     the rest       relayed: /v1/chat/completions, /v1/completions, /v1/responses, /v1/models; the answer
                    names its replica in the header X-Refusion-Replica
@@ -177,18 +178,20 @@ class OpenAIIngress:
         return replicas_of(self.app_name)
 
     async def _ask(self, replica: str | None, path: str) -> Any:
-        """A replica's own answer to GET `path` (the replica given by its id, or any): (status, body bytes), or
-        None if it gave none. Not two at once: the calls made while answering one HTTP request share Serve's
+        """A replica's own answer to GET `path` (the replica given by its id, or any): (status, body bytes, its
+        process id), or None if it gave none. Not two at once: the calls made while answering one HTTP request share Serve's
         internal request id, by which its router hands a chosen replica to the call waiting for it."""
         request = Relayed("GET", path, b"", ((b"host", b"localhost"),), b"", None)
         parts: list[bytes] = []
-        status = None
+        status, pid = None, None
 
         async def collect() -> None:
-            nonlocal status
+            nonlocal status, pid
             async for batch in self._stream(request, replica):
                 for message in batch:
-                    if message["type"] == "http.response.start":
+                    if message["type"] == ACCEPTED:
+                        pid = message["pid"]
+                    elif message["type"] == "http.response.start":
                         status = message["status"]
                     elif message["type"] == "http.response.body":
                         parts.append(message.get("body", b""))
@@ -197,14 +200,14 @@ class OpenAIIngress:
             await asyncio.wait_for(collect(), _ASK_S)
         except (asyncio.TimeoutError, RayActorError, RequestCancelledError):
             return None
-        return (status, b"".join(parts)) if status is not None else None
+        return (status, b"".join(parts), pid) if status is not None else None
 
     async def _health(self) -> Response:
         running, app_status = await run_in_threadpool(self._serve_state)
         ids = await self._replica_ids()
         answers = [await self._ask(replica, "/health") for replica in ids]  # one by one: _ask says why
-        each = [{"id": replica, **(json.loads(answer[1]) if answer is not None else {"status": "unreachable"})}
-                for replica, answer in zip(ids, answers)]
+        each = [{"id": replica, **({**json.loads(answer[1]), "pid": answer[2]} if answer is not None
+                                   else {"status": "unreachable"})} for replica, answer in zip(ids, answers)]
         target = self.config.target_replicas
         status = ("draining" if app_status == "DELETING" else "unavailable" if running == 0
                   else "ready" if running >= target else "degraded")

@@ -6,6 +6,7 @@ prompt limits, the errors, /metrics; Serve keeps the request limit in front of i
 
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -45,7 +46,7 @@ class OpenAIReplica:
     async def relay(self, request: Relayed, replica: str | None = None) -> AsyncIterator[list[Message]]:
         """`request`'s answer as the app sends it, in batches (relay.run_app), after a first message that says
         which replica took it. `replica`: the router's pin (router.PIN), unused here."""
-        yield [{"type": ACCEPTED, "replica": self.id}]
+        yield [{"type": ACCEPTED, "replica": self.id, "pid": os.getpid()}]
         async for messages in run_app(self.app, request):
             yield messages
 

@@ -3,6 +3,7 @@ starts and stops; bad input is one error line, exit 1, and nothing left running.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -15,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow
-pytest.importorskip("ray", reason="--replicas needs the ray extra: pip install -e '.[ray]'")
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(importlib.util.find_spec("ray") is None,
+                                                   reason="--replicas needs the ray extra: pip install -e '.[ray]'")]
 openai = pytest.importorskip("openai")
 
 from tests.gate import HANG_GUARD_S  # noqa: E402

@@ -1,33 +1,36 @@
-"""The Ray Serve application on a local Ray cluster of this machine: 2 replicas of the embedded model, each one
-CPU, behind the ingress. Concurrent requests get the answers the Generator gives alone; requests sharing a system
-prompt go to one replica and hit its prefix cache; a replica killed under load costs its requests a retryable 503
-(never a hang) and is replaced."""
+"""The Ray Serve application on a local Ray cluster of this machine (`refusion-run serve --replicas 2`, a process
+of its own: Ray's gRPC threads in this one would break the tests that fork after it): 2 replicas of the embedded
+model, each one CPU, behind the ingress. Concurrent requests get the answers the Generator gives alone; requests
+sharing a system prompt go to one replica and hit its prefix cache; a replica's process killed under load costs
+its requests a retryable 503 (never a hang) and is replaced."""
 
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
-import logging
+import os
 import random
+import signal
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-pytestmark = pytest.mark.slow
-ray = pytest.importorskip("ray", reason="the Ray Serve application needs the ray extra: pip install -e '.[ray]'")
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(importlib.util.find_spec("ray") is None,
+                                                   reason="the Ray Serve application needs the ray extra")]
 httpx = pytest.importorskip("httpx")
 
-from ray import serve  # noqa: E402
-
 from refusion.runtime.generator import Generator  # noqa: E402
-from refusion.serve.rayserve.app import build_app  # noqa: E402
-from refusion.serve.rayserve.ingress import REPLICA_HEADER  # noqa: E402
 from tests.gate import HANG_GUARD_S  # noqa: E402
 
-REPLICA = REPLICA_HEADER.decode()
+REPLICA = "x-refusion-replica"  # ingress.REPLICA_HEADER (importing it would import Ray here)
+REFUSION_RUN = Path(sys.executable).parent / "refusion-run"
 SYSTEMS = [f"You are assistant number {i}. Answer the task exactly, in the form it was taught, nothing else. "
            for i in range(4)]  # each over the router's 64-character block, and the prefix cache's 16 tokens
 
@@ -56,20 +59,29 @@ def _until(condition: Callable[[], Any], what: str, timeout_s: float = 120.0) ->
 
 @pytest.fixture(scope="module")
 def url(tiny_export) -> Iterator[str]:
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING)
+    # 200 requests at once: each replica holds 2 running + 110 queued (few running: a replica killed under load
+    # has many requests on it for long enough to be seen)
+    port = _free_port()
+    server = subprocess.Popen([str(REFUSION_RUN), "serve", str(tiny_export), "--replicas", "2", "--backend", "ort-cpu",
+                               "--max-requests", "2", "--max-queue", "110", "--http-port", str(port)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
-        port = _free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        # 200 requests at once: each replica holds 2 running + 110 queued (few running: a replica killed under
-        # load has many requests on it for long enough to be seen)
-        serve.run(build_app({"model_dir": str(tiny_export), "replicas": 2, "backend": "ort-cpu", "max_requests": 2,
-                             "max_queue": 110}),
-                  name="refusion",
-                  route_prefix="/")
+        lines = []
+        assert server.stdout is not None
+        for line in server.stdout:
+            lines.append(line)
+            if line.startswith("ready:"):
+                break
+        else:
+            raise AssertionError(f"no ready: line:\n{''.join(lines)}")
         yield f"http://127.0.0.1:{port}"
+        server.send_signal(signal.SIGTERM)
+        server.communicate(timeout=HANG_GUARD_S)
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        if server.poll() is None:
+            server.kill()
+            server.communicate()
 
 
 @pytest.fixture(scope="module")
@@ -140,12 +152,12 @@ def test_a_replica_killed_under_load_costs_only_retryable_errors_and_is_replaced
     async def load_and_kill() -> list[httpx.Response]:
         sending = asyncio.ensure_future(_send_all(url, bodies))
 
-        def busy() -> str | None:  # a replica in the middle of requests
+        def busy() -> int | None:  # a replica in the middle of requests: its process id
             replicas = client.get("/health").json()["replicas"]
-            return next((r["id"] for r in replicas if r.get("requests_in_flight", 0) >= 20), None)
+            return next((r["pid"] for r in replicas if r.get("requests_in_flight", 0) >= 20), None)
 
         victim = await asyncio.to_thread(_until, busy, "a replica with requests in flight")
-        ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
+        os.kill(victim, signal.SIGKILL)  # the replica's process, as a crash or the OOM killer ends it
         return await sending
 
     replies = asyncio.run(load_and_kill())
