@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
-from typing import Any, Literal
+from typing import Any
 
 from refusion.runtime.core.defaults import DecodeDefaults, RecordedSettings
 from refusion.runtime.core.errors import RefusionError
-from refusion.runtime.core.settings import DECODE, DEFAULTS
+from refusion.runtime.core.settings import DECODE, DEFAULTS, Mode
 from refusion.runtime.decode import STRATEGIES
-
-Mode = Literal["refusion", "ar"]  # decode.MODES, spelled out for type checkers (a test holds them equal)
 
 
 @dataclass(frozen=True)

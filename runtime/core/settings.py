@@ -17,14 +17,15 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from numbers import Integral, Real
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from refusion.runtime.core.errors import RefusionError, refusing
 from refusion.runtime.core.nesting import MAX_JSON_DEPTH, json_depth, value_depth
 
 Kind = Literal["int", "number", "bool", "string", "strings", "ints", "text", "json"]
 Role = Literal["decode", "request"]
-EVERY = ("refusion", "ar")  # the public strategies (runtime/decode/'s MODES; a test holds them equal)
+Mode = Literal["refusion", "ar"]  # the public strategies: runtime/decode/'s table holds a row for each (a test)
+MODES: tuple[Mode, ...] = get_args(Mode)
 INT64 = (-(2**63), 2**64 - 1)  # what a seed may be: any int64, or its unsigned bits
 GUIDE_BYTES = 65536  # the most UTF-8 bytes a guide (a schema, a regex, a grammar, the choices) may hold
 
@@ -42,7 +43,7 @@ class Setting:
     choices: tuple[str, ...] | None = None
     note: str = ""  # appended to a refusal: why the bound, or an example
     recorded: bool = False  # an export records its value (refusion.json `defaults`): left out, a request takes it
-    strategies: tuple[str, ...] = EVERY  # the strategies whose steps read it (decode settings; mode: none, it picks)
+    strategies: tuple[str, ...] = MODES  # the strategies whose steps read it (decode settings; mode: none, it picks)
     aliases: tuple[str, ...] = ()  # former names, still taken by the CLIs (--serial-blocks) and chat
     short: str | None = None  # chat's short key (/settings k=4)
     cli: str | None = None  # its CLI option, if not --name with dashes (None); "": none (a command words its own)
@@ -216,7 +217,7 @@ SETTINGS = (
     Setting("seed", "int", "seed of the sampling noise, any int64: the same seed, the same draws", low=INT64[0],
             high=INT64[1], note="it seeds the sampling noise", openai=("seed",), triton="seed"),
     Setting("mode", "string", "decoding: refusion (plan, verify, infill) or ar (one token a forward)",
-            "refusion", choices=EVERY, strategies=(), openai=("mode",), openai_extra=True, triton="mode"),
+            "refusion", choices=MODES, strategies=(), openai=("mode",), openai_extra=True, triton="mode"),
     Setting("max_tokens", "int", "at most this many new tokens (any N >= 1 that fits the positions); it only cuts",
             low=1, note="the most new tokens to return", openai=("max_tokens", "max_completion_tokens"),
             triton="max_tokens"),

@@ -26,7 +26,6 @@ class Strategy:
     # its forwards
     profile_needs: Callable[[Any], tuple[int, int, int]] | None
     check: Callable[[Any], None] = lambda params: None  # mode-specific rules on DecodeParams
-    public: bool = True  # a DecodeParams mode: offered by the API, the CLIs and the server
     prefix_reuse: bool = True  # its steps start from Tokens.cached (a cached prompt prefix's KV in the region)
     guided: Steps | None = None  # its steps when the request brings a guide (Tokens.guide); None: it takes none
 
@@ -44,11 +43,10 @@ STRATEGIES: dict[str, Strategy] = {
                          refusion.profile_needs, refusion.check, guided=_guided(refusion, drafting=True)),
     "ar": Strategy(ar.ar_steps, read_by("ar"), ar.kv_capacity, ar.positions, ar.profile_needs,
                    guided=_guided(ar, drafting=False)),
-    # the benchmark's baseline, with its own params (llada.DiffusionParams)
+    # the benchmark's baseline, with its own params (llada.DiffusionParams): not one of the settings' MODES
     "llada": Strategy(llada.llada_steps, ("gen_length", "steps", "block_length", "order", "early_exit"),
-                      llada.kv_capacity, llada.positions, None, public=False, prefix_reuse=False),
+                      llada.kv_capacity, llada.positions, None, prefix_reuse=False),
 }
-MODES = tuple(name for name, s in STRATEGIES.items() if s.public)  # DecodeParams' modes
 
 
 def strategy(mode: str) -> Strategy:

@@ -8,12 +8,12 @@ from __future__ import annotations
 import pytest
 
 from refusion.runtime.core.errors import ContextLengthError
+from refusion.runtime.core.settings import MODES
 from refusion.runtime.structured.tools import read_tools
 
 pytest.importorskip("onnxruntime")
 pytest.importorskip("torch")
 
-MODES = ["refusion", "ar"]
 # repro 4b's request: 740 prompt tokens with the fixture's template
 WEATHER = [{"role": "user", "content": "What is the weather in Paris?"}]
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "parameters": {

@@ -27,7 +27,7 @@ import click
 import numpy as np
 
 from refusion.runtime.core.errors import RefusionError
-from refusion.runtime.decode import MODES
+from refusion.runtime.core.settings import MODES
 from refusion.runtime.generator import Generator
 from refusion.tools import tasks as T
 from refusion.tools.bench.common import (

@@ -16,6 +16,7 @@ pytest.importorskip("jsonschema")
 
 from refusion.runtime.core.contract import mask_bytes
 from refusion.runtime.core.export_manifest import ExportManifest
+from refusion.runtime.core.settings import MODES
 from refusion.runtime.decode.steps import Tokens
 from refusion.runtime.options import RequestOptions
 from refusion.runtime.params import DecodeParams
@@ -25,8 +26,6 @@ from refusion.tools.bench.guides import CASES, ROBOT
 from refusion.tools.bench.guides import RANDOM_SETTINGS as RANDOM
 from refusion.tools.tasks import held_out
 from tests.helpers import decode_on
-
-MODES = ("refusion", "ar")
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from refusion.models import EMBEDDED_MODEL
+from refusion.runtime.core.settings import MODES
 from refusion.runtime.decode.steps import Tokens
 from refusion.runtime.params import DecodeParams
 from refusion.runtime.request import Request
@@ -18,7 +19,6 @@ from refusion.runtime.tokenizer import Tokenizer
 from tests.fakes import FakeChoice, FakeRunner, fake_manifest
 from tests.helpers import decode_on
 
-MODES = ("refusion", "ar")
 ANSWERS = ["left", "lift", "right", "stop now", "stop", "straight on"]  # shared prefixes: branches in the trie
 PROMPTS = [[101, 97, 0, 93, 102, 0, 101, 98, 0], [5, 6, 7, 8], [40, 41], [3] * 12]
 

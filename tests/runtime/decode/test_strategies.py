@@ -9,8 +9,8 @@ from dataclasses import replace
 import pytest
 
 from refusion.runtime import DecodeParams, RefusionError
-from refusion.runtime.core.settings import DECODE
-from refusion.runtime.decode import MODES, STRATEGIES, refusion, strategy
+from refusion.runtime.core.settings import DECODE, MODES
+from refusion.runtime.decode import STRATEGIES, refusion, strategy
 from refusion.runtime.decode.llada import DiffusionParams
 from refusion.runtime.params import DECODE_SETTINGS, SizedParams
 from tests.helpers import REPO
