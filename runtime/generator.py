@@ -350,7 +350,7 @@ class Generator:
         caller's): DecodeParams.sized, docs/decoding.md."""
         context = self.manifest.max_positions
         if isinstance(params, DecodeParams):
-            params = params.sized(context - prompt_tokens, shrink)
+            params = params.sized(strategy(params.mode).positions(params), context - prompt_tokens, shrink)
         positions = strategy(params.mode).positions(params)
         if prompt_tokens + positions > context:
             raise _too_long(params, prompt_tokens, positions, context)

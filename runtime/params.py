@@ -7,8 +7,7 @@ from typing import Any
 
 from refusion.runtime.core.defaults import DecodeDefaults, RecordedSettings
 from refusion.runtime.core.errors import RefusionError
-from refusion.runtime.core.settings import DECODE, DEFAULTS, Mode
-from refusion.runtime.decode import STRATEGIES
+from refusion.runtime.core.settings import DECODE, DEFAULTS, Mode, read_by
 
 
 @dataclass(frozen=True)
@@ -30,7 +29,8 @@ class DecodeParams(RecordedSettings):
             object.__setattr__(self, setting.name, setting.check(getattr(self, setting.name)))
         if self.seed is not None:
             object.__setattr__(self, "seed", self.seed % 2**64)  # a negative int64 seed as its unsigned bits
-        STRATEGIES[self.mode].check(self)
+        if "serial_num_blocks" in read_by(self.mode):  # a strategy that decodes blocks: the canvas must cut into them
+            _ = self.block_length  # raises, naming the block counts that fit
 
     @staticmethod
     def with_defaults(defaults: DecodeDefaults, **settings: Any) -> DecodeParams:
@@ -45,20 +45,15 @@ class DecodeParams(RecordedSettings):
         given = {name: value for name, value in settings.items() if value is not None or name not in recorded}
         return DecodeParams(**{**recorded, **given})
 
-    @property
-    def positions(self) -> int:
-        """Positions the generation takes after the prompt (its strategy's count)."""
-        return STRATEGIES[self.mode].positions(self)
-
-    def sized(self, room: int, shrink: bool = True) -> DecodeParams:
+    def sized(self, positions: int, room: int, shrink: bool = True) -> DecodeParams:
         """These settings for a prompt that leaves `room` positions of the model's: where the canvas the settings
-        ask for (`positions`) runs past them and may be cut, the same settings with the canvas cut to the room
+        ask for (`positions`, their strategy's count) runs past them and may be cut, the same settings with the canvas cut to the room
         (SizedParams); else these (Generator.check_fits refuses what does not fit). It may be cut when max_tokens
         is given and at most the room (any N that fits is taken), or when max_tokens is left out and `shrink`
         (gen_length is the export's, not the caller's: an answer may use what the context leaves). Cut, the
         canvas keeps its blocks of `block_length` while they fit and ends at the room (docs/decoding.md); it is
         cut to the room, not to max_tokens, so that a capped answer is still the uncapped one's first tokens."""
-        if self.positions <= room or room < 1:
+        if positions <= room or room < 1:
             return self
         if (self.max_tokens is None and not shrink) or (self.max_tokens is not None and self.max_tokens > room):
             return self

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from refusion.runtime.core.export_manifest import ExportManifest
+from refusion.runtime.decode import strategy
 from refusion.runtime.decode.steps import Tokens
 from refusion.runtime.params import DecodeParams
 from refusion.runtime.request import GenerationResult, Request
@@ -202,3 +203,8 @@ def as_format_6(export: Path, tmp_path: Path) -> Path:
     raw["digests"] = {k: _digest(raw[k]) for k in _SECTIONS}
     (d / "refusion.json").write_text(json.dumps(raw))
     return d
+
+
+def positions(params: DecodeParams) -> int:
+    """The positions a request of `params` generates into: its strategy's count."""
+    return strategy(params.mode).positions(params)

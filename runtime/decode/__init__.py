@@ -1,6 +1,7 @@
 """The decode strategies, each a step machine (decode/steps.py), behind one table: all the rest of the
-runtime asks of a mode (DecodeParams, the Generator, the shapes a backend is asked to check, the CLIs'
-choices) it asks of `STRATEGIES`, so a new strategy is a module here and a row below."""
+runtime asks of a mode (the Generator, the shapes a backend is asked to check) it asks of `STRATEGIES`, so a
+new strategy is a module here and a row below; the settings table (runtime/core/settings.py) names the public
+modes and the settings each one's steps read, which DecodeParams checks by."""
 
 from __future__ import annotations
 
@@ -25,7 +26,6 @@ class Strategy:
     # TensorRT: (gen_length, slot size, serial blocks) the engines' limits must hold; None: no profile takes
     # its forwards
     profile_needs: Callable[[Any], tuple[int, int, int]] | None
-    check: Callable[[Any], None] = lambda params: None  # mode-specific rules on DecodeParams
     prefix_reuse: bool = True  # its steps start from Tokens.cached (a cached prompt prefix's KV in the region)
     guided: Steps | None = None  # its steps when the request brings a guide (Tokens.guide); None: it takes none
 
@@ -40,7 +40,7 @@ def _guided(module: Any, drafting: bool) -> Steps:
 
 STRATEGIES: dict[str, Strategy] = {
     "refusion": Strategy(refusion.refusion_steps, read_by("refusion"), refusion.kv_capacity, refusion.positions,
-                         refusion.profile_needs, refusion.check, guided=_guided(refusion, drafting=True)),
+                         refusion.profile_needs, guided=_guided(refusion, drafting=True)),
     "ar": Strategy(ar.ar_steps, read_by("ar"), ar.kv_capacity, ar.positions, ar.profile_needs,
                    guided=_guided(ar, drafting=False)),
     # the benchmark's baseline, with its own params (llada.DiffusionParams): not one of the settings' MODES

@@ -2,17 +2,13 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 
 from refusion.runtime.decode import masks, policy
 from refusion.runtime.decode.forwards import Forwards
 from refusion.runtime.decode.kv_cache import KVCache
 from refusion.runtime.decode.steps import Commit, DecodeTrace, PrefixKV, StepMachine, Tokens
-
-if TYPE_CHECKING:
-    from refusion.runtime.params import DecodeParams
+from refusion.runtime.params import DecodeParams, SizedParams
 
 
 def kv_capacity(prompt_length: int, params: DecodeParams) -> int:
@@ -23,9 +19,8 @@ def kv_capacity(prompt_length: int, params: DecodeParams) -> int:
 def positions(params: DecodeParams) -> int:
     """Tokens it generates at most: max_tokens when given, else gen_length (unpadded: AR has no slots), or a
     canvas cut to what the context leaves (SizedParams)."""
-    canvas = getattr(params, "canvas", None)  # SizedParams' (runtime/params.py imports this module)
-    if canvas is not None:
-        return canvas
+    if isinstance(params, SizedParams):
+        return params.canvas
     return params.max_tokens if params.max_tokens is not None else params.gen_length
 
 

@@ -5,7 +5,6 @@ upstream's drop leaves holes in the answer, ours only with `upstream_eos_drop`."
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -13,9 +12,7 @@ from refusion.runtime.decode import policy
 from refusion.runtime.decode.forwards import Forwards
 from refusion.runtime.decode.kv_cache import KVCache
 from refusion.runtime.decode.steps import Commit, DecodeTrace, PrefixKV, StepMachine, Tokens
-
-if TYPE_CHECKING:
-    from refusion.runtime.params import DecodeParams
+from refusion.runtime.params import DecodeParams, SizedParams
 
 
 def block_count(params: DecodeParams) -> int:
@@ -23,9 +20,8 @@ def block_count(params: DecodeParams) -> int:
     many as cover it. Whole blocks either way, so a cap only cuts the answer: the plan chooses among the same
     slots as without it, and the tokens before the cap are the uncapped answer's. A canvas cut to what the
     context leaves (SizedParams) counts its last block, cut, as one."""
-    canvas = getattr(params, "canvas", None)  # SizedParams' (runtime/params.py imports this module)
-    if canvas is not None:
-        return -(-canvas // params.block_length)
+    if isinstance(params, SizedParams):
+        return -(-params.canvas // params.block_length)
     if params.max_tokens is None:
         return params.serial_num_blocks
     return -(-params.max_tokens // params.block_length)
@@ -34,8 +30,7 @@ def block_count(params: DecodeParams) -> int:
 def positions(params: DecodeParams) -> int:
     """Positions the generation takes after the prompt: its blocks (upstream pads gen_length to whole slots), or
     a canvas cut to what the context leaves."""
-    canvas = getattr(params, "canvas", None)
-    return canvas if canvas is not None else block_count(params) * params.block_length
+    return params.canvas if isinstance(params, SizedParams) else block_count(params) * params.block_length
 
 
 def layout(params: DecodeParams) -> list[tuple[int, int, int]]:
@@ -61,11 +56,6 @@ def profile_needs(params: DecodeParams) -> tuple[int, int, int]:
     """(gen_length, slot size, serial blocks) the engines' limits must hold: whole blocks (a cut canvas's last
     block is no longer than a whole one)."""
     return block_count(params) * params.block_length, params.slot_size, block_count(params)
-
-
-def check(params: DecodeParams) -> None:
-    """The generation must cut into serial_num_blocks blocks of whole slots."""
-    _ = params.block_length  # raises, naming the block counts that fit
 
 
 def refusion_steps(tokens: Tokens, params: DecodeParams, trace: DecodeTrace) -> StepMachine:

@@ -10,6 +10,7 @@ import pytest
 from refusion.runtime.core.defaults import DecodeDefaults
 from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.params import DecodeParams
+from tests.helpers import positions
 
 TINY = DecodeDefaults(gen_length=64, slot_size=4, serial_num_blocks=4, slot_threshold=0.5, token_threshold=0.1)
 
@@ -53,8 +54,8 @@ def test_numpy_scalars_are_accepted_as_plain_numbers():
 
 def test_ar_mode_takes_gen_length_unpadded_and_no_block_layout():
     ar = DecodeParams(gen_length=30, slot_size=7, serial_num_blocks=3, mode="ar")
-    assert ar.positions == 30
-    assert DecodeParams(gen_length=30, slot_size=4, serial_num_blocks=2).positions == 32  # ReFusion: whole slots
+    assert positions(ar) == 30
+    assert positions(DecodeParams(gen_length=30, slot_size=4, serial_num_blocks=2)) == 32  # ReFusion: whole slots
     with pytest.raises(RefusionError, match="serial_num_blocks may be one of"):
         DecodeParams(gen_length=30, slot_size=7, serial_num_blocks=3)
 
@@ -78,6 +79,6 @@ def test_an_unknown_setting_lists_the_valid_ones():
 def test_max_tokens_is_kept_apart_from_the_exports_canvas():
     p = DecodeParams.with_defaults(TINY, max_tokens=10)
     assert (p.max_tokens, p.gen_length) == (10, 64)  # gen_length still sets ReFusion's block length
-    assert p.positions == 16  # the whole block of 16 that covers 10 tokens
-    assert DecodeParams.with_defaults(TINY, max_tokens=10, mode="ar").positions == 10
+    assert positions(p) == 16  # the whole block of 16 that covers 10 tokens
+    assert positions(DecodeParams.with_defaults(TINY, max_tokens=10, mode="ar")) == 10
     assert DecodeParams.with_defaults(TINY).max_tokens is None

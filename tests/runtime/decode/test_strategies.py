@@ -13,9 +13,13 @@ from refusion.runtime.core.settings import DECODE, MODES
 from refusion.runtime.decode import STRATEGIES, refusion, strategy
 from refusion.runtime.decode.llada import DiffusionParams
 from refusion.runtime.params import DECODE_SETTINGS, SizedParams
-from tests.helpers import REPO
+from tests.helpers import REPO, positions
 
 PACKAGES = ("runtime", "export", "engines", "serve", "tools")
+
+
+def sized(params: DecodeParams, room: int, shrink: bool = True) -> DecodeParams:
+    return params.sized(positions(params), room, shrink)
 
 
 def test_each_strategy_declares_its_needs():
@@ -26,7 +30,7 @@ def test_each_strategy_declares_its_needs():
     assert STRATEGIES["refusion"].kv_capacity(10, refusion) == 10 + 32 + 16  # prompt, whole slots, a block of scratch
     assert STRATEGIES["ar"].kv_capacity(10, ar) == 40
     assert STRATEGIES["llada"].kv_capacity(10, llada) == 1  # no KV kept
-    assert (refusion.positions, ar.positions, STRATEGIES["llada"].positions(llada)) == (32, 30, 32)
+    assert (positions(refusion), positions(ar), STRATEGIES["llada"].positions(llada)) == (32, 30, 32)
     assert STRATEGIES["refusion"].profile_needs(refusion) == (32, 4, 2)
     assert STRATEGIES["ar"].profile_needs(ar) == (30, 1, 30)  # one token a forward
     assert STRATEGIES["llada"].profile_needs is None
@@ -40,7 +44,7 @@ def test_each_strategy_declares_its_needs():
 def test_max_tokens_decodes_whole_blocks_of_the_canvas_length_that_cover_it(max_tokens, blocks):
     params = DecodeParams(gen_length=32, slot_size=4, serial_num_blocks=2, max_tokens=max_tokens)
     assert refusion.block_count(params) == blocks
-    assert params.positions == 16 * blocks
+    assert positions(params) == 16 * blocks
     assert STRATEGIES["refusion"].kv_capacity(10, params) == 10 + 16 * blocks + 16
     assert STRATEGIES["refusion"].profile_needs(params) == (16 * blocks, 4, blocks)
 
@@ -55,9 +59,9 @@ def test_a_canvas_cut_to_the_room_keeps_its_blocks_and_ends_there(room, blocks):
     """clients-5, failure 5: where the canvas runs past what the context leaves, its blocks of gen_length /
     serial_num_blocks stay while they fit and the last is cut to the room, in whole slots but the last."""
     for max_tokens in (None, room):
-        params = DecodeParams(gen_length=64, slot_size=4, serial_num_blocks=4, max_tokens=max_tokens).sized(room)
+        params = sized(DecodeParams(gen_length=64, slot_size=4, serial_num_blocks=4, max_tokens=max_tokens), room)
         assert isinstance(params, SizedParams) and params.canvas == room  # the room, not max_tokens: a cap only cuts
-        assert refusion.layout(params) == blocks and params.positions == room
+        assert refusion.layout(params) == blocks and positions(params) == room
         assert all(length % k == 0 and (k == 4 or (length, k) == blocks[-1][1:]) for _, length, k in blocks)
         assert STRATEGIES["refusion"].kv_capacity(10, params) == 10 + room + 16  # a block of scratch, as before
         assert STRATEGIES["refusion"].profile_needs(params) == (16 * -(-room // 16), 4, -(-room // 16))  # whole blocks
@@ -69,13 +73,13 @@ def test_a_canvas_is_cut_only_where_it_runs_past_the_room_and_may_be():
     refusion_ = DecodeParams(gen_length=64, slot_size=4, serial_num_blocks=4)
     ar = DecodeParams(gen_length=64, mode="ar")
     for params in (refusion_, ar, replace(refusion_, max_tokens=40), replace(ar, max_tokens=40)):
-        assert params.sized(64) is params and params.sized(100) is params  # it fits: as the settings ask
-        assert params.sized(0) is params  # no room at all: refused (check_fits)
-    assert refusion_.sized(40, shrink=False) is refusion_  # a gen_length given is kept: refused where it runs past
-    assert replace(refusion_, max_tokens=41).sized(40) == replace(refusion_, max_tokens=41)  # over the room: refused
-    assert replace(refusion_, max_tokens=40).sized(40, shrink=False).positions == 40  # max_tokens is taken
-    assert ar.sized(40).positions == 40 and replace(ar, max_tokens=30).sized(40).positions == 30  # AR: its count
-    assert replace(refusion_, max_tokens=20).sized(40).positions == 32  # 2 whole blocks fit: upstream's layout
+        assert sized(params, 64) is params and sized(params, 100) is params  # it fits: as the settings ask
+        assert sized(params, 0) is params  # no room at all: refused (check_fits)
+    assert sized(refusion_, 40, shrink=False) is refusion_  # a gen_length given is kept: refused where it runs past
+    assert sized(replace(refusion_, max_tokens=41), 40) == replace(refusion_, max_tokens=41)  # over the room: refused
+    assert positions(sized(replace(refusion_, max_tokens=40), 40, shrink=False)) == 40  # max_tokens is taken
+    assert positions(sized(ar, 40)) == 40 and positions(sized(replace(ar, max_tokens=30), 40)) == 30  # AR: its count
+    assert positions(sized(replace(refusion_, max_tokens=20), 40)) == 32  # 2 whole blocks fit: upstream's layout
     assert DECODE_SETTINGS == tuple(s.name for s in DECODE)  # the canvas is not a setting
     with pytest.raises(RefusionError, match="canvas=0 must be a positive number of positions"):
         SizedParams(canvas=0)
@@ -84,7 +88,7 @@ def test_a_canvas_is_cut_only_where_it_runs_past_the_room_and_may_be():
 def test_a_huge_max_tokens_or_gen_length_is_sized_by_arithmetic_not_by_a_list():
     """Probe 4's O16 / O17: what a request's length asks is computed in O(its digits), before any work."""
     huge = DecodeParams(gen_length=32, slot_size=4, serial_num_blocks=2, max_tokens=10**30)
-    assert huge.positions == -(-10**30 // 16) * 16 and STRATEGIES["refusion"].profile_needs(huge)[2] == -(-10**30 // 16)
+    assert positions(huge) == -(-10**30 // 16) * 16 and STRATEGIES["refusion"].profile_needs(huge)[2] == -(-10**30 // 16)
     with pytest.raises(RefusionError, match=r"may be one of \[1(, \d+)*\] or another divisor of its 250000000001 slots"):
         DecodeParams(gen_length=10**12 + 4, slot_size=4, serial_num_blocks=3)
 
