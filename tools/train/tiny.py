@@ -44,6 +44,7 @@ import torch.nn.functional as F
 
 from refusion.tools import families
 from refusion.tools import tasks as T
+from refusion.tools.checks.fixtures.checkpoints import TinySpec, hf_config
 
 REPO = Path(__file__).resolve().parents[2]
 IGNORE = -100
@@ -169,29 +170,13 @@ class Encoder:
 
 
 def build_model(args, vocab: int, ids: Ids):
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import Qwen3ForCausalLM
 
-    config = Qwen3Config(
-        vocab_size=vocab,
-        hidden_size=args.hidden,
-        intermediate_size=args.intermediate,
-        num_hidden_layers=args.layers,
-        num_attention_heads=args.heads,
-        num_key_value_heads=args.kv_heads,
-        head_dim=args.head_dim,
-        max_position_embeddings=args.max_positions,
-        rope_theta=args.rope_theta,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
-        attention_bias=False,
-        use_sliding_window=False,
-        bos_token_id=None,
-        eos_token_id=ids.eos,
-        pad_token_id=ids.pad,
-        attn_implementation="sdpa",
-    )
-    config.mask_token_id = ids.mask
-    config.architectures = ["Qwen3ForCausalLM"]
+    spec = TinySpec(num_layers=args.layers, hidden_size=args.hidden, num_heads=args.heads, kv_heads=args.kv_heads,
+                    head_dim=args.head_dim, intermediate_size=args.intermediate, vocab_size=vocab,
+                    rope_theta=args.rope_theta, max_positions=args.max_positions)
+    config = hf_config(spec, ids.mask, ids.eos, rms_norm_eps=1e-6, attention_bias=False, use_sliding_window=False,
+                       bos_token_id=None, pad_token_id=ids.pad, attn_implementation="sdpa")
     return Qwen3ForCausalLM(config)
 
 
