@@ -38,7 +38,7 @@ class DecodeDefaults(RecordedSettings):
             try:
                 object.__setattr__(self, setting.name, setting.check(getattr(self, setting.name)))
             except RefusionError as e:
-                raise RefusionError(f"decode default {e}") from None
+                raise RefusionError(f"decode default {e}", e.field) from None
         if self.gen_length % (self.slot_size * self.serial_num_blocks):
             raise RefusionError(
                 f"decode defaults: gen_length {self.gen_length} is not a multiple of slot_size x serial_num_blocks "
@@ -49,17 +49,14 @@ class DecodeDefaults(RecordedSettings):
 
     @staticmethod
     def read(fields: Fields, at: str) -> DecodeDefaults:
-        values = dict(
-            gen_length=fields.positive_int(f"{at}.gen_length"),
-            slot_size=fields.positive_int(f"{at}.slot_size"),
-            serial_num_blocks=fields.positive_int(f"{at}.serial_num_blocks"),
-            slot_threshold=fields.float(f"{at}.slot_threshold", 0.0, 1.0),
-            token_threshold=fields.float(f"{at}.token_threshold", 0.0, 1.0),
-        )
+        """The settings recorded at `at` of a JSON file, each checked by its row (a bad one named as the file's
+        field), then the layout."""
+        values = {setting.name: fields.get(f"{at}.{setting.name}") for setting in RECORDED}
         try:
             return DecodeDefaults(**values)
-        except RefusionError as e:  # the layout: name the file and the fix as every field error does
-            raise RefusionError(f"{fields.file}: field {at}: {e} {fields.fix[0].upper()}{fields.fix[1:]}.") from e
+        except RefusionError as e:  # name the file, the field and the fix as every field error does
+            where = f"{at}.{e.field}" if e.field else at
+            raise RefusionError(f"{fields.file}: field {where}: {e} {fields.fix[0].upper()}{fields.fix[1:]}.") from e
 
     def clamped(self, max_positions: int) -> DecodeDefaults:
         """These settings with gen_length cut to at most half of max_positions (whole blocks of

@@ -77,7 +77,8 @@ def test_checkpoint_decode_defaults_are_recorded_and_checked(ckpt, tmp_path):
     out = export_onnx(ckpt, tmp_path / "out", validate=False)
     assert ExportManifest.load(out).defaults.to_json() == mine
     (ckpt / "generation_config.json").write_text(json.dumps({"refusion_decode": {**mine, "slot_size": "8"}}))
-    _fails(ckpt, tmp_path / "out2", r"generation_config\.json: field refusion_decode\.slot_size is '8' \(str\)")
+    _fails(ckpt, tmp_path / "out2", r"generation_config\.json: field refusion_decode\.slot_size: decode default slot_size='8' must be a "
+                                          "positive integer")
 
 
 @pytest.mark.parametrize("keep", ["data", "header"], ids=["truncated-data", "truncated-header"])

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from refusion.runtime.core.defaults import DecodeDefaults
 from refusion.runtime.core.errors import RefusionError
+from refusion.runtime.core.fields import Fields
 
 
 @pytest.mark.parametrize("positions, expected", [
@@ -37,3 +40,21 @@ def test_a_fitting_setting_is_kept():
 def test_invalid_defaults_refused(kwargs, match):
     with pytest.raises(RefusionError, match=match):
         DecodeDefaults(**kwargs)
+
+
+@pytest.mark.parametrize("recorded, match", [
+    ({"token_threshold": 1.5}, r"^x\.json: field d\.token_threshold: decode default token_threshold=1\.5 is outside "
+                               r"\[0, 1\] \(it is compared against a probability\)\. Fix it\.$"),
+    ({"slot_size": "4"}, r"^x\.json: field d\.slot_size: decode default slot_size='4' must be a positive integer"),
+    ({"slot_size": None}, r"^x\.json: field d\.slot_size: decode default slot_size=None must be"),
+    ({"gen_length": 60}, r"^x\.json: field d: decode defaults: gen_length 60 is not a multiple of slot_size x "
+                         r"serial_num_blocks = 16\. Fix it\.$"),
+])
+def test_recorded_defaults_are_read_by_their_rows_and_named_as_the_files_fields(recorded, match):
+    good = {"gen_length": 64, "slot_size": 4, "serial_num_blocks": 4, "slot_threshold": 0.5, "token_threshold": 0.1}
+    assert DecodeDefaults.read(Fields(Path("x.json"), {"d": good}, "fix it"), "d") == DecodeDefaults(64, 4, 4, 0.5, 0.1)
+    with pytest.raises(RefusionError, match=match):
+        DecodeDefaults.read(Fields(Path("x.json"), {"d": {**good, **recorded}}, "fix it"), "d")
+    missing = {k: v for k, v in good.items() if k != "serial_num_blocks"}
+    with pytest.raises(RefusionError, match=r"^x\.json: field d\.serial_num_blocks is missing; fix it\.$"):
+        DecodeDefaults.read(Fields(Path("x.json"), {"d": missing}, "fix it"), "d")
