@@ -129,10 +129,11 @@ class TensorRTCases(CaseRunner):
         _, _, past = feed_shape(feed)
         masks = feed.get(VOCAB_MASK)  # a row's masks, one a head (a mask for all heads, repeated)
         heads = feed["head_positions"][row : row + 1]
-        return Forward("check", graph, feed["input_ids"][row : row + 1], feed["position_ids"][row : row + 1],
+        return Forward(feed["input_ids"][row : row + 1], feed["position_ids"][row : row + 1],
                        feed["attention_mask"][row : row + 1], past, past if graph == "infiller" else None, heads,
                        None if masks is None else np.ascontiguousarray(
-                           np.broadcast_to(masks[row : row + 1], (1, heads.shape[1], masks.shape[2]))))
+                           np.broadcast_to(masks[row : row + 1], (1, heads.shape[1], masks.shape[2]))),
+                       kind="check", graph=graph)
 
     def __call__(self, graph: GraphName, feed: Feed) -> Outputs:
         batch, seq, past = feed_shape(feed)

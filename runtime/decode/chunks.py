@@ -62,11 +62,11 @@ def split(forward: Forward, bound: int) -> list[Forward]:
         held = (heads >= start) & (heads < end)
         own = heads[held] - start
         masks = forward.vocab_mask[:, held] if forward.vocab_mask is not None and own.size else None
-        chunks.append(Forward(forward.kind, forward.graph, forward.input_ids[:, start:end],
-                              forward.position_ids[:, start:end],
+        chunks.append(Forward(forward.input_ids[:, start:end], forward.position_ids[:, start:end],
                               forward.attention_mask[:, start:end, : forward.past + end], forward.past + start,
                               forward.past + start,
-                              (own if own.size else np.array([end - start - 1]))[None].astype(np.int64), masks))
+                              (own if own.size else np.array([end - start - 1]))[None].astype(np.int64), masks,
+                              kind=forward.kind, graph=forward.graph))
     return chunks
 
 

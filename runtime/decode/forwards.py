@@ -37,9 +37,9 @@ class Forwards:
         row of `vocab_mask` ([heads, mask bytes]) allows (None: every token)."""
         self.trace.forwards[kind] += 1
         at = np.arange(len(ids)) if heads is None else heads
-        out = yield Forward(kind, graph, ids[None].astype(np.int64, copy=False), pos[None].astype(np.int64, copy=False),
-                            mask, past, write_at, at[None].astype(np.int64, copy=False),
-                            None if vocab_mask is None else vocab_mask[None])
+        out = yield Forward(ids[None].astype(np.int64, copy=False), pos[None].astype(np.int64, copy=False), mask, past,
+                            write_at, at[None].astype(np.int64, copy=False),
+                            None if vocab_mask is None else vocab_mask[None], kind=kind, graph=graph)
         assert out is not None  # the driver sends every Forward's outputs back
         return out
 

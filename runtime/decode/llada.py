@@ -113,7 +113,7 @@ def llada_steps(tokens: Tokens, params: DiffusionParams, trace: DecodeTrace) -> 
             pos = np.concatenate([pos_ids[:p0], pos_ids[p0:][order]])
             trace.forwards[FORWARD_KIND] += 1
             heads = np.arange(p0, len(ids))[None]  # the generation's positions; the prompt's read nothing
-            out = yield Forward(FORWARD_KIND, "planner", ids[None], pos[None], mask, 0, None, heads)
+            out = yield Forward(ids[None], pos[None], mask, 0, None, heads, kind=FORWARD_KIND, graph="planner")
             assert out is not None  # every Forward gets its outputs back
             draft = np.empty(gen, dtype=np.int64)
             conf = np.empty(gen, dtype=np.float32)

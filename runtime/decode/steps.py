@@ -23,21 +23,27 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
-class Forward:
-    """One forward of `graph`: tokens at their positions over KV [0, past) of the request; the
-    infiller writes its new tokens' KV at [write_at, write_at + seq). The vocabulary heads run at `heads`
-    alone (indices into seq, the positions the step reads), so its outputs hold one row per head, each over the
-    tokens its row of `vocab_mask` allows (a guided request's; None: every token)."""
+class Feed:
+    """What one forward feeds of a request: tokens at their positions over KV [0, past) of the request; the
+    infiller writes their KV at [write_at, write_at + seq) (None: the planner, which writes none)."""
 
-    kind: str  # what the loop uses it for: prefill_plan, plan, verify, infill_draft, ...
-    graph: GraphName
     input_ids: np.ndarray  # int64 [1, seq]
     position_ids: np.ndarray  # int64 [1, seq]
     attention_mask: np.ndarray  # bool [1, seq, past + seq]
     past: int
     write_at: int | None
+
+
+@dataclass(frozen=True)
+class Forward(Feed):
+    """One forward of `graph`, as a strategy asks it: its vocabulary heads run at `heads` alone (indices into seq,
+    the positions the step reads), so its outputs hold one row per head, each over the tokens its row of
+    `vocab_mask` allows (a guided request's; None: every token)."""
+
     heads: np.ndarray  # int64 [1, heads]
     vocab_mask: np.ndarray | None = None  # uint8 [1, heads, mask bytes]
+    kind: str = field(kw_only=True)  # what the loop uses it for: prefill_plan, plan, verify, infill_draft, ...
+    graph: GraphName = field(kw_only=True)
 
 
 @dataclass(frozen=True)

@@ -4,12 +4,10 @@ into one batch's feed (`pack_rows`), each padded to the longest so no row sees a
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from refusion.runtime.decode.steps import Forward
+from refusion.runtime.decode.steps import Feed, Forward
 
 
 @dataclass(frozen=True)
@@ -59,17 +57,11 @@ def pack_rows(rows: list[RowFeed]) -> PackedRows:
 
 
 @dataclass(frozen=True)
-class RowFeed:
-    """One request's forward in a batch: its feed ([1, seq] ids and positions, [1, seq, past + seq]
-    mask) over KV [0, past) of its region, writing present at write_at (infiller), its heads at `heads` ([1, n]
+class RowFeed(Feed):
+    """One request's forward in a batch: its feed over KV [0, past) of its region, its heads at `heads` ([1, n]
     indices into seq; None: every position), each allowed the tokens of its row of `vocab_mask` ([1, n, mask bytes]
     uint8; None: every token)."""
 
-    input_ids: np.ndarray
-    position_ids: np.ndarray
-    attention_mask: np.ndarray
-    past: int
-    write_at: int | None
     region: int
     heads: np.ndarray | None = None
     vocab_mask: np.ndarray | None = None

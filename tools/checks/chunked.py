@@ -122,8 +122,8 @@ def chunk_latency(engines: Path, repeats: int) -> None:
             seq = total - past
             times = []
             for _ in range(repeats + 3):
-                forward = Forward("prefill", "infiller", ids[:, past:], pos[:, past:], causal_after(past, seq), past,
-                                  past, heads - past)
+                forward = Forward(ids[:, past:], pos[:, past:], causal_after(past, seq), past, past, heads - past,
+                                  kind="prefill", graph="infiller")
                 t0 = time.perf_counter()
                 for chunk in cut(forward, None, runner):  # as the scheduler runs it
                     runner.run_batch("infiller", [RowFeed.of(chunk, 0)])

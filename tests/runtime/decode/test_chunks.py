@@ -14,8 +14,8 @@ from refusion.runtime.decode.steps import Forward
 
 def _prefill(past: int, seq: int, heads: list[int]) -> Forward:
     ids = np.arange(100, 100 + seq)[None]
-    return Forward("prefill_plan", "infiller", ids, np.arange(past, past + seq)[None], masks.causal_after(past, seq),
-                   past, past, np.array([heads]))
+    return Forward(ids, np.arange(past, past + seq)[None], masks.causal_after(past, seq), past, past, np.array([heads]),
+                   kind="prefill_plan", graph="infiller")
 
 
 @pytest.mark.parametrize("seq, bound, sizes", [
@@ -29,14 +29,14 @@ def test_chunks_are_few_even_and_the_longer_last(seq, bound, sizes):
 def test_a_prefill_is_chunkable_and_an_infill_or_a_staged_write_is_not():
     assert chunkable(_prefill(5, 12, [11]))
     rows = masks.rows_over_prefix(5, 2, 4, 0, 2, 4)  # two rows that must not see each other: still none looks ahead
-    infill = Forward("infill_verify", "infiller", np.zeros((1, 8), np.int64), np.zeros((1, 8), np.int64), rows, 5, 5,
-                     np.arange(7)[None])
+    infill = Forward(np.zeros((1, 8), np.int64), np.zeros((1, 8), np.int64), rows, 5, 5, np.arange(7)[None],
+                     kind="infill_verify", graph="infiller")
     assert chunkable(infill)
     ahead = _prefill(5, 6, [5])
     ahead.attention_mask[0, 0, 5 + 3] = True  # token 0 sees token 3
     assert not chunkable(ahead)
-    staged = Forward("infill_verify", "infiller", *(_prefill(5, 6, [5]).input_ids,) * 2, masks.causal_after(5, 6), 5, 40,
-                     np.array([[5]]))
+    staged = Forward(*(_prefill(5, 6, [5]).input_ids,) * 2, masks.causal_after(5, 6), 5, 40, np.array([[5]]),
+                     kind="infill_verify", graph="infiller")
     assert not chunkable(staged)
 
 

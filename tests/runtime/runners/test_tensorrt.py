@@ -478,7 +478,7 @@ def test_a_prefill_over_a_past_is_cut_by_the_scheduler_into_chunks_the_engine_ho
     ids = np.random.default_rng(0).integers(0, 300, (1, 50))
     pos = np.arange(50)[None]
     heads = np.array([[0, 15, 16, 17, 31, 39]])  # a chunk's last token and the next one's first among them
-    forward = Forward("prefill", "infiller", ids[:, 10:], pos[:, 10:], causal_after(10, 40), 10, 10, heads)
+    forward = Forward(ids[:, 10:], pos[:, 10:], causal_after(10, 40), 10, 10, heads, kind="prefill", graph="infiller")
     outs = []
     for runner in (TensorRTRunner.from_dir(engines), OrtRunner(ExportManifest.load(peaky_export), threads=1)):
         with runner:
