@@ -31,10 +31,10 @@ from refusion.runtime.decode import masks, policy
 from refusion.runtime.decode.forwards import Forwards
 from refusion.runtime.decode.kv_cache import KVCache
 from refusion.runtime.decode.steps import Commit, DecodeTrace, PrefixKV, StepMachine, Tokens
+from refusion.runtime.structured.engine import Ending
 
 if TYPE_CHECKING:
     from refusion.runtime.params import DecodeParams
-    from refusion.runtime.structured.engine import Matcher
 
 
 def lookahead(params: DecodeParams) -> int:
@@ -61,7 +61,7 @@ class _Loop:
                  drafting: bool):
         assert tokens.guide is not None, "a guided request brings its compiled guide"
         self.tokens, self.params, self.trace, self.drafting = tokens, params, trace, drafting
-        self.guide, self.matcher = tokens.guide, tokens.guide.matcher()
+        self.guide, self.matcher = tokens.guide, Ending(tokens.guide.matcher(), tokens.eos_id)
         self.p0 = len(tokens.prompt)
         self.end = self.p0 + positions  # no position at or past it is fed
         self.cap = self.p0 + (params.max_tokens if params.max_tokens is not None else positions)  # nor committed
@@ -77,7 +77,7 @@ class _Loop:
         ids, logprobs, alternatives = ids[:room], logprobs[:room], alternatives[:room]
         if ids:
             self.steps += 1
-            self.matcher.consume([t for t in ids if t != self.tokens.eos_id])  # an EOS ends it: the guide needs it not
+            self.matcher.consume(ids)
             at = len(self.sequence)
             self.sequence.extend(ids)
             yield Commit(self.steps, tuple(ids), tuple(range(at, at + len(ids))), how, tuple(logprobs),
@@ -102,7 +102,7 @@ class _Loop:
             if run:
                 yield from self.forced(run)
                 drafts, confidence = drafts[len(run):], confidence[len(run):]
-                if eos in run:
+                if matcher.ended:
                     return
                 continue  # the guide may be complete now
             pending = self.sequence[cache.length:]  # committed since the last forward, their KV not yet computed
@@ -116,15 +116,13 @@ class _Loop:
                 continue
             room = min(ahead, bound + prompt - len(pending))  # R and M: a lookahead, within the bound
             run = _verifiable(matcher, drafts, confidence, min(room - k, self.cap - len(self.sequence)), k,
-                              params.slot_threshold, eos) if self.drafting else []
+                              params.slot_threshold) if self.drafting else []
             along = np.empty((len(run) + 1, width), np.uint8)
-            body = run[:-1] if run and run[-1] == eos else run  # after an EOS nothing is read
-            matcher.allowed_along(body, along[: len(body) + 1])
-            along[len(body) + 1:] = 255
-            dead = next((j for j in range(1, len(body) + 1) if not along[j].any()), 0)
+            matcher.allowed_along(run, along)
+            dead = next((j for j in range(1, len(run) + 1) if not along[j].any()), 0)
             while dead:  # a draft the guide accepts, after which it allows nothing: verify those before it, and
-                run, along = run[: dead - 1], along[:dead]  # where its last token is read, not that token
-                along[dead - 1][body[dead - 1] // 8] &= ~np.uint8(1 << body[dead - 1] % 8)
+                along[dead - 1][run[dead - 1] // 8] &= ~np.uint8(1 << run[dead - 1] % 8)  # where its last token is
+                run, along = run[: dead - 1], along[:dead]  # read, not that token
                 dead = dead - 1 if dead > 1 and not along[dead - 1].any() else 0
             if not along[0].any():  # neither a token nor the end may follow: the answer is cut here, not ended
                 trace.dead_end = "the guide allows no token here and the answer is not complete"
@@ -149,8 +147,6 @@ class _Loop:
             accepted = policy.accepted_prefix(probs > params.token_threshold)  # none is taken for granted here
             trace.branches["drafts_verified"] += r
             trace.branches["drafts_accepted"] += accepted
-            if eos in run[:accepted]:
-                accepted = run.index(eos) + 1
             # every head's draft: the masked argmax (or a draw from the masked candidates) where R reads the next
             # token, the mask reading's draft over M
             picked, picked_probs, alternatives = self.fwd.draft(out, sample=True)
@@ -159,14 +155,14 @@ class _Loop:
             before = len(self.sequence)
             yield from self.commit(run[:accepted], lps[:accepted], others[:accepted], "draft")
             cache.commit(len(self.sequence) - before)  # R's accepted tokens' KV is in place
-            if accepted and run[accepted - 1] == eos:
+            if matcher.ended:  # R's drafted EOS accepted
                 return
             nxt = int(picked[accepted])
             yield from self.commit([nxt], lps[accepted:], others[accepted:], "next")
             trace.tpf_sum += len(self.sequence) - counted
             trace.iterations += 1
             counted = len(self.sequence)
-            if nxt == eos:
+            if matcher.ended:
                 return
             # drafts for the positions after the next token: R's after it, then M's (the next is M's first's)
             leftover = slice(accepted + 1, r)
@@ -175,8 +171,8 @@ class _Loop:
             confidence = [*confidence[leftover], *(float(x) for x in picked_probs[masks_from:])]
 
 
-def _verifiable(matcher: Matcher, drafts: list[int], confidence: list[float], most: int, k: int,
-                threshold: float, eos: int) -> list[int]:
+def _verifiable(matcher: Ending, drafts: list[int], confidence: list[float], most: int, k: int,
+                threshold: float) -> list[int]:
     """The drafted run to verify: the slots after the frontier while a slot's first draft clears `threshold` (the
     first always), at most `most` tokens, cut at the first draft the guide rejects, its forced tokens written in
     where a draft strays from them. The matcher is left where it was."""
@@ -184,16 +180,12 @@ def _verifiable(matcher: Matcher, drafts: list[int], confidence: list[float], mo
     run: list[int] = []
     while len(run) < len(candidates):
         taken = candidates[len(run): len(run) + matcher.valid(candidates[len(run):])]
-        if eos in taken:  # the answer may end here: nothing after it is read, and the guide needs it not
-            matcher.consume(taken[: taken.index(eos)])
-            run += taken[: taken.index(eos) + 1]
-            break
-        matcher.consume(taken)
+        matcher.consume(taken)  # an EOS among them ends the run: nothing after it is valid or forced
         run += taken
         fill = matcher.forced()[: len(candidates) - len(run)]
         if len(run) == len(candidates) or not fill:
             break
         matcher.consume(fill)
         run += fill
-    matcher.rollback(len(run) - (run[-1:] == [eos]))
+    matcher.rollback(len(run))
     return run

@@ -119,6 +119,61 @@ class Grammar(ABC):
     def matcher(self) -> Matcher: ...
 
 
+class Ending(Matcher):
+    """A request's matcher that owns the answer's end: the EOS is a token like the others to whoever follows the
+    guide (valid where the answer is complete, forced where the engine forces it, consumed to end the answer, given
+    back by a rollback over it), which the engine's matcher (`inner`) never sees. After the end nothing is valid
+    or forced; along a draft that ends with the EOS, the row after it allows every token (nothing is read there).
+    A complete answer (`finished`) is the decoding loop's to end: a draft is not written in with its EOS."""
+
+    def __init__(self, inner: Matcher, eos: int):
+        self.inner, self.eos = inner, eos
+        self.ended = False  # the EOS is consumed: the answer has ended
+
+    def allowed(self, out: np.ndarray) -> bool:
+        if self.ended:
+            out[:] = 0
+            return False
+        return self.inner.allowed(out)
+
+    def allowed_along(self, draft: Sequence[int], out: np.ndarray) -> None:
+        if len(draft) and draft[-1] == self.eos:
+            self.inner.allowed_along(draft[:-1], out[: len(draft)])
+            out[len(draft)] = 255
+        else:
+            self.inner.allowed_along(draft, out)
+
+    def valid(self, tokens: Sequence[int]) -> int:
+        if self.ended:
+            return 0
+        n = self.inner.valid(tokens)
+        return list(tokens[:n]).index(self.eos) + 1 if self.eos in tokens[:n] else n
+
+    def consume(self, tokens: Sequence[int]) -> None:
+        tokens = list(tokens)
+        if self.eos in tokens:
+            assert tokens[-1] == self.eos and not self.ended, "nothing follows the end of the answer"
+            self.inner.consume(tokens[:-1])
+            self.ended = True
+        else:
+            self.inner.consume(tokens)
+
+    def rollback(self, count: int) -> None:
+        if count and self.ended:
+            self.ended, count = False, count - 1
+        self.inner.rollback(count)
+
+    def forced(self) -> list[int]:
+        if self.ended:
+            return []
+        run = self.inner.forced()
+        return run[: run.index(self.eos) + 1] if self.eos in run else run
+
+    @property
+    def finished(self) -> bool:
+        return not self.ended and self.inner.finished
+
+
 class Budgeted(Matcher):
     """A matcher whose every call is timed against the server's budget: at most `budget_ms` a token the call reads
     (a mask is one token; masks along a draft, one more than the draft). A call over it, or one the engine gives up
@@ -261,11 +316,10 @@ class Guides:
         """Follow the guide's forced opening and read the mask after it, as the first step of every request would:
         a guide that fails there (an engine limit, text the vocabulary cannot write), or allows nothing there (a
         language with no answer), would fail every request, so it is refused here, before any work."""
-        matcher = grammar.matcher()
+        matcher = Ending(grammar.matcher(), self.vocabulary.eos_id)
         try:
-            run = matcher.forced()
-            matcher.consume([t for t in run if t != self.vocabulary.eos_id])
-            if run[-1:] == [self.vocabulary.eos_id] or matcher.allowed(np.empty(grammar.width, np.uint8)):
+            matcher.consume(matcher.forced())
+            if matcher.ended or matcher.allowed(np.empty(grammar.width, np.uint8)):
                 return
             why = ("its language holds no answer (a rule or $ref that never ends, a class that matches nothing, a "
                    "branch that leads nowhere)")
