@@ -10,14 +10,17 @@ whole within the same body limits, and relayed (relay.py) to a replica the route
     the rest       relayed: /v1/chat/completions, /v1/completions, /v1/responses, /v1/models; the answer
                    names its replica in the header X-Refusion-Replica
 
-A replica that dies with requests on it is replaced by Serve; the requests it held end with 503 and Retry-After
-(a stream that had begun, with an error event), never a hang; a request no replica takes within
-`route_timeout_s` (none running) gets the same 503, and one beyond Serve's queue a 429 with Retry-After.
+`drain` (`refusion-run serve --replicas` calls it on SIGTERM) refuses new requests with 503, as one server
+draining does, and waits for those in flight to end. A replica that dies with requests on it is replaced by Serve;
+the requests it held end with 503 and Retry-After (a stream that had begun, with an error event), never a hang; a
+request no replica takes within `route_timeout_s` (none running) gets the same 503, and one beyond Serve's queue a
+429 with Retry-After.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 from collections.abc import AsyncIterator, Iterable
@@ -75,6 +78,8 @@ class OpenAIIngress:
                                ["status"], registry=self.registry)
         self.app_name = serve.get_replica_context().app_name
         self.relaying = 0  # requests relayed and not yet answered
+        self.draining = False
+        self.idle = asyncio.Event()  # set when the last request relayed is answered
 
     def __serve_build_asgi_app__(self) -> ASGIApp:
         app: ASGIApp = self._route
@@ -102,11 +107,23 @@ class OpenAIIngress:
                 response = self._refusal(e)
         await response(scope, receive, send)
 
+    async def drain(self, timeout_s: float) -> int:
+        """Refuse new requests (503) and wait up to `timeout_s` for those in flight to end; how many still run."""
+        self.draining = True
+        if self.relaying:
+            self.idle.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.idle.wait(), timeout_s)
+        return self.relaying
+
     def _refusal(self, e: ApiError) -> Response:
         self.refused.labels(str(e.status)).inc()
         return JSONResponse(e.body(), e.status, e.headers)
 
     async def _relay(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.draining:  # as one server's frontend refuses while it drains
+            raise ApiError(503, "the server is shutting down; send the request to another instance.",
+                           code="server_unavailable")
         body = await read_body(Request(scope, receive), self.config.app)
         prompt = await run_in_threadpool(prompt_text, body)  # linear in the body, which the limit bounds
         request = Relayed(scope["method"], scope["path"], scope["query_string"], tuple(scope["headers"]), body,
@@ -162,6 +179,8 @@ class OpenAIIngress:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
             self.relaying -= 1
+            if not self.relaying:
+                self.idle.set()
             gone.cancel()
 
     def _stream(self, request: Relayed, replica: str | None = None) -> DeploymentResponseGenerator[list[Message]]:
@@ -209,7 +228,7 @@ class OpenAIIngress:
         each = [{"id": replica, **({**json.loads(answer[1]), "pid": answer[2]} if answer is not None
                                    else {"status": "unreachable"})} for replica, answer in zip(ids, answers)]
         target = self.config.target_replicas
-        status = ("draining" if app_status == "DELETING" else "unavailable" if running == 0
+        status = ("draining" if self.draining or app_status == "DELETING" else "unavailable" if running == 0
                   else "ready" if running >= target else "degraded")
         body = {"status": status, "model": self.config.app.model, "replicas_running": running,
                 "replicas_target": target, "replicas": each}

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from urllib.parse import urlsplit
 
 from refusion.runtime.core.errors import RefusionError
-from refusion.serve.rayserve.app import ScaleOut
+from refusion.serve.rayserve.app import INGRESS, ScaleOut
 
 APP_NAME = "refusion"
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
@@ -57,6 +57,22 @@ def serve_replicated(scale: ScaleOut, *, address: str, port: int, ray_address: s
                  f"/metrics; {scale.replicas} replica(s) routed by prompt prefix")
         stop.wait()
         progress(f"draining (up to {scale.drain_timeout_s:g} s), then stopping")
+        _drain(serve, scale.drain_timeout_s, progress, verbose)
+
+
+def _drain(serve: object, timeout_s: float, progress: Callable[[str], None], verbose: bool) -> None:
+    """New requests refused (503) and those in flight let end, as one server drains (the ingress's drain); Serve's
+    own graceful shutdown of the replicas then finds none left but those past the deadline."""
+    if not verbose:  # the handle's router in this process logs its start and its queue-length probes
+        logging.getLogger("ray.serve").setLevel(logging.ERROR)
+    ingress = serve.get_deployment_handle(INGRESS, APP_NAME)  # type: ignore[attr-defined]
+    try:
+        left = ingress.drain.remote(timeout_s).result(timeout_s=timeout_s + _PROBE_S)
+    except Exception as e:  # noqa: BLE001 - stopping goes on: the ingress lost or slow is Serve's to stop
+        progress(f"the ingress did not drain ({type(e).__name__}); stopping")
+        return
+    if left:
+        progress(f"{left} request(s) still running after {timeout_s:g} s: they are cut")
 
 
 @contextlib.contextmanager

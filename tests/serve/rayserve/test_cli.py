@@ -3,6 +3,7 @@ starts and stops; bad input is one error line, exit 1, and nothing left running.
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import json
 import os
@@ -19,7 +20,9 @@ import pytest
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(importlib.util.find_spec("ray") is None,
                                                    reason="--replicas needs the ray extra: pip install -e '.[ray]'")]
 openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
 
+from refusion.runtime.generator import Generator  # noqa: E402
 from tests.gate import HANG_GUARD_S  # noqa: E402
 from tests.helpers import REPO  # noqa: E402
 
@@ -43,9 +46,9 @@ def _serve(export: Path, *options: str) -> subprocess.Popen[str]:
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
-def test_replicas_serve_the_openai_client_and_stop_on_sigterm_leaving_nothing_running(tiny_export) -> None:
-    port = _free_port()
-    server = _serve(tiny_export, "--replicas", "2", "--http-port", str(port))
+def test_replicas_serve_the_openai_client_and_drain_on_sigterm_leaving_nothing_running(tiny_export) -> None:
+    port = _free_port()  # one request running a replica: 300 take seconds, the drain with them
+    server = _serve(tiny_export, "--replicas", "2", "--max-requests", "1", "--max-queue", "300", "--http-port", str(port))
     try:
         lines = []
         assert server.stdout is not None
@@ -60,7 +63,13 @@ def test_replicas_serve_the_openai_client_and_stop_on_sigterm_leaving_nothing_ru
         answer = client.chat.completions.create(model="refusion", messages=[{"role": "user", "content": "sort: 3 1 2"}],
                                                 max_tokens=8, temperature=0)
         assert answer.choices[0].message.content == "1 2 3"
-        server.send_signal(signal.SIGTERM)
+        replies, refused = asyncio.run(_load_and_stop(server, f"http://127.0.0.1:{port}"))
+        # every request in flight at the signal is answered whole; one sent while draining is refused, retryably
+        assert [r.status_code for r in replies] == [200] * len(replies)
+        with Generator.from_dir(tiny_export, backend="ort-cpu", threads=1) as gen:
+            assert [_text(r) for r in replies] == [gen.generate(messages=[{"role": "user", "content": p}], chat=True,
+                                                                max_tokens=16, temperature=0).text for p in _PROMPTS]
+        assert refused.json()["error"]["code"] == "server_unavailable", refused.text
         rest = server.communicate(timeout=HANG_GUARD_S)[0]
         assert server.returncode == 0, "".join(lines) + rest
         assert "draining" in rest and rest.rstrip().endswith("stopped") and "Traceback" not in rest
@@ -69,6 +78,38 @@ def test_replicas_serve_the_openai_client_and_stop_on_sigterm_leaving_nothing_ru
             server.kill()
             server.wait()
     assert _ray_processes() == []
+
+
+def _text(reply: httpx.Response) -> str:
+    """A chat answer's text, streamed (whole: ended by [DONE], no error event) or not."""
+    if not reply.headers["content-type"].startswith("text/event-stream"):
+        return reply.json()["choices"][0]["message"]["content"]
+    assert reply.text.endswith("data: [DONE]\n\n") and '"error"' not in reply.text, reply.text
+    events = [json.loads(e[6:]) for e in reply.text.split("\n\n") if e and e != "data: [DONE]"]
+    return "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e.get("choices"))
+
+
+_PROMPTS = [f"sort: {i % 10} {i % 7} {i % 3}" for i in range(300)]
+
+
+async def _load_and_stop(server: subprocess.Popen[str], url: str) -> tuple[list[httpx.Response], httpx.Response]:
+    """300 requests (every other streamed), SIGTERM once 10 are answered, then a request at a time until one is
+    refused: the replies to the 300 and the refusal."""
+    bodies = [{"model": "refusion", "messages": [{"role": "user", "content": p}], "max_tokens": 16, "temperature": 0,
+               "stream": bool(i % 2)} for i, p in enumerate(_PROMPTS)]
+    async with httpx.AsyncClient(base_url=url, timeout=HANG_GUARD_S,
+                                 limits=httpx.Limits(max_connections=len(bodies))) as client:
+        sending = [asyncio.ensure_future(client.post("/v1/chat/completions", json=body)) for body in bodies]
+        pending: set[asyncio.Future[httpx.Response]] = set(sending)
+        while len(sending) - len(pending) < 10:
+            _, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+        server.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + HANG_GUARD_S
+        while (late := await client.post("/v1/chat/completions", json=bodies[0])).status_code == 200:
+            assert pending and time.monotonic() < deadline, "no request was refused while the others drained"
+            pending = {task for task in pending if not task.done()}
+        assert late.status_code == 503, late.text
+        return list(await asyncio.gather(*sending)), late
 
 
 @pytest.mark.parametrize(("options", "says"), [
