@@ -47,7 +47,7 @@ def _serve(export: Path, *options: str) -> subprocess.Popen[str]:
 
 
 def test_replicas_serve_the_openai_client_and_drain_on_sigterm_leaving_nothing_running(tiny_export) -> None:
-    port = _free_port()  # one request running a replica: 300 take seconds, the drain with them
+    port = _free_port()  # one request running a replica: the load takes seconds, the drain with them
     server = _serve(tiny_export, "--replicas", "2", "--max-requests", "1", "--max-queue", "300", "--http-port", str(port))
     try:
         lines = []
@@ -68,8 +68,9 @@ def test_replicas_serve_the_openai_client_and_drain_on_sigterm_leaving_nothing_r
         assert [r.status_code for r in replies] == [200] * len(replies)
         with Generator.from_dir(tiny_export, backend="ort-cpu", threads=1) as gen:
             assert [_text(r) for r in replies] == [gen.generate(messages=[{"role": "user", "content": p}], chat=True,
-                                                                max_tokens=16, temperature=0).text for p in _PROMPTS]
-        assert refused.json()["error"]["code"] == "server_unavailable", refused.text
+                                                                regex=_ASK["guided_regex"], max_tokens=100,
+                                                                temperature=0, mode="ar").text for p in _PROMPTS]
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "server_unavailable", refused.text
         rest = server.communicate(timeout=HANG_GUARD_S)[0]
         assert server.returncode == 0, "".join(lines) + rest
         assert "draining" in rest and rest.rstrip().endswith("stopped") and "Traceback" not in rest
@@ -89,26 +90,28 @@ def _text(reply: httpx.Response) -> str:
     return "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e.get("choices"))
 
 
-_PROMPTS = [f"sort: {i % 10} {i % 7} {i % 3}" for i in range(300)]
+_PROMPTS = [f"sort: {i % 10} {i % 7} {i % 3}" for i in range(100)]
+_ASK = {"max_tokens": 100, "temperature": 0, "mode": "ar", "guided_regex": "[0-9]{100}"}  # 100 forwards a request
 
 
 async def _load_and_stop(server: subprocess.Popen[str], url: str) -> tuple[list[httpx.Response], httpx.Response]:
-    """300 requests (every other streamed), SIGTERM once 10 are answered, then a request at a time until one is
-    refused: the replies to the 300 and the refusal."""
-    bodies = [{"model": "refusion", "messages": [{"role": "user", "content": p}], "max_tokens": 16, "temperature": 0,
-               "stream": bool(i % 2)} for i, p in enumerate(_PROMPTS)]
+    """A request of _ASK for each of _PROMPTS (every other streamed); SIGTERM once 10 are answered; once /health
+    says the server drains (the others still running: 100 forwards each, one request at a time a replica; about
+    0.2 s after the signal against 10 s of load here), one request more. The replies to the load and to that one."""
+    bodies = [{"model": "refusion", "messages": [{"role": "user", "content": p}], "stream": bool(i % 2), **_ASK}
+              for i, p in enumerate(_PROMPTS)]
     async with httpx.AsyncClient(base_url=url, timeout=HANG_GUARD_S,
-                                 limits=httpx.Limits(max_connections=len(bodies))) as client:
+                                 limits=httpx.Limits(max_connections=len(bodies) + 2)) as client:
         sending = [asyncio.ensure_future(client.post("/v1/chat/completions", json=body)) for body in bodies]
         pending: set[asyncio.Future[httpx.Response]] = set(sending)
         while len(sending) - len(pending) < 10:
             _, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
         server.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + HANG_GUARD_S
-        while (late := await client.post("/v1/chat/completions", json=bodies[0])).status_code == 200:
-            assert pending and time.monotonic() < deadline, "no request was refused while the others drained"
-            pending = {task for task in pending if not task.done()}
-        assert late.status_code == 503, late.text
+        while (await client.get("/health")).json()["status"] != "draining":
+            assert time.monotonic() < deadline and not all(task.done() for task in sending), "no drain seen"
+        late = await client.post("/v1/chat/completions", json=bodies[0])
+        assert not all(task.done() for task in sending), "the load ended before the drain could refuse a request"
         return list(await asyncio.gather(*sending)), late
 
 

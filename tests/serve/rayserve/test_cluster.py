@@ -88,8 +88,8 @@ def url(tiny_export) -> Iterator[str]:
 def alone(tiny_export) -> Iterator[Callable[..., str]]:
     """The answer the Generator gives a chat request alone, in this process."""
     with Generator.from_dir(tiny_export, backend="ort-cpu", threads=1) as gen:
-        def answer(messages: list[dict[str, str]], max_tokens: int = 24) -> str:
-            return gen.generate(messages=messages, chat=True, max_tokens=max_tokens, temperature=0).text
+        def answer(messages: list[dict[str, str]], max_tokens: int = 24, **settings: Any) -> str:
+            return gen.generate(messages=messages, chat=True, max_tokens=max_tokens, temperature=0, **settings).text
         yield answer
 
 
@@ -151,12 +151,14 @@ def test_a_replica_killed_under_load_costs_only_retryable_errors_and_is_replaced
     replicas = client.get("/health").json()["replicas"]
     before, victim = {r["id"] for r in replicas}, replicas[0]["pid"]
     conversations = [[{"role": "user", "content": prompt}] for prompt in _prompts(200, seed=1)]
-    bodies = [_chat(c, max_tokens=160, stream=bool(i % 2)) for i, c in enumerate(conversations)]
+    # 100 forwards a request (AR under a regex of 100 digits): the victim holds requests for seconds
+    bodies = [_chat(c, max_tokens=100, stream=bool(i % 2), mode="ar", guided_regex="[0-9]{100}")
+              for i, c in enumerate(conversations)]
 
     async def load_and_kill() -> list[httpx.Response]:
         # Killed once 10 of the 200 are answered, in the middle of the load: the router balances the two replicas
-        # (within 4 requests), so the victim is busy. Waiting for /health to show a busy replica raced its answers:
-        # under this load /health took about a second, in which a replica answers 25-50 of these short requests.
+        # (within 4 requests), so the victim is busy. (Waiting for /health to show a busy replica raced its answers:
+        # under load /health took about a second, in which a replica answered 25-50 short requests.)
         async with _client(url, len(bodies)) as load:
             sending = [asyncio.ensure_future(load.post("/v1/chat/completions", json=body)) for body in bodies]
             pending: set[asyncio.Future[httpx.Response]] = set(sending)
@@ -183,7 +185,7 @@ def test_a_replica_killed_under_load_costs_only_retryable_errors_and_is_replaced
             text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e.get("choices"))
         else:
             text = reply.json()["choices"][0]["message"]["content"]
-        assert text == alone(conversation, 160)
+        assert text == alone(conversation, 100, mode="ar", regex="[0-9]{100}")
     assert lost >= 1  # the victim held requests when it died
 
     def replaced() -> bool:
