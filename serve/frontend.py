@@ -43,6 +43,9 @@ class Metrics:
     kv_regions_in_use: int  # KV regions held by running requests
 
 
+SHUTTING_DOWN = "the server is shutting down; send the request to another instance."  # while it drains
+
+
 class Status(Enum):
     """What kind of failure an error is, by its gRPC status name, with the HTTP status that says it."""
 
@@ -114,7 +117,7 @@ class Frontend(Generic[Handle]):
 
     def _refusal(self, count: int) -> Final | None:
         if self._closed or self.drain_deadline is not None:
-            return Final(error="the server is shutting down; send the request to another instance.",
+            return Final(error=SHUTTING_DOWN,
                          status=Status.UNAVAILABLE)
         held = len(self._live) + self._admitted
         if held + count > self.limit:

@@ -40,6 +40,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from refusion.serve.frontend import SHUTTING_DOWN
 from refusion.serve.openai.exchange import AppConfig, read_body
 from refusion.serve.openai.guards import HostCheck, KeyCheck
 from refusion.serve.openai.metrics import CONTENT_TYPE
@@ -122,8 +123,7 @@ class OpenAIIngress:
 
     async def _relay(self, scope: Scope, receive: Receive, send: Send) -> None:
         if self.draining:  # as one server's frontend refuses while it drains
-            raise ApiError(503, "the server is shutting down; send the request to another instance.",
-                           code="server_unavailable")
+            raise ApiError(503, SHUTTING_DOWN, code="server_unavailable")
         body = await read_body(Request(scope, receive), self.config.app)
         prompt = await run_in_threadpool(prompt_text, body)  # linear in the body, which the limit bounds
         request = Relayed(scope["method"], scope["path"], scope["query_string"], tuple(scope["headers"]), body,
