@@ -21,9 +21,15 @@ def test_embedded_model_ships_with_the_repo():
     assert size <= 20 * 2**20
 
 
-def test_demo_runs_and_draws_the_decode(tmp_path):
+def test_demo_runs_and_draws_the_decode(tmp_path, monkeypatch):
+    rows: list[demo.DemoRow] = []
+    run = demo.run_demo
+    monkeypatch.setattr(demo, "run_demo", lambda *args: rows.extend(run(*args)))
     result = CliRunner().invoke(cli, ["demo", "--output", str(tmp_path), "--threads", "2"])
     assert result.exit_code == 0, result.output
+    # both timed decodes of a prompt read it from the prefix cache alike: neither pays a prefill the other is spared
+    assert len(rows) == 6 and all(r.refusion.stats.cached_prompt_tokens == r.ar.stats.cached_prompt_tokens > 0
+                                  for r in rows), [(r.refusion.stats.cached_prompt_tokens, r.ar.stats.cached_prompt_tokens) for r in rows]
     out = result.stdout
     assert "ReFusion / AR:" in out and "tokens/forward" in out
     page = (tmp_path / "decode.html").read_text()
