@@ -117,8 +117,7 @@ class Frontend(Generic[Handle]):
 
     def _refusal(self, count: int) -> Final | None:
         if self._closed or self.drain_deadline is not None:
-            return Final(error=SHUTTING_DOWN,
-                         status=Status.UNAVAILABLE)
+            return Final(error=SHUTTING_DOWN, status=Status.UNAVAILABLE)
         held = len(self._live) + self._admitted
         if held + count > self.limit:
             return Final(error=f"the server holds {held} requests, its limit ({self.max_requests} running "
