@@ -152,7 +152,8 @@ def test_a_replica_killed_under_load_costs_only_retryable_errors_and_is_replaced
     before, victim = {r["id"] for r in replicas}, replicas[0]["pid"]
     conversations = [[{"role": "user", "content": prompt}] for prompt in _prompts(200, seed=1)]
     # 100 forwards a request (AR under a regex of 100 digits): the victim holds requests for seconds
-    bodies = [_chat(c, max_tokens=100, stream=bool(i % 2), mode="ar", guided_regex="[0-9]{100}")
+    digits = "[0-9]{100}"
+    bodies = [_chat(c, max_tokens=100, stream=bool(i % 2), mode="ar", guided_regex=digits)
               for i, c in enumerate(conversations)]
 
     async def load_and_kill() -> list[httpx.Response]:
@@ -185,7 +186,7 @@ def test_a_replica_killed_under_load_costs_only_retryable_errors_and_is_replaced
             text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e.get("choices"))
         else:
             text = reply.json()["choices"][0]["message"]["content"]
-        assert text == alone(conversation, 100, mode="ar", regex="[0-9]{100}")
+        assert text == alone(conversation, 100, mode="ar", regex=digits)
     assert lost >= 1  # the victim held requests when it died
 
     def replaced() -> bool:
