@@ -37,11 +37,19 @@ if TYPE_CHECKING:
     from refusion.runtime.params import DecodeParams
 
 
+# The most R and M take, whatever the block: a block is gen_length / serial_num_blocks, so a long canvas in few
+# blocks (gen_length 512 in 4: 128) would feed up to 128 masks every guided forward, each costing its arithmetic,
+# where the drafts gain nothing past 32 (the families' tokens per forward are the same at 32 and 128,
+# docs/decoding.md).
+MAX_LOOKAHEAD = 32
+
+
 def lookahead(params: DecodeParams) -> int:
     """The most tokens a guided forward verifies and drafts (R and M) after those it must feed (P): a ReFusion
-    block; an AR request whose canvas cuts into no blocks, a slot."""
+    block, within MAX_LOOKAHEAD (and at least two slots: one drafted, one of masks); an AR request whose canvas
+    cuts into no blocks, a slot."""
     try:
-        return params.block_length
+        return min(params.block_length, max(MAX_LOOKAHEAD, 2 * params.slot_size))
     except RefusionError:
         return params.slot_size
 

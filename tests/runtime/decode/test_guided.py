@@ -17,6 +17,7 @@ pytest.importorskip("jsonschema")
 from refusion.runtime.core.contract import mask_bytes
 from refusion.runtime.core.export_manifest import ExportManifest
 from refusion.runtime.core.settings import MODES
+from refusion.runtime.decode.guided import MAX_LOOKAHEAD, lookahead
 from refusion.runtime.decode.steps import Tokens
 from refusion.runtime.options import RequestOptions
 from refusion.runtime.params import DecodeParams
@@ -97,9 +98,11 @@ class _Recording(OrtRunner):
         super().__init__(*args, **kwargs)
         self.fed: list[tuple[int, int]] = []
         self.ids: list[list[int]] = []
+        self.heads: list[int] = []
 
     def run_batch(self, graph, rows):
         self.fed += [(row.past, row.input_ids.shape[1]) for row in rows]
+        self.heads += [row.input_ids.shape[1] if row.heads is None else row.heads.shape[1] for row in rows]
         self.ids += [row.input_ids[0].tolist() for row in rows]
         return super().run_batch(graph, rows)
 
@@ -119,6 +122,24 @@ def test_no_masks_are_fed_after_a_drafted_eos(tiny):
                 eos_fed += 1
                 assert m.mask_token_id not in ids[ids.index(m.eos_token_id):], ids
     assert eos_fed  # drafted EOSes were verified
+
+
+def test_a_guided_forward_drafts_at_most_max_lookahead_tokens_whatever_the_block(tiny):
+    """gen_length 256 in one block: each guided ReFusion forward still verifies and drafts at most MAX_LOOKAHEAD
+    tokens after P (its heads: P's last, then R's and M's), where it used to feed the block's 256 masks; at 64 in 4
+    blocks (16) the block bounds it. The answers follow the guide either way."""
+    m, schema = tiny.manifest, RequestOptions(json_schema=json.dumps(ROBOT))
+    assert lookahead(DecodeParams(gen_length=256, slot_size=4, serial_num_blocks=1)) == MAX_LOOKAHEAD == 32
+    for gen_length, blocks, most in ((256, 1, MAX_LOOKAHEAD), (64, 4, 16)):
+        params = DecodeParams(gen_length=gen_length, slot_size=4, serial_num_blocks=blocks, slot_threshold=0.5,
+                              token_threshold=0.1)
+        with _Recording(m, threads=1) as runner:
+            for ex in held_out(4):
+                tokens = Tokens(tiny.prompt_ids(ex.prompt, chat=True), m.mask_token_id, m.eos_token_id,
+                                guide=tiny.grammar(schema))
+                result = decode_on(runner, tokens, params)
+                assert result.finish_reason == "eos" and set(json.loads(tiny.tokenizer.decode(result.token_ids)))
+            assert max(runner.heads) == 1 + most, runner.heads  # reached: the drafts fill it
 
 
 @pytest.mark.parametrize("mode", MODES)
