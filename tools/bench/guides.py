@@ -134,9 +134,10 @@ class FamilyCase:
         return taken[:n]
 
     def asks(self, example: Example) -> dict[str, Any]:
-        """Generator.submit's keywords for an example."""
-        return {"messages": example.messages(), **self.guide(example), "gen_length": self.max_tokens,
-                "max_tokens": self.max_tokens}
+        """Generator.submit's keywords for an example, as a client asks: max_tokens and no gen_length, so the canvas
+        is blocks of the export's length that cover max_tokens (a gen_length of 128 would make the block, and a
+        guided forward's lookahead, twice the export's)."""
+        return {"messages": example.messages(), **self.guide(example), "max_tokens": self.max_tokens}
 
     def valid(self, example: Example, result: GenerationResult) -> bool:
         """Ended by itself and of the example's kind: its one call, valid under the called function's parameters,
@@ -174,7 +175,7 @@ FAMILY_CASES = (
     FamilyCase("tool-call", "tool", "the call a request names, among the 2-4 functions offered, tool_choice required "
                "(the call's form guided, the function and its arguments the model's)",
                lambda ex: ex.call is not None, _required),
-    # a base answer or a command as a call's arguments runs to about 100 tokens: a canvas of 128
+    # a base answer or a command as a call's arguments runs to about 100 tokens: max_tokens 128
     FamilyCase("typed-call", "typed", "a typed answer (a JSON frame, a command) as the arguments of the one function "
                "offered, the call forced by name", lambda ex: True, _forced, max_tokens=128),
     FamilyCase("tool-choice", "tool", "tool_choice auto (a call or text without one, one guide): the call a request "
