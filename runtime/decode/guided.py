@@ -8,9 +8,11 @@ answer grows as one run from the frontier (the first position not decided), and 
 - each forward (one infiller pass) feeds the tokens committed since the last (P), then, in ReFusion, the drafted
   run to verify (R) and masks after it (M): heads at P's last token and at every token of R read the next token
   over the mask of what the guide allows there (masks along the draft), and M's heads draft what follows;
-- R's tokens are accepted from the first while their probability under those masks exceeds `token_threshold`;
-  the head after the last accepted one gives the next token (its masked argmax, or a draw from its masked
-  candidates), so a forward commits at least one token, as AR does, and each accepted draft is one more;
+- R's tokens are accepted from the first while each is the token AR would commit there, the masked argmax of the
+  head before it (greedy: the answer is then guided AR's, token for token), or, with `temperature` > 0, while
+  their probability under those masks exceeds `token_threshold`; the head after the last accepted one gives the
+  next token (its masked argmax, or a draw from its masked candidates), so a forward commits at least one token,
+  as AR does, and each accepted draft is one more;
 - R is chosen by ReFusion's rule over the drafts of the slots after the frontier (a slot while its first token's
   draft probability exceeds `slot_threshold`, the first always), cut where the guide rejects a draft, its forced
   tokens written in where a draft strays from them.
@@ -99,6 +101,7 @@ class _Loop:
     def run(self) -> StepMachine:
         tokens, params, trace, matcher, cache = self.tokens, self.params, self.trace, self.matcher, self.cache
         eos, k, ahead, width = tokens.eos_id, params.slot_size, lookahead(params), self.guide.width
+        greedy = params.temperature == 0
         drafts: list[int] = []  # drafted tokens for the positions after the answer, and their draft probabilities
         confidence: list[float] = []
         first, counted = True, len(self.sequence)
@@ -152,7 +155,10 @@ class _Loop:
                 first = False
             # R's tokens under the masks along it (a prefill cut into chunks returns no input_probs: it has no R)
             probs = out["input_probs"][0][:r] if r else np.zeros(0, np.float32)
-            accepted = policy.accepted_prefix(probs > params.token_threshold)  # none is taken for granted here
+            # none is taken for granted: greedy, a draft stands where AR's pick is the same token (a drafted token
+            # of probability 0.1 that is not the argmax would make the answer another than guided AR's)
+            agrees = np.asarray(run) == out["argmax_ids"][0][:r] if greedy else probs > params.token_threshold
+            accepted = policy.accepted_prefix(agrees)
             trace.branches["drafts_verified"] += r
             trace.branches["drafts_accepted"] += accepted
             # every head's draft: the masked argmax (or a draw from the masked candidates) where R reads the next
