@@ -1,5 +1,6 @@
 """Guided decoding (runtime/decode/guided.py): every answer follows its guide, ReFusion and AR, streamed and not,
-on the embedded model and on a random-weight one; AR under a guide its answer already follows is AR unguided; the
+on the embedded model and on a random-weight one; AR under a guide its answer already follows is AR unguided, and
+greedy ReFusion under a guide is guided AR, token for token; a forward drafts at most MAX_LOOKAHEAD tokens; the
 answer ends where the guide does, at max_tokens ("length") or at a dead end ("dead_end"); forced tokens take no
 forward; a guided request shares batches with unguided ones, which stay as they were."""
 
