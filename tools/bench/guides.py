@@ -184,3 +184,4 @@ FAMILY_CASES = (
     FamilyCase("tool-answer", "tool", "the final answer after a call and its result, the functions still offered "
                "(tool_choice auto)", lambda ex: bool(ex.after), _offered),
 )
+FAMILY_BY_NAME = {case.name: case for case in FAMILY_CASES}

@@ -24,12 +24,11 @@ from refusion.runtime.options import RequestOptions
 from refusion.runtime.params import DecodeParams
 from refusion.runtime.runners.onnxruntime import OrtRunner
 from refusion.runtime.structured.engine import Grammar, Matcher
-from refusion.tools.bench.guides import CASES, FAMILY_CASES, ROBOT
+from refusion.tools.bench.guides import CASES, ROBOT
+from refusion.tools.bench.guides import FAMILY_BY_NAME as FAMILY
 from refusion.tools.bench.guides import RANDOM_SETTINGS as RANDOM
 from refusion.tools.tasks import held_out
 from tests.helpers import decode_on
-
-FAMILY = {case.name: case for case in FAMILY_CASES}
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -16,11 +16,11 @@ from refusion.runtime.core.errors import RefusionError
 from refusion.runtime.request import FinishReason, GenerationResult, GenerationStats
 from refusion.runtime.structured.tools import read_tools, tool_calls
 from refusion.tools import families
+from refusion.tools.bench.guides import FAMILY_BY_NAME as CASES
 from refusion.tools.bench.guides import FAMILY_CASES, FamilyCase
 from refusion.tools.tasks import Example
 
 N = 8
-CASES = {case.name: case for case in FAMILY_CASES}
 
 
 def _result(text: str, finish: FinishReason, calls: list[dict[str, Any]] | None = None) -> GenerationResult:
