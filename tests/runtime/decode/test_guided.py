@@ -118,7 +118,7 @@ class _Recording(OrtRunner):
 
     def run_batch(self, graph, rows):
         self.fed += [(row.past, row.input_ids.shape[1]) for row in rows]
-        self.heads += [row.input_ids.shape[1] if row.heads is None else row.heads.shape[1] for row in rows]
+        self.heads += [row.with_heads().head_count for row in rows]
         self.ids += [row.input_ids[0].tolist() for row in rows]
         return super().run_batch(graph, rows)
 
