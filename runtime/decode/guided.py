@@ -101,7 +101,7 @@ class _Loop:
     def run(self) -> StepMachine:
         tokens, params, trace, matcher, cache = self.tokens, self.params, self.trace, self.matcher, self.cache
         eos, k, ahead, width = tokens.eos_id, params.slot_size, lookahead(params), self.guide.width
-        greedy = params.temperature == 0
+        greedy = self.fwd.rng is None  # as fwd.draft reads it: no draws, the masked argmax
         drafts: list[int] = []  # drafted tokens for the positions after the answer, and their draft probabilities
         confidence: list[float] = []
         first, counted = True, len(self.sequence)
