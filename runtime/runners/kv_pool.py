@@ -6,14 +6,14 @@ every layer, then V of every layer: the graphs' past order), `capacity` tokens o
 Runner's KV methods (allocate_kv, move_kv, add_region, copy_kv, kv_to_host, kv_from_host) check their arguments
 and call the pool, whichever it is; a backend only makes its pool at activation and frees it at deactivation.
 
-`HostKVPool` (onnxruntime's CPU provider) keeps a numpy array per cache, so a forward feeds a region's committed
-prefix as views. `DeviceKVPool` keeps a region in one device buffer laid out layer-major, each cache at a pitch
-rounded up to 256 bytes (TensorRT's alignment). So a cache's committed prefix is contiguous, bound in place as a
-[1, past, H, D] tensor, and a token range of every cache is one strided copy (cudaMemcpy2DAsync: a row per cache,
-the region's pitch apart): a backend that takes a batch as one [rows, past, H, D] tensor per cache gets it by
-`gather` (one copy per row, from its region into the batch buffer) and gives the present back by `scatter` (one
-copy per row, into its region at its write_at); `place` writes one staged present. Each returns the copies and
-bytes it queued, which the runners count per forward (RunnerStats).
+`HostKVPool` (onnxruntime's CPU provider) keeps a region in one numpy array, so a forward feeds a region's committed
+prefix as views of it, and a token range of every cache is one copy. `DeviceKVPool` keeps a region in one device
+buffer laid out layer-major, each cache at a pitch rounded up to 256 bytes (TensorRT's alignment). So a cache's
+committed prefix is contiguous, bound in place as a [1, past, H, D] tensor, and a token range of every cache is one
+strided copy (cudaMemcpy2DAsync: a row per cache, the region's pitch apart): a backend that takes a batch as one
+[rows, past, H, D] tensor per cache gets it by `gather` (one copy per row, from its region into the batch buffer)
+and gives the present back by `scatter` (one copy per row, into its region at its write_at); `place` writes one
+staged present. Each returns the copies and bytes it queued, which the runners count per forward (RunnerStats).
 """
 
 from __future__ import annotations
@@ -112,43 +112,57 @@ class KVPool(ABC):
 
 
 class HostKVPool(KVPool):
-    """The regions in host memory: a [1, capacity, kv_heads, head_dim] array per cache, so a forward feeds a
-    region's first tokens as views of it and copies its new tokens' KV in (onnxruntime's CPU provider)."""
+    """The regions in host memory: a region is one [caches, 1, capacity, kv_heads, head_dim] array, so a forward
+    feeds each cache's first tokens as a view of it, and a token range of every cache (a forward's new KV, a move,
+    a copy between regions) is one numpy copy, not one a cache (onnxruntime's CPU provider)."""
 
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, dtype: np.dtype, regions: int):
         super().__init__(num_layers, kv_heads, head_dim, dtype, regions)
-        self._arrays: list[list[np.ndarray]] = [[] for _ in range(regions)]
+        self._regions: list[np.ndarray | None] = [None] * regions
 
     def arrays(self, region: int) -> list[np.ndarray]:
-        """The region's caches (past_names order)."""
-        return self._arrays[region]
+        """The region's caches (past_names order), each [1, capacity, kv_heads, head_dim]; none before `allocate`."""
+        caches = self._regions[region]
+        return [] if caches is None else list(caches)
+
+    def pasts(self, region: int, length: int) -> np.ndarray:
+        """Every cache's first `length` tokens, a view [caches, 1, length, kv_heads, head_dim] (past_names order):
+        each cache's, contiguous, is the graph's past input."""
+        return self._region(region)[:, :, :length]
+
+    def write(self, region: int, at: int, presents: list[np.ndarray]) -> None:
+        """Every cache's new tokens ([1, seq, kv_heads, head_dim] each, present_names order) at token `at`."""
+        self._region(region)[:, :, at : at + presents[0].shape[1]] = presents
 
     def allocate(self, region: int, capacity: int) -> None:
-        shape = (1, capacity, self.kv_heads, self.head_dim)
-        self._arrays[region] = [np.zeros(shape, self.dtype) for _ in range(self.caches)]
+        self._regions[region] = np.zeros((self.caches, 1, capacity, self.kv_heads, self.head_dim), self.dtype)
 
     def add_region(self) -> None:
-        self._arrays.append([])
+        self._regions.append(None)
 
     def copy(self, src_region: int, src: int, dst_region: int, dst: int, length: int) -> Copied:
-        for source, target in zip(self._arrays[src_region], self._arrays[dst_region]):
-            target[:, dst : dst + length] = source[:, src : src + length]
-        return Copied(self.caches, self.caches * length * self.token_bytes) if length else Copied(0, 0)
+        self._region(dst_region)[:, :, dst : dst + length] = self._region(src_region)[:, :, src : src + length]
+        return Copied(1, self.caches * length * self.token_bytes) if length else Copied(0, 0)
 
     def move(self, region: int, src: int, dst: int, length: int) -> None:
-        for cache in self._arrays[region]:
-            cache[:, dst : dst + length] = cache[:, src : src + length]  # numpy copies through a buffer on overlap
+        caches = self._region(region)
+        caches[:, :, dst : dst + length] = caches[:, :, src : src + length]  # numpy copies through a buffer on overlap
 
     def to_host(self, region: int, start: int, length: int) -> dict[str, np.ndarray]:
-        return {name: cache[:, start : start + length].copy()
-                for name, cache in zip(self.present_names, self._arrays[region])}
+        return dict(zip(self.present_names, self._region(region)[:, :, start : start + length].copy()))
 
     def from_host(self, region: int, start: int, past: dict[str, np.ndarray]) -> None:
-        for name, cache in zip(self.past_names, self._arrays[region]):
+        caches = self._region(region)
+        for name, cache in zip(self.past_names, caches):
             cache[:, start : start + past[name].shape[1]] = past[name]
 
     def free(self) -> None:
-        self._arrays = [[] for _ in range(self.regions)]
+        self._regions = [None] * self.regions
+
+    def _region(self, region: int) -> np.ndarray:
+        caches = self._regions[region]
+        assert caches is not None, "the Runner allocates a region before any KV call on it"
+        return caches
 
 
 class DeviceKVPool(KVPool):

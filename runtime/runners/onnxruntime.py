@@ -96,12 +96,11 @@ class OrtRunner(Runner):
         "Where a CPU forward's time goes")."""
         past, write_at, kv = row.past, row.write_at, self._host_kv
         feed = self._feed(row.input_ids, row.position_ids, row.attention_mask, row.heads_at, row.vocab_mask)
-        for name, cache in zip(kv.past_names, kv.arrays(row.region)):
-            feed[name] = cache[:, :past]
-        outputs = self._session_run(graph, feed, write_at is not None)
+        feed.update(zip(kv.past_names, kv.pasts(row.region, past)))
+        heads, presents = self._session_run(graph, feed, write_at is not None)
         if write_at is not None:
-            self._keep_present(graph, outputs, 0, row.input_ids.shape[1], row.region, write_at)
-        return {name: outputs[name] for name in self._outputs[graph]}
+            self._keep_present(graph, presents, row.region, write_at)
+        return heads
 
     def _run_packed(self, graph: GraphName, rows: list[RowFeed]) -> list[dict[str, np.ndarray]]:
         """Rows of several requests in one call: each row's past copied from its region into one [rows, past, H,
@@ -110,35 +109,31 @@ class OrtRunner(Runner):
         past = packed.past
         feed = self._feed(packed.input_ids, packed.position_ids, packed.attention_mask, packed.heads, packed.vocab_mask)
         shape = (batch, past, m.kv_heads, m.head_dim)
-        for j, name in enumerate(kv.past_names):
-            cache = np.zeros(shape, self.dtype)
-            for b, r in enumerate(rows):
-                cache[b, : r.past] = kv.arrays(r.region)[j][0, : r.past]
-            feed[name] = cache
-        gathered = [r.past for r in rows if r.past]
-        self._count_copies(graph, (2 * m.num_layers * len(gathered), self.kv_bytes_per_token * sum(gathered)))
-        outputs = self._session_run(graph, feed, graph == "infiller")
-        results = []
+        caches = np.zeros((len(kv.past_names), *shape), self.dtype)
         for b, r in enumerate(rows):
-            s = r.input_ids.shape[1]
+            caches[:, b, : r.past] = kv.pasts(r.region, r.past)[:, 0]
+        feed.update(zip(kv.past_names, caches))
+        gathered = [r.past for r in rows if r.past]
+        self._count_copies(graph, (len(gathered), self.kv_bytes_per_token * sum(gathered)))  # one copy a row
+        heads, presents = self._session_run(graph, feed, graph == "infiller")
+        for b, r in enumerate(rows):
             if r.write_at is not None:
-                self._keep_present(graph, outputs, b, s, r.region, r.write_at)
-            results.append({name: outputs[name][b : b + 1, : r.head_count] for name in self._outputs[graph]})
-        return results
+                self._keep_present(graph, [p[b : b + 1, : r.input_ids.shape[1]] for p in presents], r.region,
+                                   r.write_at)
+        return [{name: array[b : b + 1, : r.head_count] for name, array in heads.items()} for b, r in enumerate(rows)]
 
-    def _session_run(self, graph: GraphName, feed: dict[str, np.ndarray], presents: bool) -> dict[str, np.ndarray]:
-        names = self._outputs[graph] + (self._presents if presents else [])
+    def _session_run(self, graph: GraphName, feed: dict[str, np.ndarray], presents: bool
+                     ) -> tuple[dict[str, np.ndarray], list[np.ndarray]]:
+        """The graph's heads by name, and with `presents` the new tokens' KV (present_names order)."""
+        names = self._outputs[graph]
         with self._in_backend(graph):
-            values = self.sessions[graph].run(names, feed)
-        return dict(zip(names, values))
+            values = self.sessions[graph].run(names + self._presents if presents else names, feed)
+        return dict(zip(names, values)), values[len(names):]
 
-    def _keep_present(self, graph: GraphName, outputs: dict[str, np.ndarray], row: int, seq: int, region: int,
-                      write_at: int) -> None:
-        """Row `row`'s first `seq` new tokens' KV into `region` at write_at: a copy per layer's K and V."""
-        self._count_copies(graph, (2 * self.manifest.num_layers, self.kv_bytes_per_token * seq))
-        kv = self._host_kv
-        for name, cache in zip(kv.present_names, kv.arrays(region)):
-            cache[0, write_at : write_at + seq] = outputs[name][row, :seq]
+    def _keep_present(self, graph: GraphName, presents: list[np.ndarray], region: int, write_at: int) -> None:
+        """A row's new tokens' KV ([1, seq, kv_heads, head_dim] a cache) into `region` at write_at: one copy."""
+        self._count_copies(graph, (1, self.kv_bytes_per_token * presents[0].shape[1]))
+        self._host_kv.write(region, write_at, presents)
 
     @property
     def _host_kv(self) -> HostKVPool:

@@ -305,8 +305,8 @@ def test_kv_copies_per_forward_are_counted(tiny_export, fakes, tmp_path):
     """RunnerStats counts each forward's KV copies. On the GPU runners a past bound in place and a present
     written in place copy nothing, a staged (unaligned) present is one copy, and a packed forward one copy a
     row each way, its pasts gathered and its presents scattered, whatever the layers; the CPU runner reads one
-    row's past in place, copies its present in (a K and a V per layer) and copies a K and a V per layer and row
-    of a packed forward."""
+    row's past in place and copies its present in, one copy for every layer's K and V (a region is one array), and
+    a packed forward's rows one copy a row each way."""
     from refusion.runtime.runners.onnxruntime import OrtRunner
 
     manifest = ExportManifest.load(tiny_export)
@@ -320,7 +320,6 @@ def test_kv_copies_per_forward_are_counted(tiny_export, fakes, tmp_path):
                "ort-cuda": CpuBoundCudaRunner(manifest, threads=1, max_requests=3, max_batch=3),
                "ort-cpu": OrtRunner(manifest, threads=1, max_requests=3, max_batch=3)}
     for name, runner in runners.items():
-        per_row = caches if name == "ort-cpu" else 1
         with runner:
             def counted(graph, rows):
                 before = runner.stats.copy()
@@ -333,15 +332,15 @@ def test_kv_copies_per_forward_are_counted(tiny_export, fakes, tmp_path):
                 runner.allocate_kv(48, region)
                 prefill = RowFeed(rng.integers(0, 100, (1, past)), np.arange(past)[None], masks.causal_after(0, past),
                                   0, 0, region)
-                lone = (caches, per_token * past) if name == "ort-cpu" else (0, 0)
+                lone = (1, per_token * past) if name == "ort-cpu" else (0, 0)
                 assert counted("infiller", [prefill]) == lone, name
                 rows.append(RowFeed(rng.integers(0, 100, (1, seq)), np.arange(past, past + seq)[None],
                                     masks.causal_after(past, seq), past, write_at, region))
-            staged = {"trt": (1, per_token * 5), "ort-cuda": (0, 0), "ort-cpu": (caches, per_token * 5)}[name]
+            staged = {"trt": (1, per_token * 5), "ort-cuda": (0, 0), "ort-cpu": (1, per_token * 5)}[name]
             assert counted("infiller", [rows[1]]) == staged, name  # write_at 13: unaligned
-            assert counted("infiller", rows) == (2 * 3 * per_row, per_token * (pasts + seqs)), name
+            assert counted("infiller", rows) == (2 * 3, per_token * (pasts + seqs)), name
             planner = [RowFeed(r.input_ids, r.position_ids, r.attention_mask, r.past, None, r.region) for r in rows]
-            assert counted("planner", planner) == (3 * per_row, per_token * pasts), name
+            assert counted("planner", planner) == (3, per_token * pasts), name
 
 
 @pytest.mark.parametrize("max_requests, max_batch", [(4, 4), (6, 2)])

@@ -111,18 +111,18 @@ def runner_parts(gen: Any, fed: int, past: int, heads: int) -> dict[str, float]:
     s = r.sessions["infiller"]
     names = r._outputs["infiller"] + r._presents
     feed = r._feed(ids, pos, row.attention_mask, row.heads_at)
-    feed |= {name: cache[:, :past] for name, cache in zip(r.kv.past_names, r.kv.arrays(0))}
-    outputs = dict(zip(names, s.run(names, feed)))
+    feed |= dict(zip(r.kv.past_names, r.kv.pasts(0, past)))
+    presents = s.run(names, feed)[len(r._outputs["infiller"]):]
 
     def views() -> None:
-        {name: cache[:, :past] for name, cache in zip(r.kv.past_names, r.kv.arrays(0))}
+        dict(zip(r.kv.past_names, r.kv.pasts(0, past)))
 
     whole = interleaved({"runner": lambda: r.run_batch("infiller", [row]), "onnxruntime": lambda: s.run(names, feed)})
     pieces = interleaved({
         "checks": lambda: r._check_row("infiller", row),
         "feed": lambda: r._feed(ids, pos, row.attention_mask, row.heads_at),
         "past views": views,
-        "KV writes": lambda: r._keep_present("infiller", outputs, 0, fed, 0, past),
+        "KV writes": lambda: r._keep_present("infiller", presents, 0, past),
         "counters": lambda: r.stats.graph("infiller").add([row], 0.0),
     })
     return {"runner_us": whole["runner"], "onnxruntime_us": whole["onnxruntime"],
