@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
-from contextlib import contextmanager
 from functools import cached_property
 from types import TracebackType
 
@@ -30,7 +28,25 @@ from refusion.runtime.core.export_manifest import ExportManifest
 from refusion.runtime.core.signals import main_thread_signals
 from refusion.runtime.runners.kv_pool import KVPool
 from refusion.runtime.runners.rows import RowFeed
-from refusion.runtime.runners.stats import ForwardShape, MoveShape, RowShape, RunnerStats
+from refusion.runtime.runners.stats import ForwardShape, ForwardStats, MoveShape, RowShape, RunnerStats
+
+_INT64, _BOOL = np.dtype(np.int64), np.dtype(np.bool_)  # compared as dtypes: a scalar type is converted each time
+
+
+class _BackendTime:
+    """A `with` block's time added to a graph's backend_seconds (a class: a generator's context manager costs more,
+    once a forward)."""
+
+    __slots__ = ("stats", "t0")
+
+    def __init__(self, stats: ForwardStats):
+        self.stats, self.t0 = stats, 0.0
+
+    def __enter__(self) -> None:
+        self.t0 = time.perf_counter()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stats.backend_seconds += time.perf_counter() - self.t0
 
 
 class Runner(ABC):
@@ -247,14 +263,9 @@ class Runner(ABC):
         """Where a host table's rows for `ids` are gathered: a new array (None), or memory the backend uploads from."""
         return None
 
-    @contextmanager
-    def _in_backend(self, graph: GraphName) -> Iterator[None]:
-        """Around the backend's own call in a forward: its time goes to RunnerStats.backend_seconds."""
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.stats.graph(graph).backend_seconds += time.perf_counter() - t0
+    def _in_backend(self, graph: GraphName) -> _BackendTime:
+        """Around the backend's own call in a forward (a `with` block): its time goes to RunnerStats.backend_seconds."""
+        return _BackendTime(self.stats.graph(graph))
 
     def _count_copies(self, graph: GraphName, copied: tuple[int, int]) -> None:
         """KV copies (calls, bytes) a forward of `graph` made: RunnerStats' kv_copies and kv_copy_bytes."""
@@ -263,14 +274,18 @@ class Runner(ABC):
         stats.kv_copy_bytes += copied[1]
 
     def _check_row(self, graph: GraphName, row: RowFeed) -> None:
+        # Every forward passes here: the index bounds are read off Python lists, each numpy reduction costing more
+        # than the list on the few heads and positions of a decode step (docs/benchmark.md, "Where a CPU forward's
+        # time goes"); a long feed's list costs little beside its forward.
         self._check_region(row.region)
         seq = self._check_feed(graph, row.input_ids, row.position_ids, row.attention_mask, row.past, row.region)
         heads = row.heads_at
-        if heads.ndim != 2 or heads.shape[0] != 1 or not 1 <= heads.shape[1] <= seq or heads.dtype != np.int64:
+        if heads.ndim != 2 or heads.shape[0] != 1 or not 1 <= heads.shape[1] <= seq or heads.dtype != _INT64:
             raise RefusionError(f"heads must be int64 [1, n] with 1 <= n <= seq ({seq}); got {heads.dtype} "
                                 f"{list(heads.shape)}.")
-        if heads.min() < 0 or heads.max() >= seq:
-            raise RefusionError(f"head positions {heads[0].tolist()} must index the {seq} tokens fed, 0..{seq - 1}.")
+        at = heads[0].tolist()
+        if min(at) < 0 or max(at) >= seq:
+            raise RefusionError(f"head positions {at} must index the {seq} tokens fed, 0..{seq - 1}.")
         if row.vocab_mask is not None:
             if not self.takes_masks:
                 raise RefusionError(f"{self.manifest.path} is an export of format {self.manifest.format_version}, whose "
@@ -289,12 +304,12 @@ class Runner(ABC):
 
     def _check_feed(self, graph: GraphName, ids: np.ndarray, pos: np.ndarray, mask: np.ndarray, past: int,
                     region: int) -> int:
-        if ids.ndim != 2 or ids.shape[0] != 1 or ids.dtype != np.int64:
+        if ids.ndim != 2 or ids.shape[0] != 1 or ids.dtype != _INT64:
             raise RefusionError(f"input_ids must be int64 [1, seq]; got {ids.dtype} {list(ids.shape)}.")
         seq = ids.shape[1]
-        if pos.shape != ids.shape or pos.dtype != np.int64:
+        if pos.shape != ids.shape or pos.dtype != _INT64:
             raise RefusionError(f"position_ids must be int64 {list(ids.shape)}; got {pos.dtype} {list(pos.shape)}.")
-        if mask.shape != (1, seq, past + seq) or mask.dtype != np.bool_:
+        if mask.shape != (1, seq, past + seq) or mask.dtype != _BOOL:
             raise RefusionError(
                 f"attention_mask must be bool [1, {seq}, {past + seq}] (past {past} + seq {seq}); "
                 f"got {mask.dtype} {list(mask.shape)}."
@@ -306,9 +321,10 @@ class Runner(ABC):
                 "(itself, in the decode loop's masks): an all-masked row's softmax is NaN in half precision."
             )
         self._check_range("past", 0, past, region)
-        if int(pos.max(initial=0)) >= self.manifest.max_positions:
+        last = max(pos[0].tolist(), default=0)
+        if last >= self.manifest.max_positions:
             raise RefusionError(
-                f"position id {int(pos.max())} exceeds the model's max_position_embeddings "
+                f"position id {last} exceeds the model's max_position_embeddings "
                 f"{self.manifest.max_positions}; shorten the prompt or gen_length."
             )
         return seq
