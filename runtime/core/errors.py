@@ -7,8 +7,7 @@ a one-line error and a non-zero exit; nothing else is caught.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
+from types import TracebackType
 
 
 class RefusionError(Exception):
@@ -21,14 +20,26 @@ class RefusionError(Exception):
         self.field = field
 
 
-@contextmanager
-def refusing(field: str) -> Iterator[None]:
-    """A RefusionError raised inside refuses `field`, unless it names a field of its own."""
-    try:
-        yield
-    except RefusionError as e:
-        e.field = e.field or field
-        raise
+def refusing(field: str) -> _Refusing:
+    """A `with` block in which a RefusionError raised refuses `field`, unless it names a field of its own."""
+    return _Refusing(field)
+
+
+class _Refusing:
+    """refusing's context manager: a class, not a generator's, since every setting a request carries is checked in
+    one (a generator's context manager costs about a microsecond more, ~20 times a request)."""
+
+    __slots__ = ("field",)
+
+    def __init__(self, field: str):
+        self.field = field
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None) -> None:
+        if isinstance(error, RefusionError):
+            error.field = error.field or self.field
 
 
 class ContextLengthError(RefusionError):
