@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 from refusion.runtime.core.defaults import DecodeDefaults, RecordedSettings
@@ -41,7 +41,7 @@ class DecodeParams(RecordedSettings):
         if unknown:
             raise RefusionError(f"unknown decode setting {unknown[0]}={settings[unknown[0]]!r}; "
                                 f"the settings are {', '.join(names)}.")
-        recorded = asdict(defaults)
+        recorded = {f.name: getattr(defaults, f.name) for f in fields(defaults)}  # numbers: asdict deep-copies, 5x the time
         given = {name: value for name, value in settings.items() if value is not None or name not in recorded}
         return DecodeParams(**{**recorded, **given})
 
