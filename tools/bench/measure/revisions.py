@@ -7,9 +7,10 @@ to --out (default results/revisions).
     python -m refusion.tools.bench.measure.revisions [--passes 5] [--prompts 40] [--instructions] [--out DIR] REV REV...
 
 With --instructions, each revision's decodes also run under valgrind's callgrind, which counts the instructions
-the process executes: the same count for the same code and inputs, whatever else the machine is doing (a
-revision decoding `--prompts` prompts, less the same revision decoding none, over the tokens: instructions a
-token). Slow: minutes a revision and mode.
+the process executes, whatever else the machine is doing (a revision decoding `--prompts` prompts, less the same
+revision decoding none, over the tokens: instructions a token). Nearly, not exactly, the same count for the same
+code and inputs: two runs of one revision read 3.384 M and 3.298 M an AR token on 2026-12-07 (3%), so read a
+difference of a few percent between revisions as none. Slow: minutes a revision and mode.
 
 A revision is imported through a package view (refusion/ -> the worktree's folders, as installed) placed ahead
 of the installed package on sys.path, in a child process of this interpreter: its dependencies are this venv's.
@@ -168,7 +169,7 @@ def render(report: dict[str, Any]) -> str:
         same = f"{row['ar']['same_answers_as_first']} / {row['refusion']['same_answers_as_first']}"
         lines.append(f"| {row['rev']} | {' | '.join(cells)} | {same} |")
     if "instructions_per_token" in first["ar"]:
-        lines += ["", "Instructions a token (callgrind: the same for the same code and inputs, however busy the machine):",
+        lines += ["", "Instructions a token (callgrind: however busy the machine; runs of one revision differ by up to ~3%):",
                   "", "| revision | AR | vs first | ReFusion | vs first |", "|---|---|---|---|---|"]
         for row in report["revisions"]:
             cells = [f"{row[m]['instructions_per_token'] / 1e6:.3f} M | "
