@@ -320,6 +320,8 @@ class Runner(ABC):
                 f"attention_mask row {row} attends to nothing; every token must attend to at least one position "
                 "(itself, in the decode loop's masks): an all-masked row's softmax is NaN in half precision."
             )
+        if not self.kv_capacities[region]:  # the pools' regions exist from allocate_kv on, a planner's too
+            raise RefusionError(f"KV region {region} holds no KV yet; allocate_kv() with the request's limit first.")
         self._check_range("past", 0, past, region)
         last = max(pos[0].tolist(), default=0)
         if last >= self.manifest.max_positions:

@@ -209,6 +209,18 @@ def test_an_all_masked_row_is_refused(tiny_export):
             runner.run("infiller", np.zeros((1, 3), np.int64), np.arange(3)[None], mask, 0, 0)
 
 
+def test_a_forward_over_a_region_never_allocated_is_refused(tiny_export):
+    """A planner forward writes no KV and reads none at past 0, yet its pool region must exist: refused with the
+    call to make, not an assertion or onnxruntime's missing inputs."""
+    from refusion.runtime.runners.onnxruntime import OrtRunner
+
+    with OrtRunner(ExportManifest.load(tiny_export), threads=1) as runner:
+        with pytest.raises(RefusionError, match=r"KV region 0 holds no KV yet; allocate_kv\(\) with the request's"):
+            runner.run("planner", np.zeros((1, 2), np.int64), np.arange(2)[None], masks.causal_after(0, 2), 0)
+        runner.allocate_kv(8)
+        assert runner.run("planner", np.zeros((1, 2), np.int64), np.arange(2)[None], masks.causal_after(0, 2),
+                          0)["argmax_ids"].shape == (1, 2)
+
 
 def test_the_every_token_mask_is_made_once_a_batch_size_and_read_only(tiny_export):
     """No guide: the runner feeds one all-ones vocab_mask per batch size, made once (not an np.full a forward)."""
