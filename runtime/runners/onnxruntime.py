@@ -109,7 +109,7 @@ class OrtRunner(Runner):
         past = packed.past
         feed = self._feed(packed.input_ids, packed.position_ids, packed.attention_mask, packed.heads, packed.vocab_mask)
         shape = (batch, past, m.kv_heads, m.head_dim)
-        caches = np.zeros((len(kv.past_names), *shape), self.dtype)
+        caches = np.zeros((kv.caches, *shape), self.dtype)
         for b, r in enumerate(rows):
             caches[:, b, : r.past] = kv.pasts(r.region, r.past)[:, 0]
         feed.update(zip(kv.past_names, caches))
