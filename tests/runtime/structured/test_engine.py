@@ -58,6 +58,24 @@ def test_a_schema_forces_its_keys_and_separators_and_allows_its_values(tiny_guid
     assert m.finished and allowed(tok, m) == ["<|im_end|>"] and m.forced() == []
 
 
+def test_each_matcher_of_a_grammar_starts_at_its_beginning_whatever_the_others_did(tiny_guides):
+    """A request's matcher is a copy of one the grammar keeps: what one request consumes, or a dead end it reaches,
+    moves neither that one nor the next request's."""
+    tok, g = tiny_guides
+    grammar = g.compile(Guide("json_schema", json.dumps(ROBOT), "json_schema"))
+    first = grammar.matcher()
+    first.consume(first.forced())
+    first.consume(tok.encode("ri"))
+    second = grammar.matcher()
+    assert tok.decode(second.forced()) == '{"action": "'
+    with pytest.raises(RefusionError):
+        second.consume(tok.encode("}"))  # refused: llguidance's matcher is in error for good
+    third = grammar.matcher()
+    third.consume(third.forced())
+    assert allowed(tok, third) == ["l", "r", "s"]
+    assert tok.decode(first.forced()) == 'ght", "speed": '
+
+
 def test_masks_along_a_draft_are_the_masks_after_each_of_its_prefixes(tiny_guides):
     tok, g = tiny_guides
     m = g.compile(Guide("regex", r"[ab]+c", "regex")).matcher()
