@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from refusion.runtime.core.signals import main_thread_signals
 from refusion.runtime.generator import Generator
+from tests.helpers import REPO
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/task").is_dir() or not hasattr(signal, "pthread_sigmask"),
                                 reason="per-thread signal masks, read from Linux's /proc")
@@ -45,3 +48,24 @@ def test_the_callers_mask_comes_back_after_an_error():
         raise RuntimeError
     assert signal.pthread_sigmask(signal.SIG_BLOCK, []) == mask
     assert signal.SIGSEGV not in mask  # a crash is still reported by the thread that faults
+
+
+_POOL = """
+import os, sys
+from refusion.runtime.tokenizer import Tokenizer
+from tests.runtime.test_signals import _blocks_sigint, _threads
+tok = Tokenizer.from_dir(sys.argv[1])
+before = _threads()
+tok.encode("sort: 5 2 8 2")
+pool = _threads() - before
+tok.encode("reverse: a b c")
+print(len(pool), [t for t in pool if not _blocks_sigint(t)], len(_threads() - before - pool))
+"""
+
+
+def test_the_tokenizers_pool_starts_on_the_first_encode_blocking_sigint_and_later_encodes_start_no_thread():
+    """Only the first encode runs inside main_thread_signals (the mask costs 0.1 ms a request): in a fresh process
+    it starts the tokenizers library's pool, whose threads block SIGINT, and no later encode starts one."""
+    out = subprocess.run([sys.executable, "-c", _POOL, str(REPO / "models" / "refusion-tiny")], cwd=REPO,
+                         capture_output=True, text=True, check=True).stdout.split(maxsplit=1)
+    assert int(out[0]) >= 1 and out[1].strip() == "[] 0", out
