@@ -287,6 +287,21 @@ def test_a_client_that_hangs_up_cancels_its_request(gateway, path):
     assert held.cancelled.wait(60)
 
 
+def test_each_connection_sends_without_waiting_for_acks(gateway):
+    """TCP_NODELAY on every connection the gateway takes: an answer is two writes (headers, then body), and with
+    Nagle on the second waited for the client's delayed ACK of the first, ~40 ms on each request of a kept-open
+    connection after its first (httpx's keep-alive: 56 ms a request against 12-15 ms with it)."""
+    front, port, _ = gateway
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    for _ in range(2):  # the same connection kept open
+        conn.request("POST", f"/v2/models/{MODEL}/generate", json.dumps({"text_input": "hi"}).encode())
+        assert conn.getresponse().read()
+    with front.gateway.lock:
+        (taken,) = front.gateway.waiting
+    assert taken.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
+    conn.close()
+
+
 def test_the_drain_closes_idle_keep_alive_connections(gateway):
     front, port, _ = gateway
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
