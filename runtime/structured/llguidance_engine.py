@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Sequence
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
@@ -33,6 +34,7 @@ from refusion.runtime.structured.guide import Guide, ToolCallGuide
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 INSTALL = "pip install 'refusion-trt[structured]'"
 LIMITS = {"initial_lexer_fuel": 100_000, "step_max_items": 10_000}  # defaults: 1,000,000 and 50,000
+MEMO_TEXTS, MEMO_CHARS = 4096, 256  # forced texts whose tokens are kept, and the longest kept
 DEAD_END = "NoExtensionBias"  # what llguidance's error reads where the answer can be neither continued nor ended
 _REGEX_META = set("\\.+*?()|[]{}^$#&-~")  # what llguidance's regex syntax (Rust's regex-syntax) takes as syntax
 
@@ -56,13 +58,19 @@ class _Tokens:
         self.tokens = [*vocabulary.token_bytes, *(f"<|unused {i}|>".encode() for i in unused)]
         self.special_token_ids = [*vocabulary.special_ids, *unused]
         self.encode, self.unwritable = vocabulary.encode, vocabulary.unwritable
+        # llguidance asks for the tokens of every forced stretch, and a schema's stretches (its keys, separators)
+        # come back with every request: the short ones are kept (a bounded, thread-safe cache)
+        self.known = lru_cache(maxsize=MEMO_TEXTS)(lambda text: tuple(self.spelled(text)))
 
     def __call__(self, text: Any) -> list[int]:
+        if not isinstance(text, str):
+            raise TypeError("text only")
+        return list(self.known(text)) if len(text) <= MEMO_CHARS else self.spelled(text)
+
+    def spelled(self, text: str) -> list[int]:
         """Text as the export's tokenizer encodes it (llguidance asks for str: bytes are refused), up to the first
         character its tokens cannot spell: a tokenizer writes that as its unknown token, which llguidance would then
         take for those bytes and allow."""
-        if not isinstance(text, str):
-            raise TypeError("text only")
         ids = self.encode(text)
         if b"".join(self.tokens[i] for i in ids) == text.encode("utf-8", "surrogatepass"):
             return ids

@@ -76,6 +76,30 @@ def test_each_matcher_of_a_grammar_starts_at_its_beginning_whatever_the_others_d
     assert tok.decode(first.forced()) == 'ght", "speed": '
 
 
+def test_a_schemas_forced_stretches_are_tokenized_once_whatever_the_requests():
+    """llguidance asks for the tokens of each forced stretch ('{"action": "', '", "speed": ') at every request: the
+    short ones are kept, so the tokenizer sees each once, and every request is forced the same tokens."""
+    tok = Tokenizer.from_dir(REPO / "models" / "refusion-tiny")
+    texts: list[str] = []
+
+    def encode(text: str) -> list[int]:
+        texts.append(text)
+        return tok.encode(text)
+
+    token_bytes, special = tok.token_bytes()
+    grammar = Guides(Vocabulary(token_bytes, special, TINY_VOCAB, tok.eos_token_id, encode)).compile(
+        Guide("json_schema", json.dumps(ROBOT), "json_schema"))
+    runs = []
+    for _ in range(3):
+        m = grammar.matcher()
+        run = m.forced()
+        m.consume(run + tok.encode("ri"))
+        runs.append((run, m.forced()))
+    assert tok.decode(runs[0][0]) == '{"action": "' and tok.decode(runs[0][1]) == 'ght", "speed": '
+    assert runs[1] == runs[2] == runs[0]
+    assert texts and len(texts) == len(set(texts)), texts
+
+
 def test_masks_along_a_draft_are_the_masks_after_each_of_its_prefixes(tiny_guides):
     tok, g = tiny_guides
     m = g.compile(Guide("regex", r"[ab]+c", "regex")).matcher()
