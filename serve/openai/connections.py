@@ -13,6 +13,7 @@ byte at a time, and past its concurrency limit answers 503 to every request, /he
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 from dataclasses import dataclass
@@ -40,7 +41,8 @@ def _no_delay(transport: asyncio.Transport) -> None:
     of the first, which a client delays up to 40 ms on a connection it keeps open, on every request after its first."""
     sock = transport.get_extra_info("socket")
     if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        with contextlib.suppress(OSError):  # a client already gone needs nothing sent
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
 def guarded_protocol(limits: ConnectionLimits) -> type[H11Protocol]:
