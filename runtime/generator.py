@@ -381,7 +381,7 @@ class Generator:
             raise RefusionError(f"mode {params.mode!r} follows no guide (structured output); use mode refusion or ar.", "mode")
         bounds = [b for b in (self.runner.decode_tokens, self.prefill_chunk) if b is not None]
         tokens = Tokens(ids, m.mask_token_id, m.eos_token_id, top_logprobs=options.top_logprobs, guide=grammar,
-                        feed_bound=min(bounds, default=None))
+                        feed_bound=min(bounds, default=None), lookahead=self.runner.guided_lookahead)
         request = Request(tokens, params, detokenize, self.runner.name, options, resolved.tools)
         return self.scheduler.submit(request)
 

@@ -46,12 +46,12 @@ if TYPE_CHECKING:
 MAX_LOOKAHEAD = 32
 
 
-def lookahead(params: DecodeParams) -> int:
+def lookahead(params: DecodeParams, most: int | None = None) -> int:
     """The most tokens a guided forward verifies and drafts (R and M) after those it must feed (P): a ReFusion
-    block, within MAX_LOOKAHEAD (and at least two slots: one drafted, one of masks); an AR request whose canvas
-    cuts into no blocks, a slot."""
+    block, within `most` (the runner's Tokens.lookahead; None: MAX_LOOKAHEAD) and at least two slots (one drafted,
+    one of masks); an AR request whose canvas cuts into no blocks, a slot."""
     try:
-        return min(params.block_length, max(MAX_LOOKAHEAD, 2 * params.slot_size))
+        return min(params.block_length, max(MAX_LOOKAHEAD if most is None else most, 2 * params.slot_size))
     except RefusionError:
         return params.slot_size
 
@@ -100,7 +100,7 @@ class _Loop:
 
     def run(self) -> StepMachine:
         tokens, params, trace, matcher, cache = self.tokens, self.params, self.trace, self.matcher, self.cache
-        eos, k, ahead, width = tokens.eos_id, params.slot_size, lookahead(params), self.guide.width
+        eos, k, ahead, width = tokens.eos_id, params.slot_size, lookahead(params, tokens.lookahead), self.guide.width
         greedy = self.fwd.rng is None  # as fwd.draft reads it: no draws, the masked argmax
         drafts: list[int] = []  # drafted tokens for the positions after the answer, and their draft probabilities
         confidence: list[float] = []

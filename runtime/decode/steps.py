@@ -108,3 +108,6 @@ class Tokens:
     # the most tokens one forward over the answer may feed whole (not cut into chunks, every output read): the
     # runner's decode bound or the scheduler's prefill chunk, the smaller; None: any number
     feed_bound: int | None = None
+    # the most tokens a guided ReFusion forward verifies and drafts past those it feeds (Runner.guided_lookahead):
+    # None, a block within MAX_LOOKAHEAD
+    lookahead: int | None = None

@@ -55,6 +55,10 @@ class Runner(ABC):
     name: str = "runner"
     max_requests: int = 1  # requests whose KV the runner holds at once
     max_batch: int = 1  # forwards `run_batch` packs into one call
+    # the most tokens a guided ReFusion forward verifies and drafts past those it must feed (decode/guided.py
+    # `lookahead`), where feeding more costs more than the drafts win; None: a block (within MAX_LOOKAHEAD), as on a
+    # GPU, where a forward's extra tokens cost about nothing
+    guided_lookahead: int | None = None
 
     def __init__(self, manifest: ExportManifest):
         self.manifest = manifest

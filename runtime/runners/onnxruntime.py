@@ -37,6 +37,9 @@ class OrtRunner(Runner):
 
     name = "ort-cpu"
     provider = "CPUExecutionProvider"
+    # each fed token costs its arithmetic here (40-57 us on the embedded model): guided forwards that verify and draft
+    # 8 tokens ran 1.115-1.135x guided AR's tokens/s over the families, 16 (the block) 1.046-1.048x (docs/decoding.md)
+    guided_lookahead: int | None = 8
 
     def __init__(self, manifest: ExportManifest, threads: int | None = None, low_memory: bool = False,
                  verify: bool = False, max_requests: int = 1, max_batch: int = 1):
@@ -154,6 +157,7 @@ class OrtCudaRunner(OrtRunner):
 
     name = "ort-cuda"
     provider = CUDA_PROVIDER  # TF32 off for fp32 exports (ort_session.configured_provider)
+    guided_lookahead = None  # a GPU forward's extra tokens cost about nothing: a block
     device = "cuda"  # IO binding's device type for the KV buffers
 
     def __init__(self, manifest: ExportManifest, threads: int | None = None, low_memory: bool = False,

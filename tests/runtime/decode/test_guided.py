@@ -22,7 +22,9 @@ from refusion.runtime.decode.guided import MAX_LOOKAHEAD, lookahead
 from refusion.runtime.decode.steps import Tokens
 from refusion.runtime.options import RequestOptions
 from refusion.runtime.params import DecodeParams
-from refusion.runtime.runners.onnxruntime import OrtRunner
+from refusion.runtime.runners.base import Runner
+from refusion.runtime.runners.onnxruntime import OrtCudaRunner, OrtRunner
+from refusion.runtime.runners.stats import ForwardShape
 from refusion.runtime.structured.engine import Grammar, Matcher
 from refusion.tools.bench.guides import CASES, ROBOT
 from refusion.tools.bench.guides import FAMILY_BY_NAME as FAMILY
@@ -156,6 +158,29 @@ def test_a_guided_forward_drafts_at_most_max_lookahead_tokens_whatever_the_block
                 result = decode_on(runner, tokens, params)
                 assert result.finish_reason == "eos" and set(json.loads(tiny.tokenizer.decode(result.token_ids)))
             assert max(runner.heads) == 1 + most, runner.heads  # reached: the drafts fill it
+
+
+def test_the_runner_sizes_the_lookahead_where_fed_tokens_cost_their_arithmetic(tiny):
+    """onnxruntime on the CPU verifies and drafts 8 tokens a guided forward (two slots of 4), a GPU runner a block:
+    the answers are the same (greedy: guided AR's, token for token), only the forwards' widths differ."""
+    assert (OrtRunner.guided_lookahead, OrtCudaRunner.guided_lookahead, Runner.guided_lookahead) == (8, None, None)
+    block = DecodeParams(gen_length=64, slot_size=4, serial_num_blocks=4)
+    assert lookahead(block, 8) == 8 and lookahead(block, None) == 16
+    assert lookahead(DecodeParams(gen_length=64, slot_size=8, serial_num_blocks=2), 8) == 16  # two slots at least
+    schema = json.dumps(ROBOT)
+    answers, widest = {}, {}
+    for most in (8, None):
+        tiny.runner.guided_lookahead = most  # the instance's: what the Generator reads at each submit
+        recorded: list = []
+        tiny.runner.stats.record = recorded
+        try:
+            answers[most] = [tiny.generate(ex.prompt, chat=True, json_schema=schema).token_ids for ex in held_out(4)]
+        finally:
+            tiny.runner.stats.record = None
+            del tiny.runner.guided_lookahead
+        widest[most] = max(len(row.heads) for e in recorded if isinstance(e, ForwardShape) for row in e.rows)
+    assert answers[8] == answers[None]
+    assert widest == {8: 1 + 8, None: 1 + 16}  # P's last head, then R's and M's: reached, the drafts fill it
 
 
 @pytest.mark.parametrize("mode", MODES)
