@@ -113,8 +113,7 @@ class LLGuidance(GrammarEngine):
 
 class _Grammar(Grammar):
     def __init__(self, engine: LLGuidance, text: str):
-        self.engine, self.text = engine, text
-        self.width = mask_bytes(engine.vocab)
+        self.engine, self.width = engine, mask_bytes(engine.vocab)
         # A matcher made from the grammar's text parses it again (0.2-1.2 ms for the families' guides, on the
         # scheduler's thread, every request); a copy of one takes a microsecond. Each request's matcher is a copy of
         # this one, which nothing moves.
